@@ -1,0 +1,1 @@
+"""Layers shared by every model: norms, rotary, linear, MLP, attention dispatch."""

@@ -1,0 +1,68 @@
+"""The one attention entry point and its metadata (the device contract of ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.reference import ragged_paged_attention_reference, write_kv_reference
+
+ATTENTION_BACKENDS = ("reference", "pallas")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step attention inputs; every field is a device array of a bucketed shape."""
+
+    slot_mapping: jax.Array  # int32 [T]: cache slot of each token (padding -> null block 0)
+    block_tables: jax.Array  # int32 [R, max_blocks]: block ids of each sequence
+    seq_lens: jax.Array  # int32 [R]: KV length of each sequence including this step's tokens
+    query_start_loc: jax.Array  # int32 [R+1]: offsets of each sequence's tokens in the batch
+    num_seqs: jax.Array  # int32 [1]: real sequences; rows past it are padding
+
+
+def check_backend(backend: str) -> str:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"attention_backend={backend!r} is not supported "
+            f"(supported: {', '.join(ATTENTION_BACKENDS)})"
+        )
+    return backend
+
+
+def write_kv(k_cache, v_cache, k, v, md: AttentionMetadata):
+    """Scatter this step's k, v [T, Hkv, D] into the caches at md.slot_mapping."""
+    return write_kv_reference(k_cache, v_cache, k, v, md.slot_mapping)
+
+
+def attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
+              backend: str = "reference", sliding_window: int | None = None):
+    """q [T, Hq, D] over the paged caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D]."""
+    if backend == "reference":
+        return ragged_paged_attention_reference(
+            q, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window,
+        )
+    if backend == "pallas":
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+        return ragged_paged_attention(
+            q, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window,
+            interpret=jax.default_backend() == "cpu",
+        )
+    raise ValueError(check_backend(backend))
+
+
+def zeros_metadata_like(num_tokens: int, num_reqs: int, max_blocks: int) -> AttentionMetadata:
+    """Metadata of an all-padding step (used to trace and compile buckets)."""
+    return AttentionMetadata(
+        slot_mapping=jnp.zeros((num_tokens,), jnp.int32),
+        block_tables=jnp.zeros((num_reqs, max_blocks), jnp.int32),
+        seq_lens=jnp.zeros((num_reqs,), jnp.int32),
+        query_start_loc=jnp.zeros((num_reqs + 1,), jnp.int32),
+        num_seqs=jnp.zeros((1,), jnp.int32),
+    )

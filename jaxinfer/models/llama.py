@@ -1,0 +1,122 @@
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3) as a Flax NNX module.
+
+One module covers the family; config flags select the differences: `attention_bias` (Qwen2's
+q/k/v bias), `qk_norm` (Qwen3's per-head RMSNorm on q and k), tied or untied LM head, rope
+scaling. Attribute names follow HF's parameter names, so a checkpoint tensor's name is the
+module path joined with dots (see loader.py).
+
+Forward contract: a flat batch of T tokens of many sequences, their positions, the per-layer
+paged KV caches and the AttentionMetadata. The caches are returned updated (the caller donates).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.layers.attention import AttentionMetadata, attention, write_kv
+from jaxinfer.layers.linear import Embedding, GatedMLP, Linear
+from jaxinfer.layers.norms import RMSNorm
+from jaxinfer.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+
+KVCache = tuple[jax.Array, jax.Array]  # k, v: [num_blocks, block_size, Hkv, D]
+
+
+def _module_list(items):
+    return nnx.List(items) if hasattr(nnx, "List") else list(items)
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs):
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.sm_scale = cfg.head_dim ** -0.5
+        self.backend = attention_backend
+        self.sliding_window = cfg.sliding_window
+        bias = cfg.attention_bias
+        self.q_proj = Linear(cfg.hidden_size, cfg.q_size, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(cfg.hidden_size, cfg.kv_size, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(cfg.hidden_size, cfg.kv_size, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, use_bias=False, dtype=dtype, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x, cos, sin, kv_cache: KVCache, md: AttentionMetadata):
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache, v_cache = write_kv(kv_cache[0], kv_cache[1], k, v, md)
+        o = attention(q, k_cache, v_cache, md, sm_scale=self.sm_scale, backend=self.backend,
+                      sliding_window=self.sliding_window)
+        return self.o_proj(o.reshape(num_tokens, -1)), (k_cache, v_cache)
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = LlamaAttention(cfg, dtype=dtype, attention_backend=attention_backend,
+                                        rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, kv_cache: KVCache, md: AttentionMetadata):
+        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv_cache
+
+
+class LlamaModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = _module_list(
+            LlamaDecoderLayer(cfg, dtype=dtype, attention_backend=attention_backend, rngs=rngs)
+            for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """The whole model: embeddings, decoder layers, final norm and (un)tied LM head."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_backend: str = "reference",
+                 rngs: nnx.Rngs):
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype=dtype, attention_backend=attention_backend, rngs=rngs)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype,
+                                  rngs=rngs)
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[KVCache],
+                 md: AttentionMetadata) -> tuple[jax.Array, list[KVCache]]:
+        """input_ids, positions: int32 [T] -> hidden states [T, H], updated kv_caches."""
+        x = self.model.embed_tokens(input_ids)
+        cfg = self.config
+        # A trace-time numpy constant [D/2]: no state to load, folded into the compiled step.
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rope_cos_sin(positions, inv_freq)
+        new_caches = []
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x, kv_cache = layer(x, cos, sin, kv_cache, md)
+            new_caches.append(kv_cache)
+        return self.model.norm(x), new_caches
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [N, H] -> float32 logits [N, V]."""
+        if self.lm_head is None:
+            logits = self.model.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.astype(jnp.float32)

@@ -1,0 +1,20 @@
+"""Allocation of the per-layer paged KV caches (the device side of the block pool)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+
+
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
+    """Bytes one block takes over all layers, K and V."""
+    per_layer = 2 * block_size * cfg.num_key_value_heads * cfg.head_dim
+    return per_layer * cfg.num_hidden_layers * jnp.dtype(dtype).itemsize
+
+
+def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype):
+    """[(k, v)] per layer, each [num_blocks, block_size, Hkv, D], zero-filled."""
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            for _ in range(cfg.num_hidden_layers)]

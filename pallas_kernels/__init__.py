@@ -1,0 +1,1 @@
+"""Pallas kernels for jaxinfer, each with a pure-jnp reference in reference.py."""

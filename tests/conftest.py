@@ -1,0 +1,21 @@
+import os
+
+# Tests run on CPU in float32; keep XLA from grabbing every core's worth of threads.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_collection_modifyitems(config, items):
+    has_gpu = any(d.platform == "gpu" for d in jax.devices()) if os.environ.get(
+        "JAX_PLATFORMS") != "cpu" else False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
