@@ -151,3 +151,55 @@ def resolve_dtype(dtype: str, model_config: ModelConfig) -> str:
 def replace(cfg, **changes):
     """dataclasses.replace, re-running validation."""
     return dataclasses.replace(cfg, **changes)
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block geometry and prefix caching."""
+
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # total blocks incl. the null block (None: sized by the runner)
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # "sha256" (stable across processes) | "builtin"
+    hash_seed: int = 0  # root of the chained block hashes
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"CacheConfig.block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"CacheConfig.num_blocks must be >= 2, got {self.num_blocks}")
+        if self.prefix_caching_hash_algo not in ("sha256", "builtin"):
+            raise ValueError("CacheConfig.prefix_caching_hash_algo must be 'sha256' or 'builtin', "
+                             f"got {self.prefix_caching_hash_algo!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits and policy of the scheduler."""
+
+    max_model_len: int  # longest sequence (prompt + output) in tokens
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 64  # running requests at most
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # >0: a prefill chunk takes at most this many tokens
+    policy: str = "fcfs"  # "fcfs" | "priority" (lower value first, then arrival)
+
+    def __post_init__(self):
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("SchedulerConfig.long_prefill_token_threshold must be >= 0, got "
+                             f"{self.long_prefill_token_threshold}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"SchedulerConfig.policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.policy!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_model_len={self.max_model_len}: without chunked prefill a long prompt could "
+                "never be scheduled; raise max_num_batched_tokens or enable chunked prefill"
+            )

@@ -1,0 +1,137 @@
+"""KVCacheManager: per-request block lists over the BlockPool, with prefix caching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxinfer.core.block_pool import BlockPool, KVCacheBlock
+from jaxinfer.core.kv_cache_utils import none_hash, update_block_hashes
+from jaxinfer.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups since the last reset: requests, prompt tokens queried and hit."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, *,
+                 enable_caching: bool = True, hash_algo: str = "sha256", hash_seed: int = 0):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.hash_algo = hash_algo
+        self.root_hash = none_hash(hash_seed)
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # blocks of each request already hashed
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.block_pool.num_blocks - 1
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    # -- prefix cache ---------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of the request, in full blocks, leaving >= 1 token to compute
+        (its logits are needed). Returns (blocks, num_computed_tokens)."""
+        if not self.enable_caching or request.skip_prefix_cache:
+            return [], 0
+        update_block_hashes(request, self.block_size, self.root_hash, self.hash_algo)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.prefix_cache_stats.requests += 1
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.block_pool.reset_prefix_cache()
+        if ok:
+            self.prefix_cache_stats = PrefixCacheStats()
+        return ok
+
+    # -- allocation -----------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       num_new_computed_tokens: int = 0,
+                       new_computed_blocks: list[KVCacheBlock] | None = None
+                       ) -> list[KVCacheBlock] | None:
+        """Blocks for `num_new_tokens` more tokens on top of the request's computed ones (and
+        of `new_computed_blocks`, prefix hits taken now). Returns the newly allocated blocks, or
+        None when the pool cannot supply them; a failed call changes nothing."""
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
+        new_computed_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_need_slot = min(num_computed + num_new_tokens, self.max_model_len)
+        num_required = cdiv(num_tokens_need_slot, self.block_size)
+        num_new_blocks = max(num_required - len(req_blocks) - len(new_computed_blocks), 0)
+        # Free hits leave the free queue when touched, so they compete with new blocks.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+            return None
+
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, req_blocks)
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+            self.num_cached_blocks[request.request_id] = len(req_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        req_blocks.extend(new_blocks)
+        if self.enable_caching:
+            # Blocks filled by this step become findable now: the step writes every token's KV
+            # before any attention reads it, so a request admitted later in the same step may
+            # already hit them (as in vLLM).
+            self._cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return new_blocks
+
+    def _cache_blocks(self, request: Request, num_tokens: int) -> None:
+        num_full = num_tokens // self.block_size
+        done = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= done:
+            return
+        update_block_hashes(request, self.block_size, self.root_hash, self.hash_algo)
+        blocks = self.req_to_blocks[request.request_id]
+        for i in range(done, num_full):
+            self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first: a prefix's first blocks are evicted last."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(min(num_tokens, self.max_model_len), self.block_size)

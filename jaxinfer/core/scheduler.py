@@ -1,0 +1,267 @@
+"""The scheduler: one token-budget loop over running then waiting requests (vLLM V1 design).
+
+There are no prefill/decode phases: each request's num_computed_tokens catches up with its
+num_tokens, a chunk at a time. Running requests are served first; if one cannot get KV blocks,
+requests are preempted (recompute) from the tail of running (fcfs) or by lowest priority
+(priority) until it can, and no waiting request is admitted in that step.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from jaxinfer.config import SchedulerConfig
+from jaxinfer.core.kv_cache_manager import KVCacheManager
+from jaxinfer.core.request_queue import make_queue
+from jaxinfer.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput,
+                              SchedulerOutput)
+from jaxinfer.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.max_model_len = config.max_model_len
+        capacity = kv_cache_manager.num_usable_blocks * kv_cache_manager.block_size
+        if capacity < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({kv_cache_manager.num_usable_blocks} "
+                f"blocks of {kv_cache_manager.block_size}), fewer than max_model_len="
+                f"{config.max_model_len}: lower max_model_len or give the cache more blocks"
+            )
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- requests in and out --------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
+        need = self.kv.blocks_needed(request.num_prompt_tokens + 1)
+        if need > self.kv.num_usable_blocks:
+            raise ValueError(
+                f"the request needs {need} KV blocks, more than the whole cache "
+                f"({self.kv.num_usable_blocks} blocks)"
+            )
+        if request.max_tokens is None:
+            request.max_tokens = self.max_model_len - request.num_prompt_tokens
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Abort (or otherwise finish) requests wherever they are; unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    abort = finish_requests
+
+    def _free_request(self, request: Request) -> None:
+        self.kv.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    # -- one step -------------------------------------------------------------------------------
+    def _preempt_one(self) -> Request:
+        if self.config.policy == "priority":
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            self.running.remove(victim)
+        else:
+            victim = self.running.pop()
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(victim)
+        return victim
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: list[Request] = []
+
+        # Running requests first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = request.num_tokens - request.num_computed_tokens
+            if 0 < cfg.long_prefill_token_threshold < n:
+                n = cfg.long_prefill_token_threshold
+            n = min(n, budget, self.max_model_len - request.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = self.kv.allocate_slots(request, n)
+                if new_blocks is not None:
+                    break
+                victim = self._preempt_one()
+                preempted.append(victim)
+                if victim is request:
+                    break
+                if victim.request_id in num_scheduled:
+                    # Under priority the victim may sit before us, already scheduled: undo it.
+                    budget += num_scheduled.pop(victim.request_id)
+                    cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
+                    i -= 1
+            if new_blocks is None:  # the request preempted itself: nothing more fits
+                break
+            cached_reqs.append(CachedRequestData(
+                req_id=request.request_id,
+                new_block_ids=tuple(b.block_id for b in new_blocks),
+                num_computed_tokens=request.num_computed_tokens,
+            ))
+            num_scheduled[request.request_id] = n
+            budget -= n
+            i += 1
+
+        # Then waiting requests, unless this step preempted.
+        while not preempted and len(self.waiting) and budget > 0:
+            if len(self.running) >= cfg.max_num_seqs:
+                break
+            request = self.waiting.peek()
+            hit_blocks, num_hit = [], 0
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            n = request.num_tokens - num_hit
+            if 0 < cfg.long_prefill_token_threshold < n:
+                n = cfg.long_prefill_token_threshold
+            if not cfg.enable_chunked_prefill and n > budget:
+                break  # strict FCFS: the head is not skipped
+            n = min(n, budget)
+            new_blocks = self.kv.allocate_slots(request, n, num_hit, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            new_reqs.append(NewRequestData(
+                req_id=request.request_id,
+                token_ids=tuple(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=tuple(self.kv.get_block_ids(request.request_id)),
+                num_computed_tokens=num_hit,
+            ))
+            num_scheduled[request.request_id] = n
+            budget -= n
+
+        preempted_ids = frozenset(r.request_id for r in preempted)
+        out = SchedulerOutput(
+            scheduled_new_reqs=tuple(new_reqs),
+            scheduled_cached_reqs=tuple(cached_reqs),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=frozenset(self.finished_req_ids),
+            preempted_req_ids=preempted_ids,
+        )
+        self.finished_req_ids = set()
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        return out
+
+    # -- after the step -------------------------------------------------------------------------
+    def update_from_output(self, so: SchedulerOutput, ro: RunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop checks, free finished requests."""
+        outputs = []
+        finished = []
+        for rid, sampled in zip(ro.req_ids, ro.sampled_token_ids):
+            request = self.requests.get(rid)
+            if request is None or rid not in so.num_scheduled_tokens:
+                continue  # aborted while the step ran
+            prompt_lps = ro.prompt_logprobs.get(rid)
+            if request.num_computed_tokens < request.num_tokens:
+                # A partial prefill: its sampled token (if any) is not a real output.
+                if prompt_lps:
+                    outputs.append(EngineCoreOutput(rid, (), new_prompt_logprobs=prompt_lps))
+                continue
+            new_ids: list[int] = []
+            for tok in sampled:
+                request.append_output_token_ids(tok)
+                new_ids.append(tok)
+                if self._check_stop(request):
+                    break
+            lps = ro.logprobs.get(rid, ())[: len(new_ids)]
+            outputs.append(EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=tuple(new_ids),
+                finish_reason=request.get_finished_reason(),
+                stop_reason=request.stop_reason,
+                new_logprobs=tuple(lps),
+                new_prompt_logprobs=prompt_lps,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            ))
+            if request.is_finished():
+                finished.append(request)
+        for request in finished:
+            self.running.remove(request)
+            self._free_request(request)
+        return outputs
+
+    def _check_stop(self, request: Request) -> bool:
+        """vLLM's order: length caps, then (past min_tokens) EOS and stop token ids."""
+        if (request.num_tokens >= self.max_model_len
+                or request.num_output_tokens >= request.max_tokens):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        return False
+
+    # -- stats ----------------------------------------------------------------------------------
+    def make_stats(self) -> dict:
+        st = self.kv.prefix_cache_stats
+        return {
+            "num_running_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting),
+            "kv_cache_usage": self.kv.usage,
+            "prefix_cache_queries": st.queries,
+            "prefix_cache_hits": st.hits,
+            "prefix_cache_hit_rate": st.hit_rate,
+            "num_preemptions": self.num_preemptions,
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()

@@ -1,0 +1,79 @@
+"""Step batches passed between scheduler, runner and output processor (frozen diffs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxinfer.request import FinishReason
+from jaxinfer.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has not seen (first admission, or resumption after preemption)."""
+
+    req_id: str
+    token_ids: tuple[int, ...]  # prompt + outputs so far (all recomputed after preemption)
+    num_prompt_tokens: int  # how many of token_ids are prompt
+    sampling_params: SamplingParams
+    block_ids: tuple[int, ...]  # every block of the request
+    num_computed_tokens: int  # KV already in the cache (prefix hits) before this step
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: tuple[int, ...]  # blocks appended this step
+    num_computed_tokens: int  # before this step
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled_new_reqs: tuple[NewRequestData, ...]
+    scheduled_cached_reqs: tuple[CachedRequestData, ...]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: frozenset[str]  # finished/aborted since the last step: runner drops them
+    preempted_req_ids: frozenset[str]  # preempted this step: runner drops them
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """Top-N logprobs of one position: the chosen token's and the N best."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    req_ids: tuple[str, ...]  # in step order
+    sampled_token_ids: tuple[tuple[int, ...], ...]  # per request; () while still prefilling
+    logprobs: dict[str, tuple[Logprobs, ...]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[Logprobs | None, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """What one step did to one request (scheduler -> output processor)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: tuple[Logprobs, ...] = ()
+    new_prompt_logprobs: tuple[Logprobs | None, ...] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

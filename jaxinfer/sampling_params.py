@@ -1,0 +1,97 @@
+"""SamplingParams: vLLM-compatible fields, validated at construction (ValueError names the field)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's output. Field names and defaults follow vLLM.
+
+    temperature == 0 means greedy. top_k 0 or -1 means all tokens. `stop` strings end the output
+    (not included unless include_stop_str_in_output); `stop_token_ids` end it on those tokens.
+    `max_tokens=None` means "until max_model_len".
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        def fail(field, msg):
+            raise ValueError(f"SamplingParams.{field} {msg}, got {getattr(self, field)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", "must be an integer >= 1")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail("frequency_penalty", "must be in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            fail("repetition_penalty", "must be > 0")
+        if not self.temperature >= 0.0:
+            fail("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            fail("top_k", "must be an integer >= -1 (0 or -1 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "must be in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            fail("max_tokens", "must be an integer >= 1 or None")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or not 0 <= v <= _MAX_LOGPROBS):
+                fail(name, f"must be an integer in [0, {_MAX_LOGPROBS}] or None")
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        stop = list(stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            fail("stop", "must be non-empty strings")
+        object.__setattr__(self, "stop", stop)
+        ids = list(self.stop_token_ids or [])
+        if any(not isinstance(i, int) or i < 0 for i in ids):
+            fail("stop_token_ids", "must be non-negative integers")
+        object.__setattr__(self, "stop_token_ids", ids)
+        if self.temperature < 1e-5:
+            # Greedy: the other sampling knobs do not apply (as in vLLM).
+            object.__setattr__(self, "temperature", 0.0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def clone(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
