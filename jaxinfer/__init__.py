@@ -1,3 +1,18 @@
-"""jaxinfer: a JAX/Pallas reimplementation of the vLLM V1 inference engine."""
+"""jaxinfer: a JAX/Pallas reimplementation of the vLLM V1 inference engine.
+
+`from jaxinfer import LLM, SamplingParams` is light: the engine (and jax) load on first use.
+"""
+
+from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from jaxinfer.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

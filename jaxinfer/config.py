@@ -203,3 +203,45 @@ class SchedulerConfig:
                 f"max_model_len={self.max_model_len}: without chunked prefill a long prompt could "
                 "never be scheduled; raise max_num_batched_tokens or enable chunked prefill"
             )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything LLMEngine is built from (the user-facing options of LLM(...))."""
+
+    model: str | None = None  # HF folder; None = the embedded SmolLM2
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_num_seqs), chunked prefill
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    load_format: str = "auto"
+    attention_backend: str | None = None  # None: "pallas" on GPU, "reference" on CPU
+    tensor_parallel_size: int = 1
+    num_kv_blocks: int | None = None  # explicit KV cache size in blocks (incl. null block)
+    kv_cache_memory_bytes: int | None = None  # or a byte budget for the KV cache
+    gpu_memory_utilization: float = 0.9  # on GPU: fraction of device memory the engine may use
+    compilation_cache_dir: str | None = None  # None: <cache>/xla; "" disables the cache
+    warmup: bool = True  # compile every bucket at start-up
+    min_token_bucket: int = 16
+    bucket_growth: int = 2
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")

@@ -57,6 +57,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         max_tokens: int | None = None,
+        sampling_seed: int = 0,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -65,6 +66,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.sampling_seed = sampling_seed  # the seed of this request's RNG stream (uint32)
         # Resolved max_tokens (SamplingParams.max_tokens None -> the room left in max_model_len).
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.status = RequestStatus.WAITING
@@ -75,8 +77,11 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
-        # Skip prefix-cache hits when every prompt position's logits are needed.
-        self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
+        # Skip prefix-cache hits when every prompt position's logits are needed, or when
+        # penalties need every token to pass through the step (cached tokens do not).
+        p = sampling_params
+        self.skip_prefix_cache = (p.prompt_logprobs is not None or p.repetition_penalty != 1.0
+                                  or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
 
     @property
     def num_tokens(self) -> int:

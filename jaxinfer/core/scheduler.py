@@ -175,6 +175,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=tuple(self.kv.get_block_ids(request.request_id)),
                 num_computed_tokens=num_hit,
+                sampling_seed=request.sampling_seed,
             ))
             num_scheduled[request.request_id] = n
             budget -= n

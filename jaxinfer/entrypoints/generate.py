@@ -18,19 +18,19 @@ DEFAULT_PROMPTS = [
 def run_generate(args) -> int:
     import jax.numpy as jnp
     import numpy as np
-    from transformers import AutoTokenizer
 
     from jaxinfer.models.default_model import ensure_default_model
     from jaxinfer.models.loader import load_model
     from jaxinfer.runner.kv_cache import allocate_kv_caches
     from jaxinfer.runner.step_inputs import make_step_inputs
     from jaxinfer.layers.attention import AttentionMetadata
+    from jaxinfer.tokenizer import Tokenizer
 
     model_dir = args.model or ensure_default_model(verbose=True)
     t0 = time.perf_counter()
     model, cfg, dtype = load_model(model_dir, dtype=args.dtype,
                                    attention_backend=args.attention_backend)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = Tokenizer.from_pretrained(model_dir)
     print(f"loaded {model_dir} ({cfg.architecture}, {dtype}) in {time.perf_counter() - t0:.1f}s")
     block_size = 16
     for prompt in args.prompt or DEFAULT_PROMPTS:

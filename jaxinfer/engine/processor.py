@@ -1,0 +1,75 @@
+"""Processor: user prompt + SamplingParams -> validated, tokenized Request(s)."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+from jaxinfer.request import Request
+from jaxinfer.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class Processor:
+    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int,
+                 eos_token_id: int | None, extra_eos_token_ids: tuple[int, ...] = (),
+                 seed: int = 0):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.extra_eos_token_ids = tuple(t for t in extra_eos_token_ids if t != eos_token_id)
+        self._rng = random.Random(seed)
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) for i in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                return self.tokenize_prompt(str(prompt["prompt"]))
+            raise ValueError("a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(i, int) for i in prompt):
+            return None, list(prompt)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}: use a string, "
+                         "{'prompt': str} or {'prompt_token_ids': [int, ...]}")
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, longer than max_model_len="
+                             f"{self.max_model_len}")
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of vocabulary "
+                             f"[0, {self.vocab_size})")
+
+    def make_requests(self, request_id: str, prompt: PromptType,
+                      params: SamplingParams | None, *, arrival_time: float | None = None,
+                      priority: int = 0, cache_salt: str | None = None
+                      ) -> tuple[str | None, list[int], list[Request]]:
+        """One Request per sample (n > 1 fans out into children sharing the prompt)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(ids)
+        if not params.ignore_eos and self.extra_eos_token_ids:
+            params = params.clone(stop_token_ids=[*params.stop_token_ids,
+                                                  *self.extra_eos_token_ids])
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        reqs = []
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+            reqs.append(Request(rid, ids, params, eos_token_id=self.eos_token_id,
+                                arrival_time=arrival_time, priority=priority,
+                                cache_salt=cache_salt, sampling_seed=base_seed + i))
+        return text, ids, reqs

@@ -1,0 +1,98 @@
+"""On-device sampling inside the jitted step.
+
+Order as in vLLM V1: penalties (repetition over prompt+output, frequency/presence over output) on
+the raw logits; greedy rows take the argmax; random rows divide by temperature, drop tokens
+below min_p * max prob, keep the top_k, then the top_p nucleus of what is left, and draw with
+the Gumbel-max trick from a key that depends only on the request's seed and output index (so a
+seeded request gives the same tokens whatever its batch companions). Logprobs are of the raw
+model distribution (vLLM's default `raw_logprobs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = float("-inf")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    temperature: jax.Array  # float32 [R]; 0 = greedy
+    top_k: jax.Array  # int32 [R]; <= 0 = all tokens
+    top_p: jax.Array  # float32 [R]
+    min_p: jax.Array  # float32 [R]
+    repetition_penalty: jax.Array  # float32 [R]
+    frequency_penalty: jax.Array  # float32 [R]
+    presence_penalty: jax.Array  # float32 [R]
+    seeds: jax.Array  # uint32 [R]: per-request seed
+    output_index: jax.Array  # int32 [R]: index of the token being sampled (RNG counter)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: jax.Array  # int32 [R]
+    logprob: jax.Array  # float32 [R]: raw logprob of the sampled token
+    rank: jax.Array  # int32 [R]: 1 + number of tokens more likely than the sampled one
+    top_ids: jax.Array  # int32 [R, K]
+    top_logprobs: jax.Array  # float32 [R, K]
+
+
+def apply_penalties(logits, output_counts, prompt_mask, md: SamplingMetadata):
+    """logits [R, V]; output_counts int32 [R, V]; prompt_mask bool [R, V]."""
+    seen = prompt_mask | (output_counts > 0)
+    rep = md.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - md.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
+    return logits - md.presence_penalty[:, None] * (output_counts > 0).astype(logits.dtype)
+
+
+def _filtered_logits(logits, md: SamplingMetadata):
+    """Temperature, min_p, top_k and top_p applied; dropped tokens are -inf. Returns sorted
+    (descending) filtered logits and the vocabulary index of each sorted position."""
+    vocab = logits.shape[-1]
+    temp = jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
+    scaled = logits / temp
+    neg_sorted, order = jax.lax.sort(
+        (-scaled, jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), scaled.shape)),
+        dimension=1, num_keys=1)
+    sorted_logits = -neg_sorted  # [R, V] descending
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    keep = probs >= md.min_p[:, None] * probs[:, :1]
+    k = jnp.where(md.top_k > 0, md.top_k, vocab)[:, None]
+    keep &= jnp.arange(vocab)[None, :] < k
+    # top_p over the distribution renormalised after min_p and top_k.
+    kept = jnp.where(keep, probs, 0.0)
+    kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
+    before = jnp.cumsum(kept, axis=-1) - kept
+    keep &= before < md.top_p[:, None]
+    keep = keep.at[:, 0].set(True)  # the most likely token always survives
+    return jnp.where(keep, sorted_logits, _NEG_INF), order
+
+
+def sample(logits, md: SamplingMetadata, output_counts, prompt_mask, *, num_logprobs: int):
+    """logits float32 [R, V] -> SamplerOutput (top num_logprobs raw logprobs per row)."""
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logits = apply_penalties(logits, output_counts, prompt_mask, md)
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    filtered, order = _filtered_logits(logits, md)
+
+    def gumbel(seed, index):
+        key = jax.random.fold_in(jax.random.key(seed), index)
+        return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
+
+    noise = jax.vmap(gumbel)(md.seeds, md.output_index)
+    pick = jnp.argmax(filtered + noise, axis=-1)
+    random_ids = jnp.take_along_axis(order, pick[:, None], axis=1)[:, 0]
+    token_ids = jnp.where(md.temperature > 0, random_ids, greedy_ids)
+
+    chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=1)[:, 0]
+    rank = 1 + jnp.sum(raw_logprobs > chosen[:, None], axis=-1).astype(jnp.int32)
+    top_lp, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
+    return SamplerOutput(token_ids=token_ids, logprob=chosen, rank=rank,
+                         top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)

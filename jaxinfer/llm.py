@@ -1,0 +1,108 @@
+"""The offline facade, vLLM-compatible: LLM(model).generate(prompts, SamplingParams(...))."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An offline engine. `model=None` runs the embedded SmolLM2-135M-Instruct.
+
+    Options follow vLLM where they apply: dtype, max_model_len, max_num_seqs,
+    max_num_batched_tokens, block_size, enable_prefix_caching, enable_chunked_prefill, seed,
+    load_format, attention_backend ("pallas" | "reference"), tensor_parallel_size, and the
+    KV-cache size (gpu_memory_utilization, num_kv_blocks or kv_cache_memory_bytes).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise TypeError(f"LLM() got unknown option(s) {unknown}; known: {sorted(fields)}")
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for one prompt or many; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = f"gen-{self._counter}"
+                self._counter += 1
+                self.llm_engine.add_request(rid, prompt, p,
+                                            priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)  # nothing half-submitted stays behind
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        t0, num_out = time.perf_counter(), 0
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        num_out += sum(len(o.token_ids) for o in out.outputs)
+                        if bar is not None:
+                            bar.update(1)
+                            dt = time.perf_counter() - t0
+                            bar.set_postfix_str(f"output {num_out / max(dt, 1e-9):.1f} tok/s")
+        except BaseException:
+            self.llm_engine.abort_request(ids)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]
+
+    def chat(self, messages: Conversation | list[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Render conversations with the tokenizer's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
+                                          add_generation_prompt=add_generation_prompt)
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

