@@ -50,8 +50,11 @@ def smollm2_hf(smollm2_dir):
         smollm2_dir, dtype=torch.float32).eval()
 
 
-def make_tiny_model_dir(path, arch, smollm2_dir, **overrides):
-    """A random-initialised tiny HF model of `arch` using SmolLM2's tokenizer files."""
+def make_tiny_model_dir(path, arch, smollm2_dir, sharpen: float = 1.0, **overrides):
+    """A random-initialised tiny HF model of `arch` using SmolLM2's tokenizer files.
+
+    `sharpen` scales the final norm weight, hence the logits: a peakier next-token distribution.
+    """
     torch = pytest.importorskip("torch")
     import transformers
 
@@ -71,6 +74,7 @@ def make_tiny_model_dir(path, arch, smollm2_dir, **overrides):
                 p.normal_(0.0, 0.15)
             elif "norm" not in name:
                 p.normal_(0.0, 0.1)
+        hf.model.norm.weight.mul_(sharpen)
     hf.save_pretrained(path)
     for fn in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(smollm2_dir, fn), os.path.join(path, fn))

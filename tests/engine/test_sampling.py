@@ -1,0 +1,160 @@
+"""Sampling: seeds, top-k/top-p/temperature statistics, penalties, logprobs, n > 1."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from tests.engine.conftest import assert_no_leaks, hf_greedy, make_tiny_model_dir
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_dir):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf = make_tiny_model_dir(path, "llama", smollm2_dir, sharpen=3.0)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=64,
+              max_num_batched_tokens=256, warmup=False, num_kv_blocks=600)
+    yield llm, hf
+    assert_no_leaks(llm)
+
+
+def test_seeded_sampling_is_independent_of_batch_companions(tiny):
+    llm, _ = tiny
+    p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate("The weather today", p, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.7, seed=s, max_tokens=7) for s in range(5)]
+    batch = llm.generate(["Hi", "The weather today", "Once upon", "x = ", "A", "B"],
+                         [others[0], p, *others[1:]], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    again = llm.generate("The weather today", p, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == alone
+    different = llm.generate("The weather today", p.clone(seed=99), use_tqdm=False)
+    assert different[0].outputs[0].token_ids != alone
+
+
+def test_top_k_1_equals_greedy(tiny):
+    llm, hf = tiny
+    prompts = ["The weather today", "Count: 1 2 3", "def f(x):"]
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                          use_tqdm=False)
+    topk1 = llm.generate(prompts, SamplingParams(temperature=1.3, top_k=1, max_tokens=8, seed=5,
+                                                 ignore_eos=True), use_tqdm=False)
+    for g, t in zip(greedy, topk1):
+        assert g.outputs[0].token_ids == t.outputs[0].token_ids
+
+
+def _reference_distribution(logits, temperature, top_p, top_k=0, min_p=0.0):
+    """vLLM's order in numpy: temperature, min_p, top_k, then top_p over what is left."""
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    ps = p[order]
+    keep = ps >= min_p * ps[0]
+    if top_k > 0:
+        keep &= np.arange(len(ps)) < top_k
+    kept = np.where(keep, ps, 0.0)
+    kept /= kept.sum()
+    keep &= (np.cumsum(kept) - kept) < top_p
+    keep[0] = True
+    out = np.zeros_like(p)
+    out[order[keep]] = ps[keep]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k,min_p", [(0.8, 0.9, 0, 0.0),
+                                                           (1.5, 1.0, 20, 0.0),
+                                                           (1.0, 1.0, 0, 0.05)])
+def test_sampling_follows_reference_distribution(tiny, temperature, top_p, top_k, min_p):
+    from scipy.stats import chi2
+
+    llm, hf = tiny
+    prompt = "The weather today"
+    ids = llm.get_tokenizer()(prompt)["input_ids"]
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, -1].numpy()
+    ref = _reference_distribution(logits, temperature, top_p, top_k, min_p)
+    n = 2000
+    out = llm.generate(prompt, SamplingParams(n=n, temperature=temperature, top_p=top_p,
+                                              top_k=top_k, min_p=min_p, max_tokens=1, seed=7),
+                       use_tqdm=False)[0]
+    toks = np.array([o.token_ids[0] for o in out.outputs])
+    assert ref[toks].min() > 0, "sampled a token outside the allowed set"
+    support = np.flatnonzero(ref)
+    assert 5 <= len(support) < 2000  # a real choice, not a near-greedy or flat one
+    counts = np.bincount(toks, minlength=len(ref))
+    big = support[ref[support] * n >= 5]
+    obs = np.append(counts[big], n - counts[big].sum())
+    exp = np.append(ref[big] * n, n - ref[big].sum() * n)
+    mask = exp > 0
+    stat = float((((obs - exp) ** 2)[mask] / exp[mask]).sum())
+    assert stat < chi2.ppf(0.9995, mask.sum() - 1), (stat, mask.sum())
+
+
+def test_repetition_penalty_greedy_matches_hf(tiny):
+    llm, hf = tiny
+    ids = llm.get_tokenizer()("one two one two one two")["input_ids"]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
+                          repetition_penalty=1.5, eos_token_id=None, pad_token_id=0)
+    ref = ref[0, len(ids):].tolist()
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.5,
+                                      ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref
+    plain = hf_greedy(hf, ids, 10)
+    assert plain != ref  # the penalty changed something, so the comparison means something
+
+
+def test_frequency_and_presence_penalties_numerics():
+    import jax.numpy as jnp
+
+    from jaxinfer.layers.sampler import SamplingMetadata, apply_penalties
+
+    logits = np.array([[2.0, -1.0, 0.5, 3.0]], np.float32)
+    counts = np.array([[2, 0, 1, 0]], np.int32)
+    prompt = np.array([[False, True, False, False]])
+    md = SamplingMetadata(*(jnp.asarray(v) for v in (
+        [1.0], [0], [1.0], [0.0], [2.0], [0.5], [0.25], np.array([0], np.uint32), [0])))
+    got = np.asarray(apply_penalties(jnp.asarray(logits), jnp.asarray(counts),
+                                     jnp.asarray(prompt), md))
+    want = np.array([[2.0 / 2 - 0.5 * 2 - 0.25, -1.0 * 2, 0.5 / 2 - 0.5 - 0.25, 3.0]])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_logprobs_match_hf(tiny):
+    llm, hf = tiny
+    ids = llm.get_tokenizer()("The weather today")["input_ids"]
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    seq = list(ids)
+    total = 0.0
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0, -1], -1).numpy()
+        top3 = np.argsort(-ref)[:3]
+        assert set(top3) <= set(lp) and tok in lp
+        assert lp[tok].rank == 1 and abs(lp[tok].logprob - ref[tok]) < 1e-4
+        for t in top3:
+            assert abs(lp[int(t)].logprob - ref[t]) < 1e-4
+        total += lp[tok].logprob
+        seq.append(tok)
+    assert abs(out.cumulative_logprob - total) < 1e-5
+
+
+def test_n_samples_share_the_prompt_blocks(tiny):
+    llm, _ = tiny
+    kv = llm.llm_engine.scheduler.kv
+    prompt = {"prompt_token_ids": list(range(100, 150))}  # 50 tokens: 3 full blocks of 16
+    hits0 = kv.prefix_cache_stats.hits
+    out = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=5,
+                                              ignore_eos=True), use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    assert all(len(o.token_ids) == 5 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert kv.prefix_cache_stats.hits - hits0 == 3 * 48  # children 2..4 hit child 1's blocks
