@@ -5,7 +5,7 @@ setup:
 	bash scripts/setup.sh
 
 run: setup
-	.venv/bin/python -m jaxinfer.entrypoints.cli generate
+	.venv/bin/python -m jaxinfer.entrypoints.cli generate --no-warmup
 
 test: setup
 	.venv/bin/python -m pytest -q tests

@@ -1,49 +1,45 @@
-"""`jaxinfer generate`: load the model and predict the next token of each prompt.
-
-(The engine issue replaces this with full generation through LLMEngine.)
-"""
+"""`jaxinfer generate`: offline generation for a handful of prompts, with tokens/s."""
 
 from __future__ import annotations
 
 import time
 
 DEFAULT_PROMPTS = [
-    "The capital of France is",
+    "What is the capital of France?",
     "Write a haiku about the sea.",
-    "def fibonacci(n):",
-    "Three primary colours are",
+    "Give me three tips for writing clean Python code.",
+    "Explain in two sentences why the sky is blue.",
+    "What is 12 times 12?",
+    "Name three primary colours.",
 ]
 
 
 def run_generate(args) -> int:
-    import jax.numpy as jnp
-    import numpy as np
+    from jaxinfer import LLM, SamplingParams
 
-    from jaxinfer.models.default_model import ensure_default_model
-    from jaxinfer.models.loader import load_model
-    from jaxinfer.runner.kv_cache import allocate_kv_caches
-    from jaxinfer.runner.step_inputs import make_step_inputs
-    from jaxinfer.layers.attention import AttentionMetadata
-    from jaxinfer.tokenizer import Tokenizer
-
-    model_dir = args.model or ensure_default_model(verbose=True)
     t0 = time.perf_counter()
-    model, cfg, dtype = load_model(model_dir, dtype=args.dtype,
-                                   attention_backend=args.attention_backend)
-    tok = Tokenizer.from_pretrained(model_dir)
-    print(f"loaded {model_dir} ({cfg.architecture}, {dtype}) in {time.perf_counter() - t0:.1f}s")
-    block_size = 16
-    for prompt in args.prompt or DEFAULT_PROMPTS:
-        ids = tok(prompt)["input_ids"]
-        num_blocks = -(-len(ids) // block_size)
-        inp = make_step_inputs([ids], [0], [list(range(1, num_blocks + 1))],
-                               block_size=block_size, num_tokens_padded=len(ids),
-                               num_reqs_padded=1, max_blocks=num_blocks)
-        kv = allocate_kv_caches(cfg, num_blocks + 1, block_size, jnp.dtype(dtype))
-        md = AttentionMetadata(*(jnp.asarray(getattr(inp, f)) for f in (
-            "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "num_seqs")))
-        hidden, _ = model(jnp.asarray(inp.input_ids), jnp.asarray(inp.positions), kv, md)
-        logits = np.asarray(model.compute_logits(hidden[-1:]))[0]
-        nxt = int(logits.argmax())
-        print(f"{prompt!r} -> next token {nxt} {tok.decode([nxt])!r}")
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
+              seed=args.seed or 0, warmup=not args.no_warmup)
+    eng = llm.llm_engine
+    print(f"loaded {eng.model_dir} ({eng.model_config.architecture}, {eng.dtype}, attention "
+          f"{eng.attention_backend}, {eng.runner.num_kv_blocks} KV blocks, "
+          f"{eng.runner.num_compilations} compiled buckets) in {time.perf_counter() - t0:.1f}s")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    t0 = time.perf_counter()
+    if args.raw:
+        outs = llm.generate(prompts, params)
+    else:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        print(f"\n### {p}\n{c.text.strip()}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
+    print(f"\n{len(outs)} requests, {n_in} prompt + {n_out} generated tokens in {dt:.2f}s: "
+          f"{n_out / dt:.1f} output tok/s, {(n_in + n_out) / dt:.1f} total tok/s "
+          f"(compilation included: {eng.runner.compile_seconds:.1f}s of compiling in all)")
     return 0

@@ -80,7 +80,16 @@ def sample(logits, md: SamplingMetadata, output_counts, prompt_mask, *, num_logp
     logits = apply_penalties(logits, output_counts, prompt_mask, md)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    filtered, order = _filtered_logits(logits, md)
+    # The sort behind min_p/top_k/top_p is skipped when no row of the step uses them.
+    needs_filter = jnp.any((md.temperature > 0) & ((md.top_k > 0) | (md.top_p < 1.0)
+                                                   | (md.min_p > 0.0)))
+
+    def unfiltered(logits, md):
+        temp = jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
+        iota = jnp.broadcast_to(jnp.arange(logits.shape[-1], dtype=jnp.int32), logits.shape)
+        return logits / temp, iota
+
+    filtered, order = jax.lax.cond(needs_filter, _filtered_logits, unfiltered, logits, md)
 
     def gumbel(seed, index):
         key = jax.random.fold_in(jax.random.key(seed), index)

@@ -99,10 +99,10 @@ def test_repetition_penalty_greedy_matches_hf(tiny):
     ids = llm.get_tokenizer()("one two one two one two")["input_ids"]
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
-                          repetition_penalty=1.5, eos_token_id=None, pad_token_id=0)
+                          repetition_penalty=2.0, eos_token_id=None, pad_token_id=0)
     ref = ref[0, len(ids):].tolist()
     out = llm.generate({"prompt_token_ids": ids},
-                       SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.5,
+                       SamplingParams(temperature=0, max_tokens=10, repetition_penalty=2.0,
                                       ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref
     plain = hf_greedy(hf, ids, 10)
