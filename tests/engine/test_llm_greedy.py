@@ -104,3 +104,17 @@ def test_tiny_architectures_greedy_match_hf(tmp_path, smollm2_dir, arch, extra):
     prompts = PROMPTS[:6]
     refs = {p: hf_greedy(hf, tok(p)["input_ids"], N_TOKENS) for p in prompts}
     _check(llm, prompts, refs)
+
+
+def test_pallas_backend_interpret_matches_hf(tmp_path, smollm2_dir):
+    """The engine with the Pallas kernel (interpret mode on CPU) gives HF's greedy tokens."""
+    hf = make_tiny_model_dir(tmp_path, "llama", smollm2_dir, num_attention_heads=4,
+                             num_key_value_heads=2)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=32, warmup=False, num_kv_blocks=40,
+              attention_backend="pallas")
+    assert llm.llm_engine.attention_backend == "pallas"
+    tok = llm.get_tokenizer()
+    prompts = PROMPTS[:5]
+    refs = {p: hf_greedy(hf, tok(p)["input_ids"], N_TOKENS) for p in prompts}
+    _check(llm, prompts, refs)
