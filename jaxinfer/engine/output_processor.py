@@ -34,6 +34,7 @@ class _RequestState:
     samples: dict[str, _SampleState]  # child request id -> state
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -64,7 +65,8 @@ class OutputProcessor:
             self.child_to_parent[child.request_id] = request_id
         self.requests[request_id] = _RequestState(
             request_id, prompt, prompt_token_ids, params, samples,
-            RequestMetrics(arrival_time=children[0].arrival_time))
+            RequestMetrics(arrival_time=children[0].arrival_time),
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -103,6 +105,11 @@ class OutputProcessor:
             if out.new_token_ids:
                 m.first_token_time = m.first_token_time or now
                 m.last_token_time = now
+            if (out.new_prompt_logprobs and state.prompt_logprobs is not None
+                    and sample.index == 0):
+                state.prompt_logprobs.extend(
+                    None if lp is None else self._logprob_dict(lp)
+                    for lp in out.new_prompt_logprobs)
             sample.token_ids.extend(out.new_token_ids)
             for lp in out.new_logprobs:
                 if sample.logprobs is not None:
@@ -139,6 +146,7 @@ class OutputProcessor:
                 finish_reason=str(s.finish_reason) if s.finish_reason else None,
                 stop_reason=s.stop_reason))
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, prompt_logprobs=None,
+                             prompt_token_ids=state.prompt_token_ids,
+                             prompt_logprobs=state.prompt_logprobs,
                              outputs=outs, finished=state.finished, metrics=state.metrics,
                              num_cached_tokens=state.num_cached_tokens)

@@ -28,6 +28,7 @@ class InputBatch:
         self.presence_penalty = np.zeros(max_num_reqs, np.float32)
         self.seed = np.zeros(max_num_reqs, np.uint32)
         self.num_logprobs = np.full(max_num_reqs, -1, np.int32)  # -1: not requested
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, np.int32)
         self.needs_reset = np.zeros(max_num_reqs, bool)  # penalty state to clear next step
         self.req_id_to_slot: dict[str, int] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
@@ -54,6 +55,7 @@ class InputBatch:
         self.presence_penalty[s] = p.presence_penalty
         self.seed[s] = new.sampling_seed & 0xFFFFFFFF
         self.num_logprobs[s] = -1 if p.logprobs is None else p.logprobs
+        self.num_prompt_logprobs[s] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.needs_reset[s] = True
         return s
 

@@ -40,6 +40,7 @@ class StepBatch:
     req_slots: np.ndarray  # int32 [R]: persistent slot of each sequence (pad: 0)
     reset_slots: np.ndarray  # int32 [R]: slots whose penalty state restarts (pad: S)
     sampling: SamplingMetadata  # [R] each
+    next_token_ids: np.ndarray | None = None  # int32 [T]: next prompt token (prompt_logprobs)
 
 
 def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *, num_logprobs: int):
@@ -55,6 +56,13 @@ def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *, num_lo
     prompt_mask = prompt_mask.at[batch.token_slots, batch.input_ids].max(~is_out, mode="drop")
     out = sample(logits, batch.sampling, counts[batch.req_slots], prompt_mask[batch.req_slots],
                  num_logprobs=num_logprobs)
+    if batch.next_token_ids is not None:
+        # prompt_logprobs: every token's distribution over the next prompt token. [T, V]
+        prompt_lp = jax.nn.log_softmax(model.compute_logits(hidden), axis=-1)
+        chosen = jnp.take_along_axis(prompt_lp, batch.next_token_ids[:, None], axis=1)[:, 0]
+        rank = 1 + jnp.sum(prompt_lp > chosen[:, None], axis=-1).astype(jnp.int32)
+        top_lp, top_ids = jax.lax.top_k(prompt_lp, num_logprobs)
+        out = (out, (chosen, rank, top_ids.astype(jnp.int32), top_lp))
     return out, kv_caches, (counts, prompt_mask)
 
 
@@ -76,25 +84,27 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks)
         self._jitted = jax.jit(partial(_step, self.graphdef, num_logprobs=MAX_LOGPROBS),
                                donate_argnums=(1, 2))
-        self._compiled: dict[tuple[int, int], object] = {}
+        self._compiled: dict[tuple[int, int, bool], object] = {}
         self.num_compilations = 0
         self.compile_seconds = 0.0
 
     # -- compilation ----------------------------------------------------------------------------
-    def _compile(self, t: int, r: int):
+    def _compile(self, t: int, r: int, prompt_logprobs: bool = False):
         t0 = time.perf_counter()
-        example = jax.tree.map(jnp.asarray, self._empty_batch(t, r))
+        example = jax.tree.map(jnp.asarray, self._empty_batch(t, r, prompt_logprobs))
         compiled = self._jitted.lower(self.state, self.kv_caches, self.sampler_state,
                                       example).compile()
-        self._compiled[(t, r)] = compiled
+        self._compiled[(t, r, prompt_logprobs)] = compiled
         self.num_compilations += 1
         self.compile_seconds += time.perf_counter() - t0
         return compiled
 
     def warmup(self, progress=None) -> None:
-        """Compile every bucket ahead of time (results land in the persistent cache too)."""
+        """Compile every bucket ahead of time (results land in the persistent cache too).
+
+        Steps that compute prompt_logprobs use a second variant, compiled on first use."""
         for t, r in self.buckets.all_pairs():
-            if (t, r) not in self._compiled:
+            if (t, r, False) not in self._compiled:
                 self._compile(t, r)
             if progress:
                 progress(t, r)
@@ -111,7 +121,7 @@ class ModelRunner:
             if c.new_block_ids:
                 b.append_blocks(b.req_id_to_slot[c.req_id], c.new_block_ids)
 
-    def _empty_batch(self, t: int, r: int) -> StepBatch:
+    def _empty_batch(self, t: int, r: int, prompt_logprobs: bool = False) -> StepBatch:
         s = self.max_num_seqs
         zi = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         return StepBatch(
@@ -127,6 +137,7 @@ class ModelRunner:
                 frequency_penalty=np.zeros(r, np.float32),
                 presence_penalty=np.zeros(r, np.float32), seeds=np.zeros(r, np.uint32),
                 output_index=zi(r)),
+            next_token_ids=zi(t) if prompt_logprobs else None,
         )
 
     def _build(self, so: SchedulerOutput) -> tuple[StepBatch, list[str], np.ndarray]:
@@ -137,9 +148,11 @@ class ModelRunner:
         q_lens = np.fromiter(so.num_scheduled_tokens.values(), np.int32, n_req)
         n_tok = int(q_lens.sum())
         t, r = self.buckets.pick(n_tok, n_req)
-        batch = self._empty_batch(t, r)
-
         computed = b.num_computed[slots]
+        wants_pl = bool(np.any((b.num_prompt_logprobs[slots] >= 0)
+                               & (computed < b.num_prompt_tokens[slots])))
+        batch = self._empty_batch(t, r, wants_pl)
+
         qsl = batch.attn.query_start_loc
         np.cumsum(q_lens, out=qsl[1 : n_req + 1])
         qsl[n_req + 1 :] = n_tok
@@ -147,6 +160,10 @@ class ModelRunner:
         tok_slot = slots[tok_req]
         pos = computed[tok_req] + (np.arange(n_tok) - qsl[tok_req])
         batch.input_ids[:n_tok] = b.token_ids[tok_slot, pos]
+        if wants_pl:
+            has_next = pos + 1 < b.num_prompt_tokens[tok_slot]
+            batch.next_token_ids[:n_tok] = np.where(
+                has_next, b.token_ids[tok_slot, np.minimum(pos + 1, b.token_ids.shape[1] - 1)], 0)
         batch.positions[:n_tok] = pos
         batch.attn.slot_mapping[:n_tok] = (b.block_table[tok_slot, pos // self.block_size]
                                            * self.block_size + pos % self.block_size)
@@ -167,6 +184,7 @@ class ModelRunner:
         sm.seeds[:n_req] = b.seed[slots]
         sm.output_index[:n_req] = b.num_tokens[slots] - b.num_prompt_tokens[slots]
         b.num_computed[slots] = computed + q_lens
+        self._step_spans = (computed, qsl)  # for prompt_logprobs
         return batch, req_ids, slots
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
@@ -174,15 +192,43 @@ class ModelRunner:
         if not so.num_scheduled_tokens:
             return RunnerOutput(req_ids=(), sampled_token_ids=())
         batch, req_ids, slots = self._build(so)
-        key = (batch.input_ids.shape[0], batch.req_slots.shape[0])
+        key = (batch.input_ids.shape[0], batch.req_slots.shape[0],
+               batch.next_token_ids is not None)
         compiled = self._compiled.get(key) or self._compile(*key)
         device_batch = jax.device_put(batch)  # the one transfer in
         out, self.kv_caches, self.sampler_state = compiled(self.state, self.kv_caches,
                                                            self.sampler_state, device_batch)
         out = jax.device_get(out)  # the one transfer out
-        return self._to_runner_output(out, req_ids, slots)
+        prompt_lps = {}
+        if batch.next_token_ids is not None:
+            out, pl_out = out
+            prompt_lps = self._prompt_logprobs(pl_out, batch, req_ids, slots)
+        return self._to_runner_output(out, req_ids, slots, prompt_lps)
 
-    def _to_runner_output(self, out, req_ids, slots) -> RunnerOutput:
+    def _prompt_logprobs(self, pl_out, batch, req_ids, slots) -> dict:
+        """Per request: Logprobs of the prompt tokens this step predicted (None for token 0)."""
+        chosen, rank, top_ids, top_lps = pl_out
+        b = self.batch
+        computed, qsl = self._step_spans
+        result = {}
+        for i, (rid, s) in enumerate(zip(req_ids, slots)):
+            k = b.num_prompt_logprobs[s]
+            n_prompt = b.num_prompt_tokens[s]
+            if k < 0 or computed[i] >= n_prompt:
+                continue
+            entries = [None] if computed[i] == 0 else []
+            for j in range(qsl[i], qsl[i + 1]):
+                pos = computed[i] + (j - qsl[i])
+                if pos + 1 >= n_prompt:
+                    break
+                entries.append(Logprobs(
+                    token_id=int(batch.next_token_ids[j]), logprob=float(chosen[j]),
+                    rank=int(rank[j]), top_ids=tuple(int(x) for x in top_ids[j, :k]),
+                    top_logprobs=tuple(float(x) for x in top_lps[j, :k])))
+            result[rid] = tuple(entries)
+        return result
+
+    def _to_runner_output(self, out, req_ids, slots, prompt_lps) -> RunnerOutput:
         b = self.batch
         sampled, logprobs = [], {}
         for i, (rid, s) in enumerate(zip(req_ids, slots)):
@@ -202,4 +248,4 @@ class ModelRunner:
                     top_ids=tuple(int(x) for x in out.top_ids[i, :k]),
                     top_logprobs=tuple(float(x) for x in out.top_logprobs[i, :k])),)
         return RunnerOutput(req_ids=tuple(req_ids), sampled_token_ids=tuple(sampled),
-                            logprobs=logprobs)
+                            logprobs=logprobs, prompt_logprobs=prompt_lps)

@@ -32,3 +32,26 @@ def test_no_compilation_after_warmup(tmp_path, smollm2_dir):
     assert runner.num_compilations == len(runner.buckets.all_pairs())
     assert events == [], events
     assert_no_leaks(llm)
+
+
+def test_donated_step_never_copies_the_kv_cache(tmp_path, smollm2_dir):
+    """From the compiled HLO: every KV array (and the sampler state) is aliased input->output,
+    and no copy instruction produces a KV-cache-shaped array."""
+    import re
+
+    make_tiny_model_dir(tmp_path, "llama", smollm2_dir)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=2,
+              max_num_batched_tokens=16, warmup=False, num_kv_blocks=10,
+              compilation_cache_dir="")
+    runner = llm.llm_engine.runner
+    hlo = runner._compile(16, 2).as_text()
+    num_params = len(jax.tree.leaves(runner.state))
+    donated = len(jax.tree.leaves(runner.kv_caches)) + len(jax.tree.leaves(runner.sampler_state))
+    alias = re.search(r"input_output_alias=\{([^\n]*?)\}, entry", hlo).group(1)
+    aliased_params = {int(p) for p in re.findall(r"\((\d+), \{\}", alias)}
+    assert aliased_params == set(range(num_params, num_params + donated))
+    kv_shape = "f32[10,16,2,16]"
+    copies = [line for line in hlo.split("\n")
+              if re.search(r"= " + re.escape(kv_shape) + r"\{[0-9,]*\} copy\(", line)]
+    assert copies == []
+    assert kv_shape in hlo  # the pattern would have matched a copy, had there been one

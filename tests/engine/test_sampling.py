@@ -158,3 +158,27 @@ def test_n_samples_share_the_prompt_blocks(tiny):
     assert all(len(o.token_ids) == 5 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     assert kv.prefix_cache_stats.hits - hits0 == 3 * 48  # children 2..4 hit child 1's blocks
+
+
+def test_prompt_logprobs_match_hf_across_chunks(tmp_path, smollm2_dir):
+    path = tmp_path / "m"
+    hf = make_tiny_model_dir(path, "qwen2", smollm2_dir)
+    # A 16-token budget cuts the 40-token prompt into chunks: positions cross chunk boundaries.
+    llm = LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=16, warmup=False, num_kv_blocks=40)
+    ids = list(range(1000, 1040))
+    out = llm.generate([{"prompt_token_ids": ids}, "plain"],
+                       [SamplingParams(max_tokens=2, prompt_logprobs=2, temperature=0),
+                        SamplingParams(max_tokens=2)], use_tqdm=False)
+    pl = out[0].prompt_logprobs
+    assert out[1].prompt_logprobs is None
+    assert len(pl) == len(ids) and pl[0] is None
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1).numpy()
+    for i in range(1, len(ids)):
+        d = pl[i]
+        assert ids[i] in d and abs(d[ids[i]].logprob - ref[i - 1, ids[i]]) < 1e-4
+        top2 = np.argsort(-ref[i - 1])[:2]
+        assert all(int(t) in d for t in top2)
+        assert d[ids[i]].rank == 1 + int((ref[i - 1] > ref[i - 1, ids[i]]).sum())
+    assert_no_leaks(llm)
