@@ -16,9 +16,8 @@ def assert_no_leaks(llm):
     assert not eng.scheduler.requests and not eng.scheduler.running
     kv = eng.scheduler.kv
     assert kv.get_num_free_blocks() == eng.runner.num_kv_blocks - 1
-    assert not kv.req_to_blocks
-    assert not eng.runner.batch.req_id_to_slot or all(
-        rid in eng.scheduler.requests for rid in eng.runner.batch.req_id_to_slot) or True
+    assert not kv.req_to_blocks and not kv.num_cached_blocks
+    assert not eng.output_processor.requests and not eng.output_processor.child_to_parent
 
 
 def hf_greedy(hf, ids, n):

@@ -1,0 +1,187 @@
+"""Attention kernel benchmark: Pallas ragged paged attention vs the jnp reference vs PyTorch SDPA.
+
+Decode (1 query token per sequence) and prefill (one chunk per sequence) at Llama-3-8B head
+shapes (32 q / 8 kv heads, D=128, bf16, block 16) over batch sizes and context lengths, with the
+HBM roofline next to every number: bytes of KV read / measured copy bandwidth.
+
+    python benchmarks/kernels.py --output-json benchmarks/results/kernels_<gpu>.json   # on a GPU
+    python benchmarks/kernels.py --smoke --interpret                                    # CPU check
+
+PyTorch's scaled_dot_product_attention runs in a separate process (--torch-worker) on the same
+work in dense padded form, so the two frameworks never share the device's memory pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def _time(fn, warmup: int, iters: int) -> float:
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device copy bandwidth (read + write bytes per second) of a large array."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0)
+    t = _time(lambda: copy(x), 3, 10)
+    return 2 * nbytes / t
+
+
+def make_inputs(batch, ctx, q_len, *, hq, hkv, d, bs, dtype, seed=0):
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    kv_len = ctx + q_len
+    blocks_per_seq = -(-kv_len // bs)
+    num_blocks = batch * blocks_per_seq + 1
+    k = jnp.asarray(rng.standard_normal((num_blocks, bs, hkv, d), np.float32), dtype)
+    v = jnp.asarray(rng.standard_normal((num_blocks, bs, hkv, d), np.float32), dtype)
+    tables = (1 + rng.permutation(num_blocks - 1)[: batch * blocks_per_seq]).reshape(
+        batch, blocks_per_seq).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((batch * q_len, hq, d), np.float32), dtype)
+    qsl = np.arange(batch + 1, dtype=np.int32) * q_len
+    lens = np.full(batch, kv_len, np.int32)
+    return (q, k, v, jnp.asarray(lens), jnp.asarray(tables), jnp.asarray(qsl),
+            jnp.asarray([batch], np.int32))
+
+
+def torch_worker(cases_json: str) -> None:
+    """Time torch SDPA on dense padded [B, H, L, D] tensors for each case; print JSON."""
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    for c in json.loads(cases_json):
+        b, ctx, ql, hq, hkv, d = c["batch"], c["ctx"], c["q_len"], c["hq"], c["hkv"], c["d"]
+        dt = torch.bfloat16 if c["dtype"] == "bfloat16" else torch.float32
+        q = torch.randn(b, hq, ql, d, device="cuda", dtype=dt)
+        k = torch.randn(b, hkv, ctx + ql, d, device="cuda", dtype=dt)
+        v = torch.randn_like(k)
+        causal = ql > 1
+
+        def run():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal and ctx == 0,
+                                                  enable_gqa=True)
+
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        out.append({**c, "torch_sdpa_s": statistics.median(ts)})
+    print(json.dumps(out))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--contexts", default="512,2048,4096,8192,32768")
+    ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
+    ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--reference-max-kv-tokens", type=int, default=256 * 1024,
+                    help="skip the slow jnp reference above this many KV tokens")
+    ap.add_argument("--output-json", default=None)
+    ap.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.torch_worker:
+        return torch_worker(args.torch_worker)
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    from pallas_kernels.reference import ragged_paged_attention_reference
+
+    hq, hkv, d, bs = 32, 8, 128, 16
+    batches = [int(x) for x in args.batches.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    if args.smoke:
+        hq, hkv, d, bs, batches, contexts = 4, 2, 64, 16, [1, 2], [32]
+        args.prefill_len = 16
+    dtype = jnp.dtype(args.dtype)
+    bw = measure_bandwidth(1 << 24 if args.smoke else 1 << 30)
+    device = jax.devices()[0]
+    cases = []
+    for mode, q_len in (("decode", 1), ("prefill", args.prefill_len)):
+        for b in batches:
+            for ctx in contexts:
+                if mode == "prefill" and b * q_len > 16384:
+                    continue
+                cases.append(dict(mode=mode, batch=b, ctx=ctx, q_len=q_len, hq=hq, hkv=hkv,
+                                  d=d, dtype=dtype.name))
+    rows = []
+    scale = d ** -0.5
+    pallas = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=scale,
+                                                       interpret=args.interpret))
+    ref = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=scale))
+    for c in cases:
+        inp = make_inputs(c["batch"], c["ctx"], c["q_len"], hq=hq, hkv=hkv, d=d, bs=bs,
+                          dtype=dtype)
+        kv_tokens = c["batch"] * (c["ctx"] + c["q_len"])
+        kv_bytes = 2 * kv_tokens * hkv * d * dtype.itemsize
+        t_pallas = _time(lambda: pallas(*inp), 2, 5 if args.smoke else 20)
+        t_ref = None
+        if kv_tokens <= args.reference_max_kv_tokens:
+            t_ref = _time(lambda: ref(*inp), 1, 3)
+        floor = kv_bytes / bw
+        rows.append({**c, "kv_bytes": kv_bytes, "pallas_s": t_pallas, "reference_s": t_ref,
+                     "hbm_floor_s": floor, "fraction_of_hbm_bw": floor / t_pallas})
+    if not args.no_torch and device.platform == "gpu":
+        res = subprocess.run([sys.executable, __file__, "--torch-worker", json.dumps(cases)],
+                             capture_output=True, text=True,
+                             env={**os.environ, "CUDA_VISIBLE_DEVICES":
+                                  os.environ.get("CUDA_VISIBLE_DEVICES", "0")})
+        if res.returncode == 0:
+            for row, t in zip(rows, json.loads(res.stdout.strip().splitlines()[-1])):
+                row["torch_sdpa_s"] = t["torch_sdpa_s"]
+        else:
+            print("torch baseline failed:", res.stderr[-2000:], file=sys.stderr)
+    print(f"device: {device.device_kind}  jax {jax.__version__}  measured copy bandwidth "
+          f"{bw / 1e9:.0f} GB/s")
+    print(f"{'mode':8} {'batch':>5} {'ctx':>6} {'pallas ms':>10} {'ref ms':>9} {'sdpa ms':>8} "
+          f"{'floor ms':>9} {'% HBM':>6}")
+    for r in rows:
+        fmt = lambda v: f"{v * 1e3:.3f}" if v is not None else "-"  # noqa: E731
+        print(f"{r['mode']:8} {r['batch']:>5} {r['ctx']:>6} {fmt(r['pallas_s']):>10} "
+              f"{fmt(r['reference_s']):>9} {fmt(r.get('torch_sdpa_s')):>8} "
+              f"{fmt(r['hbm_floor_s']):>9} {100 * r['fraction_of_hbm_bw']:>5.1f}")
+    result = {"benchmark": "kernels", "device": device.device_kind, "jax": jax.__version__,
+              "interpret": args.interpret, "copy_bandwidth_bytes_per_s": bw,
+              "command": " ".join(sys.argv), "python": platform.python_version(), "rows": rows}
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
