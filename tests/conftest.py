@@ -19,3 +19,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from jaxinfer.models.default_model import ensure_default_model
+
+    return ensure_default_model()

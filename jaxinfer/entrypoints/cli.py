@@ -1,4 +1,4 @@
-"""`jaxinfer` command line: generate | convert-gguf | prepare-default-model."""
+"""`jaxinfer` command line: generate | serve | convert-gguf | prepare-default-model."""
 
 from __future__ import annotations
 
@@ -30,6 +30,12 @@ def _cmd_generate(args) -> int:
     return run_generate(args)
 
 
+def _cmd_serve(args) -> int:
+    from jaxinfer.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxinfer", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -51,6 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-backend", default=None, choices=["reference", "pallas"])
     g.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
     g.set_defaults(func=_cmd_generate)
+
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    v.add_argument("model", nargs="?", default=None, help="HF folder (default: embedded SmolLM2)")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
+                   "(or set JAXINFER_API_KEY)")
+    v.add_argument("--served-model-name", default=None)
+    v.add_argument("--dtype", default="auto")
+    v.add_argument("--max-model-len", type=int, default=None)
+    v.add_argument("--max-num-seqs", type=int, default=64)
+    v.add_argument("--max-num-batched-tokens", type=int, default=None)
+    v.add_argument("--attention-backend", default=None, choices=["reference", "pallas"])
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
+    v.set_defaults(func=_cmd_serve)
 
     c = sub.add_parser("convert-gguf", help="convert a Llama-family GGUF into an HF folder")
     c.add_argument("file")

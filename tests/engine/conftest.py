@@ -35,13 +35,6 @@ def hf_greedy(hf, ids, n):
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir():
-    from jaxinfer.models.default_model import ensure_default_model
-
-    return ensure_default_model()
-
-
-@pytest.fixture(scope="session")
 def smollm2_hf(smollm2_dir):
     torch = pytest.importorskip("torch")
     import transformers

@@ -1,0 +1,401 @@
+"""OpenAI-compatible HTTP server (FastAPI): completions, chat completions, models, health,
+Prometheus metrics, optional Bearer auth. Every request is an AsyncLLM stream; many batch
+together in the engine (continuous batching across HTTP requests)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxinfer.engine.async_engine import AsyncLLM
+from jaxinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from jaxinfer.metrics import EngineMetrics
+from jaxinfer.outputs import CompletionOutput, RequestOutput
+
+
+class APIError(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 err_type: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+        self.err_type = err_type or {400: "BadRequestError", 401: "AuthenticationError",
+                                     404: "NotFoundError"}.get(status, "InternalServerError")
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(status_code=e.status, content={"error": {
+        "message": e.message, "type": e.err_type, "param": e.param, "code": e.status}})
+
+
+def _held_back(text: str, finished: bool, stop: list[str]) -> int:
+    """How much of `text` may be streamed: a partial stop string may still be cut off."""
+    if finished or not stop:
+        return len(text)
+    return max(len(text) - (max(len(s) for s in stop) - 1), 0)
+
+
+class OpenAIServer:
+    def __init__(self, llm: AsyncLLM, model_name: str, api_key: str | None = None):
+        self.llm = llm
+        self.model_name = model_name
+        self.api_key = api_key
+        self.metrics = EngineMetrics(model_name)
+        llm.on_step = self.metrics.on_step
+        llm.on_abort = self.metrics.on_abort
+        self.app = self._build_app()
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(f"The model `{name}` does not exist.", 404, "model",
+                           "NotFoundError")
+
+    def _check_length(self, n_prompt: int, max_tokens: int | None) -> None:
+        limit = self.llm.max_model_len
+        if n_prompt > limit:
+            raise APIError(f"The prompt has {n_prompt} tokens, longer than the model's maximum "
+                           f"context length of {limit} tokens.", 400, "prompt")
+        if max_tokens is not None and n_prompt + max_tokens > limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens. However, "
+                           f"you requested {n_prompt + max_tokens} tokens ({n_prompt} in the "
+                           f"prompt, {max_tokens} in the completion).", 400, "max_tokens")
+
+    def _params(self, req):
+        try:
+            return req.sampling_params()
+        except ValueError as e:
+            field = str(e).split(" ")[0].removeprefix("SamplingParams.")
+            raise APIError(str(e), 400, field) from None
+
+    async def _run(self, prompt_ids: list[int], params, request_id: str
+                   ) -> AsyncIterator[RequestOutput]:
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, params,
+                                               request_id):
+                yield out
+        except ValueError as e:
+            raise APIError(str(e), 400, "prompt") from None
+
+    async def _collect(self, gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+        async def last(gen):
+            out = None
+            async for out in gen:
+                pass
+            return out
+
+        return list(await asyncio.gather(*(last(g) for g in gens)))
+
+    async def _merge(self, gens: list[AsyncIterator[RequestOutput]]):
+        """Interleave several streams: yields (stream index, output)."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, gen):
+            try:
+                async for out in gen:
+                    await q.put((i, out, None))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                await q.put((i, None, e))
+            finally:
+                await q.put((i, None, StopAsyncIteration()))
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        done = 0
+        try:
+            while done < len(gens):
+                i, out, err = await q.get()
+                if isinstance(err, StopAsyncIteration):
+                    done += 1
+                elif err is not None:
+                    raise err
+                else:
+                    yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # -- completions ----------------------------------------------------------------------------
+    def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        tok = self.llm.tokenizer
+        if isinstance(prompt, str):
+            return [(prompt, tok.encode(prompt))]
+        if not prompt:
+            raise APIError("prompt must not be empty", 400, "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [(None, list(prompt))]
+        if all(isinstance(p, str) for p in prompt):
+            return [(p, tok.encode(p)) for p in prompt]
+        if all(isinstance(p, list) for p in prompt):
+            return [(None, list(p)) for p in prompt]
+        raise APIError("prompt must be a string, a list of strings, or token ids", 400, "prompt")
+
+    def _completion_logprobs(self, c: CompletionOutput, start: int, text_offset: int):
+        if c.logprobs is None:
+            return None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = text_offset
+        for tid, d in zip(c.token_ids[start:], c.logprobs[start:]):
+            chosen = d[tid]
+            tokens.append(chosen.decoded_token)
+            token_lps.append(chosen.logprob)
+            tops.append({p.decoded_token: p.logprob for t, p in d.items() if t != tid
+                         or len(d) == 1} | {chosen.decoded_token: chosen.logprob})
+            offsets.append(off)
+            off += len(chosen.decoded_token or "")
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    async def completions(self, req: CompletionRequest, raw: Request):
+        self._check_model(req.model)
+        params = self._params(req)
+        prompts = self._prompts(req.prompt)
+        for _, ids in prompts:
+            self._check_length(len(ids), req.max_tokens)
+        base = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        gens = [self._run(ids, params, f"{base}-{i}") for i, (_, ids) in enumerate(prompts)]
+        n = params.n
+        usage_prompt = sum(len(ids) for _, ids in prompts)
+        if not req.stream:
+            outs = await self._with_disconnect(raw, self._collect(gens))
+            choices = []
+            for i, out in enumerate(outs):
+                echo = (prompts[i][0] or self.llm.tokenizer.decode(prompts[i][1])) \
+                    if req.echo else ""
+                for c in out.outputs:
+                    choices.append({"index": i * n + c.index, "text": echo + c.text,
+                                    "logprobs": self._completion_logprobs(c, 0, len(echo)),
+                                    "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason})
+            completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            return {"id": base, "object": "text_completion", "created": created,
+                    "model": self.model_name, "choices": choices,
+                    "usage": {"prompt_tokens": usage_prompt, "completion_tokens": completion,
+                              "total_tokens": usage_prompt + completion}}
+
+        async def events():
+            sent_text: dict[tuple[int, int], int] = {}
+            sent_toks: dict[tuple[int, int], int] = {}
+            completion = 0
+            if req.echo:
+                for i, (text, ids) in enumerate(prompts):
+                    for k in range(n):
+                        yield _sse({"id": base, "object": "text_completion", "created": created,
+                                    "model": self.model_name, "choices": [{
+                                        "index": i * n + k,
+                                        "text": text or self.llm.tokenizer.decode(ids),
+                                        "logprobs": None, "finish_reason": None}]})
+            async for i, out in self._merge(gens):
+                for c in out.outputs:
+                    key = (i, c.index)
+                    done = c.finish_reason is not None
+                    upto = _held_back(c.text, done, params.stop)
+                    t0, k0 = sent_text.get(key, 0), sent_toks.get(key, 0)
+                    delta = c.text[t0:upto] if upto > t0 else ""
+                    if not delta and not done and len(c.token_ids) == k0:
+                        continue
+                    sent_text[key] = max(t0, upto)
+                    sent_toks[key] = len(c.token_ids)
+                    if done:
+                        completion += len(c.token_ids)
+                    yield _sse({"id": base, "object": "text_completion", "created": created,
+                                "model": self.model_name, "choices": [{
+                                    "index": i * n + c.index, "text": delta,
+                                    "logprobs": self._completion_logprobs(c, k0, t0),
+                                    "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason}]})
+            if req.stream_options and req.stream_options.include_usage:
+                yield _sse({"id": base, "object": "text_completion", "created": created,
+                            "model": self.model_name, "choices": [],
+                            "usage": {"prompt_tokens": usage_prompt,
+                                      "completion_tokens": completion,
+                                      "total_tokens": usage_prompt + completion}})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(_guard(events()), media_type="text/event-stream")
+
+    # -- chat -----------------------------------------------------------------------------------
+    def _chat_logprobs(self, c: CompletionOutput, start: int, top_n: int):
+        if c.logprobs is None:
+            return None
+        content = []
+        for tid, d in zip(c.token_ids[start:], c.logprobs[start:]):
+            chosen = d[tid]
+            tok = chosen.decoded_token or ""
+            tops = sorted(d.items(), key=lambda kv: kv[1].rank or 0)[:top_n]
+            content.append({"token": tok, "logprob": chosen.logprob,
+                            "bytes": list(tok.encode()),
+                            "top_logprobs": [{"token": p.decoded_token or "",
+                                              "logprob": p.logprob,
+                                              "bytes": list((p.decoded_token or "").encode())}
+                                             for _, p in tops]})
+        return {"content": content}
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self._check_model(req.model)
+        params = self._params(req)
+        try:
+            ids = self.llm.tokenizer.apply_chat_template(
+                req.conversation(), chat_template=req.chat_template,
+                add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # template errors are the request's fault
+            raise APIError(f"could not render the chat template: {e}", 400, "messages") from None
+        self._check_length(len(ids), params.max_tokens if (req.max_tokens or
+                                                           req.max_completion_tokens) else None)
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        gen = self._run(ids, params, base)
+        top_n = req.top_logprobs or 0
+        if not req.stream:
+            (out,) = await self._with_disconnect(raw, self._collect([gen]))
+            completion = sum(len(c.token_ids) for c in out.outputs)
+            return {"id": base, "object": "chat.completion", "created": created,
+                    "model": self.model_name,
+                    "choices": [{"index": c.index,
+                                 "message": {"role": "assistant", "content": c.text},
+                                 "logprobs": self._chat_logprobs(c, 0, top_n),
+                                 "finish_reason": c.finish_reason,
+                                 "stop_reason": c.stop_reason} for c in out.outputs],
+                    "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
+                              "total_tokens": len(ids) + completion}}
+
+        def chunk(choices, **extra):
+            return _sse({"id": base, "object": "chat.completion.chunk", "created": created,
+                         "model": self.model_name, "choices": choices, **extra})
+
+        async def events():
+            sent_text: dict[int, int] = {}
+            sent_toks: dict[int, int] = {}
+            completion = 0
+            for k in range(params.n):
+                yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            async for _, out in self._merge([gen]):
+                for c in out.outputs:
+                    done = c.finish_reason is not None
+                    upto = _held_back(c.text, done, params.stop)
+                    t0, k0 = sent_text.get(c.index, 0), sent_toks.get(c.index, 0)
+                    delta = c.text[t0:upto] if upto > t0 else ""
+                    if not delta and not done and len(c.token_ids) == k0:
+                        continue
+                    sent_text[c.index] = max(t0, upto)
+                    sent_toks[c.index] = len(c.token_ids)
+                    if done:
+                        completion += len(c.token_ids)
+                    yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
+                                  "logprobs": self._chat_logprobs(c, k0, top_n),
+                                  "finish_reason": c.finish_reason,
+                                  "stop_reason": c.stop_reason}])
+            if req.stream_options and req.stream_options.include_usage:
+                yield chunk([], usage={"prompt_tokens": len(ids), "completion_tokens": completion,
+                                       "total_tokens": len(ids) + completion})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(_guard(events()), media_type="text/event-stream")
+
+    async def _with_disconnect(self, raw: Request, coro):
+        """Run a non-streaming request; if the client disconnects, cancel it (-> abort)."""
+        task = asyncio.ensure_future(coro)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                task.cancel()
+                raise APIError("client disconnected", 499, None, "ClientDisconnected")
+
+    # -- the app --------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="jaxinfer OpenAI-compatible server")
+        server = self
+
+        @app.exception_handler(APIError)
+        async def _api_error(request, exc: APIError):
+            return _error_response(exc)
+
+        @app.exception_handler(RequestValidationError)
+        async def _validation_error(request, exc: RequestValidationError):
+            err = exc.errors()[0] if exc.errors() else {}
+            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            param = ".".join(loc) or None
+            msg = err.get("msg", "invalid request")
+            if err.get("type") == "json_invalid":
+                msg = f"malformed JSON body: {msg}"
+            return _error_response(APIError(f"{param}: {msg}" if param else msg, 400, param))
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            if server.api_key and request.url.path.startswith("/v1"):
+                if request.headers.get("authorization") != f"Bearer {server.api_key}":
+                    return _error_response(APIError("invalid or missing API key", 401))
+            return await call_next(request)
+
+        @app.get("/health")
+        async def health():
+            return Response(status_code=200)
+
+        @app.get("/metrics")
+        async def metrics():
+            server.metrics.update_gauges(server.llm.stats)
+            return Response(server.metrics.render(),
+                            media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{
+                "id": server.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "jaxinfer", "max_model_len": server.llm.max_model_len}]}
+
+        @app.post("/v1/completions")
+        async def completions(req: CompletionRequest, raw: Request):
+            return await server.completions(req, raw)
+
+        @app.post("/v1/chat/completions")
+        async def chat(req: ChatCompletionRequest, raw: Request):
+            return await server.chat(req, raw)
+
+        @app.on_event("shutdown")
+        async def _shutdown():
+            server.llm.shutdown()
+
+        return app
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _guard(events):
+    """Errors after the response started go out as an SSE error event."""
+    try:
+        async for e in events:
+            yield e
+    except APIError as err:
+        yield _sse({"error": {"message": err.message, "type": err.err_type, "code": err.status}})
+
+
+def run_server(args) -> int:
+    import os
+
+    import uvicorn
+
+    from jaxinfer.config import EngineConfig
+
+    config = EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                          max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          attention_backend=args.attention_backend, seed=args.seed,
+                          warmup=not args.no_warmup)
+    llm = AsyncLLM(config)
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
+                                      if args.model else "SmolLM2-135M-Instruct")
+    server = OpenAIServer(llm, name, api_key=args.api_key or os.environ.get("JAXINFER_API_KEY"))
+    llm.start()
+    uvicorn.run(server.app, host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,106 @@
+"""Per-request timings and Prometheus collectors (vLLM's metric names, `jaxinfer:` prefix)."""
+
+from __future__ import annotations
+
+import time
+
+from jaxinfer.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+class EngineMetrics:
+    """Prometheus collectors, fed from the engine thread after every step."""
+
+    def __init__(self, model_name: str):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        lbl = {"model_name": model_name}
+        self._lbl = lbl
+        names = ["model_name"]
+        p = "jaxinfer:"
+        self.running = Gauge(p + "num_requests_running", "Requests in the running queue.",
+                             names, registry=self.registry).labels(**lbl)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled.",
+                             names, registry=self.registry).labels(**lbl)
+        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use.",
+                              names, registry=self.registry).labels(**lbl)
+        self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate",
+                                     "Prefix-cache hits / queries (tokens) since start.", names,
+                                     registry=self.registry).labels(**lbl)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Prefix-cache queried tokens.",
+                                      names, registry=self.registry).labels(**lbl)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prefix-cache hit tokens.", names,
+                                   registry=self.registry).labels(**lbl)
+        self.preemptions = Counter(p + "num_preemptions", "Preemptions (recompute).", names,
+                                   registry=self.registry).labels(**lbl)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prefilled prompt tokens.", names,
+                                     registry=self.registry).labels(**lbl)
+        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", names,
+                                         registry=self.registry).labels(**lbl)
+        self.request_success = Counter(p + "request_success", "Finished requests by reason.",
+                                       names + ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token.", names,
+                              buckets=_LATENCY_BUCKETS, registry=self.registry).labels(**lbl)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Inter-token latency.", names,
+                             buckets=_LATENCY_BUCKETS, registry=self.registry).labels(**lbl)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "End-to-end request latency.",
+                             names, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(**lbl)
+        self.req_prompt = Histogram(p + "request_prompt_tokens", "Prompt tokens per request.",
+                                    names, buckets=_TOKEN_BUCKETS,
+                                    registry=self.registry).labels(**lbl)
+        self.req_gen = Histogram(p + "request_generation_tokens",
+                                 "Generated tokens per request.", names, buckets=_TOKEN_BUCKETS,
+                                 registry=self.registry).labels(**lbl)
+        self._seen: dict[str, tuple[int, float]] = {}  # request -> (tokens so far, last time)
+        self._last_stats: dict = {}
+
+    def on_step(self, outputs: list[RequestOutput], stats: dict) -> None:
+        now = time.time()
+        for out in outputs:
+            n = sum(len(c.token_ids) for c in out.outputs)
+            prev_n, prev_t = self._seen.get(out.request_id, (0, None))
+            if prev_t is None and n > 0:
+                self.ttft.observe(now - out.metrics.arrival_time)
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+            elif n > prev_n and prev_t is not None:
+                self.itl.observe((now - prev_t) / (n - prev_n))
+            if n > prev_n:
+                self.generation_tokens.inc(n - prev_n)
+                self._seen[out.request_id] = (n, now)
+            if out.finished:
+                self._seen.pop(out.request_id, None)
+                self.e2e.observe(now - out.metrics.arrival_time)
+                self.req_prompt.observe(len(out.prompt_token_ids))
+                self.req_gen.observe(n)
+                for c in out.outputs:
+                    self.request_success.labels(finished_reason=c.finish_reason or "abort",
+                                                **self._lbl).inc()
+        self.update_gauges(stats)
+
+    def on_abort(self, request_id: str) -> None:
+        """A live request was aborted (e.g. its client went away)."""
+        self._seen.pop(request_id, None)
+        self.request_success.labels(finished_reason="abort", **self._lbl).inc()
+
+    def update_gauges(self, stats: dict) -> None:
+        self.running.set(stats.get("num_running_reqs", 0))
+        self.waiting.set(stats.get("num_waiting_reqs", 0))
+        self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
+        self.prefix_hit_rate.set(stats.get("prefix_cache_hit_rate", 0.0))
+        last = self._last_stats
+        for key, counter in (("prefix_cache_queries", self.prefix_queries),
+                             ("prefix_cache_hits", self.prefix_hits),
+                             ("num_preemptions", self.preemptions)):
+            delta = stats.get(key, 0) - last.get(key, 0)
+            if delta > 0:
+                counter.inc(delta)
+        self._last_stats = dict(stats)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)

@@ -1,0 +1,227 @@
+"""The OpenAI-compatible server, live on 127.0.0.1, driven by the real `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+from jaxinfer.config import EngineConfig  # noqa: E402
+from jaxinfer.engine.async_engine import AsyncLLM  # noqa: E402
+from jaxinfer.entrypoints.openai.api_server import OpenAIServer  # noqa: E402
+
+MODEL = "smol"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir):
+    llm = AsyncLLM(EngineConfig(model=smollm2_dir, dtype="float32", max_model_len=256,
+                                max_num_seqs=16, max_num_batched_tokens=128, warmup=False,
+                                num_kv_blocks=300))
+    srv = OpenAIServer(llm, MODEL)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(srv.app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if uv.started:
+            break
+        time.sleep(0.05)
+    srv.base_url = f"http://127.0.0.1:{port}"
+    yield srv
+    uv.should_exit = True
+    thread.join(timeout=10)
+    llm.shutdown()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def wait_idle(server, timeout=30.0):
+    """Until the engine holds no request and every KV block is free."""
+    eng = server.llm.engine
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        kv = eng.scheduler.kv
+        if (not eng.has_unfinished_requests()
+                and kv.get_num_free_blocks() == eng.runner.num_kv_blocks - 1):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"engine not idle: {eng.get_stats()}")
+
+
+GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+
+
+def test_completion_usage_and_streaming_equals_non_streaming(server, client):
+    tok = server.llm.tokenizer
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+    c = r.choices[0]
+    assert c.finish_reason == "length" and c.text
+    assert r.usage.prompt_tokens == len(tok.encode(prompt))
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == c.text
+    assert chunks[-1].usage.completion_tokens == 12
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finals[-1] == "length"
+    wait_idle(server)
+
+
+def test_chat_usage_streaming_and_stop(server, client):
+    tok = server.llm.tokenizer
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=30)
+    c = r.choices[0]
+    assert "Paris" in c.message.content and c.message.role == "assistant"
+    assert c.finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(tok.apply_chat_template(msgs))
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                            max_tokens=30, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) \
+        == c.message.content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    # A stop string: the text ends right before it, in both modes.
+    word = c.message.content.split()[2]
+    for stream in (False, True):
+        res = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                             max_tokens=30, stop=[word], stream=stream)
+        if stream:
+            chunks = list(res)
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            reason = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+        else:
+            text, reason = res.choices[0].message.content, res.choices[0].finish_reason
+        assert reason == "stop" and word not in text
+        assert text == c.message.content[: c.message.content.index(word)]
+    wait_idle(server)
+
+
+def test_n_samples_and_logprobs(server, client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", n=3, temperature=1.0,
+                                  seed=11, max_tokens=8, logprobs=2)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert len({c.text for c in r.choices}) > 1
+    for c in r.choices:
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == 8
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+        assert all(len(t) >= 2 for t in c.logprobs.top_logprobs)
+    assert r.usage.completion_tokens == 24
+    r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=5, logprobs=True,
+                                       top_logprobs=3,
+                                       messages=[{"role": "user", "content": "Hi"}])
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(x.top_logprobs) == 3 for x in content)
+    assert "".join(x.token for x in content).startswith(r.choices[0].message.content[:3])
+    wait_idle(server)
+
+
+def test_fifty_concurrent_streams_equal_their_single_results(server, client):
+    prompts = [f"Item {i}: the {w} is" for i, w in
+               enumerate(["sky", "sea", "cat", "dog", "sun"] * 10)]
+    kw = dict(temperature=0, max_tokens=6, extra_body={"ignore_eos": True})
+    singles = [client.completions.create(model=MODEL, prompt=p, **kw).choices[0].text
+               for p in prompts]
+
+    async def one(aclient, p):
+        text = ""
+        async for ch in await aclient.completions.create(model=MODEL, prompt=p, stream=True,
+                                                         **kw):
+            text += ch.choices[0].text
+        return text
+
+    async def run_all():
+        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none",
+                                     max_retries=0, timeout=300)
+        return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    results = asyncio.run(run_all())
+    assert results == singles
+    wait_idle(server)
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "Write a very long story about a dragon.",
+            "max_tokens": 200, "stream": True, "ignore_eos": True, "temperature": 0}
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", server.base_url + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+            assert server.llm.engine.has_unfinished_requests()
+    wait_idle(server)  # the request was aborted: nothing running, every block free
+    metrics = httpx.get(server.base_url + "/metrics").text
+    line = [m for m in metrics.splitlines()
+            if m.startswith("jaxinfer:request_success_total") and 'finished_reason="abort"' in m]
+    assert line and float(line[0].split()[-1]) >= 1
+
+
+def test_bad_requests_get_4xx_and_the_next_one_succeeds(server, client):
+    url = server.base_url + "/v1/completions"
+    cases = [
+        (b"{not json", 400, "JSON"),
+        (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": "many"}), 400, "max_tokens"),
+        (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": -1}), 400, "max_tokens"),
+        (json.dumps({"model": MODEL, "prompt": "x", "temperature": -0.5}), 400, "temperature"),
+        (json.dumps({"model": MODEL, "prompt": "hello " * 300}), 400, "256"),
+        (json.dumps({"model": MODEL, "prompt": "hello " * 200, "max_tokens": 100}), 400,
+         "However, you requested 301 tokens (201 in the prompt, 100 in the completion)"),
+        (json.dumps({"model": "gpt-4", "prompt": "x"}), 404, "gpt-4"),
+        (json.dumps({"model": MODEL}), 400, "prompt"),
+    ]
+    for body, status, needle in cases:
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"},
+                       timeout=60)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert needle in err["message"] and err["code"] == status, (body, err)
+    r = httpx.post(server.base_url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": []}, timeout=60)
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    ok = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+    wait_idle(server)
+
+
+def test_models_health_metrics_and_auth(server, client):
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    metrics = httpx.get(server.base_url + "/metrics").text
+    for name in ("jaxinfer:num_requests_running", "jaxinfer:num_requests_waiting",
+                 "jaxinfer:kv_cache_usage_perc", "jaxinfer:prefix_cache_hit_rate",
+                 "jaxinfer:time_to_first_token_seconds_bucket",
+                 "jaxinfer:inter_token_latency_seconds_bucket",
+                 "jaxinfer:e2e_request_latency_seconds_bucket", "jaxinfer:prompt_tokens_total",
+                 "jaxinfer:generation_tokens_total", "jaxinfer:num_preemptions_total",
+                 "jaxinfer:request_success_total"):
+        assert name in metrics, name
+    server.api_key = "s3cret"
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        authed = openai.OpenAI(base_url=server.base_url + "/v1", api_key="s3cret")
+        assert authed.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+        assert httpx.get(server.base_url + "/health").status_code == 200  # not under /v1
+    finally:
+        server.api_key = None
+    wait_idle(server)
