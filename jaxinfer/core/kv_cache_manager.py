@@ -88,11 +88,17 @@ class KVCacheManager:
         None when the pool cannot supply them; a failed call changes nothing."""
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
-        new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = min(num_computed + num_new_tokens, self.max_model_len)
-        num_required = cdiv(num_tokens_need_slot, self.block_size)
+        num_required = -(-num_tokens_need_slot // self.block_size)
+        if not new_computed_blocks and num_required <= len(req_blocks):
+            # The common decode step: the last block still has room.
+            if self.enable_caching:
+                self._cache_blocks(request, min(num_computed + num_new_tokens,
+                                                request.num_tokens))
+            return []
+        new_computed_blocks = new_computed_blocks or []
         num_new_blocks = max(num_required - len(req_blocks) - len(new_computed_blocks), 0)
         # Free hits leave the free queue when touched, so they compete with new blocks.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

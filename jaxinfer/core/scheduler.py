@@ -112,12 +112,14 @@ class Scheduler:
 
         # Running requests first.
         i = 0
+        threshold = cfg.long_prefill_token_threshold
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = request.num_tokens - request.num_computed_tokens
-            if 0 < cfg.long_prefill_token_threshold < n:
-                n = cfg.long_prefill_token_threshold
-            n = min(n, budget, self.max_model_len - request.num_computed_tokens)
+            computed = request.num_computed_tokens
+            n = len(request.all_token_ids) - computed
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, budget, self.max_model_len - computed)
             if n <= 0:
                 i += 1
                 continue
@@ -137,9 +139,9 @@ class Scheduler:
             if new_blocks is None:  # the request preempted itself: nothing more fits
                 break
             cached_reqs.append(CachedRequestData(
-                req_id=request.request_id,
-                new_block_ids=tuple(b.block_id for b in new_blocks),
-                num_computed_tokens=request.num_computed_tokens,
+                request.request_id,
+                tuple([b.block_id for b in new_blocks]) if new_blocks else (),
+                computed,
             ))
             num_scheduled[request.request_id] = n
             budget -= n
@@ -190,8 +192,9 @@ class Scheduler:
             preempted_req_ids=preempted_ids,
         )
         self.finished_req_ids = set()
+        requests = self.requests
         for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            requests[rid].num_computed_tokens += n
         return out
 
     # -- after the step -------------------------------------------------------------------------
@@ -199,33 +202,33 @@ class Scheduler:
         """Append sampled tokens, apply stop checks, free finished requests."""
         outputs = []
         finished = []
+        requests, scheduled = self.requests, so.num_scheduled_tokens
+        logprobs, prompt_logprobs = ro.logprobs, ro.prompt_logprobs
         for rid, sampled in zip(ro.req_ids, ro.sampled_token_ids):
-            request = self.requests.get(rid)
-            if request is None or rid not in so.num_scheduled_tokens:
+            request = requests.get(rid)
+            if request is None or rid not in scheduled:
                 continue  # aborted while the step ran
-            prompt_lps = ro.prompt_logprobs.get(rid)
-            if request.num_computed_tokens < request.num_tokens:
+            prompt_lps = prompt_logprobs.get(rid) if prompt_logprobs else None
+            if request.num_computed_tokens < len(request.all_token_ids):
                 # A partial prefill: its sampled token (if any) is not a real output.
                 if prompt_lps:
                     outputs.append(EngineCoreOutput(rid, (), new_prompt_logprobs=prompt_lps))
                 continue
-            new_ids: list[int] = []
-            for tok in sampled:
-                request.append_output_token_ids(tok)
-                new_ids.append(tok)
+            new_ids = sampled
+            for i, tok in enumerate(sampled):
+                request.output_token_ids.append(tok)
+                request.all_token_ids.append(tok)
                 if self._check_stop(request):
+                    new_ids = sampled[: i + 1]
                     break
-            lps = ro.logprobs.get(rid, ())[: len(new_ids)]
-            outputs.append(EngineCoreOutput(
-                request_id=rid,
-                new_token_ids=tuple(new_ids),
-                finish_reason=request.get_finished_reason(),
-                stop_reason=request.stop_reason,
-                new_logprobs=tuple(lps),
-                new_prompt_logprobs=prompt_lps,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-            ))
-            if request.is_finished():
+            lps = logprobs.get(rid, ())[: len(new_ids)] if logprobs else ()
+            status = request.status
+            reason = RequestStatus.finish_reason(status) if status > RequestStatus.PREEMPTED \
+                else None
+            outputs.append(EngineCoreOutput(rid, tuple(new_ids), reason, request.stop_reason,
+                                            tuple(lps), prompt_lps,
+                                            max(request.num_cached_tokens, 0)))
+            if reason is not None:
                 finished.append(request)
         for request in finished:
             self.running.remove(request)
@@ -234,12 +237,13 @@ class Scheduler:
 
     def _check_stop(self, request: Request) -> bool:
         """vLLM's order: length caps, then (past min_tokens) EOS and stop token ids."""
-        if (request.num_tokens >= self.max_model_len
-                or request.num_output_tokens >= request.max_tokens):
+        num_out = len(request.output_token_ids)
+        if (len(request.all_token_ids) >= self.max_model_len
+                or num_out >= request.max_tokens):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         params = request.sampling_params
-        if request.num_output_tokens < params.min_tokens:
+        if num_out < params.min_tokens:
             return False
         last = request.output_token_ids[-1]
         if not params.ignore_eos and last == request.eos_token_id:
