@@ -210,6 +210,7 @@ class EngineConfig:
     """Everything LLMEngine is built from (the user-facing options of LLM(...))."""
 
     model: str | None = None  # HF folder; None = the embedded SmolLM2
+    tokenizer: str | None = None  # tokenizer folder; None = the model folder
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 64

@@ -64,7 +64,7 @@ class LLMEngine:
         self.attention_backend = check_backend(backend)
         model_dir = config.model or ensure_default_model()
         self.model_dir = model_dir
-        self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
         model, mcfg, dtype = load_model(model_dir, dtype=config.dtype,
                                         load_format=config.load_format,
                                         attention_backend=backend, seed=config.seed)

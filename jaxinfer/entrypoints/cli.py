@@ -1,4 +1,4 @@
-"""`jaxinfer` command line: generate | serve | convert-gguf | prepare-default-model."""
+"""`jaxinfer` command line: generate | serve | bench | convert-gguf | prepare-default-model."""
 
 from __future__ import annotations
 
@@ -57,6 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-backend", default=None, choices=["reference", "pallas"])
     g.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
     g.set_defaults(func=_cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks: latency | throughput | serve | roofline")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    from jaxinfer.bench import offline, roofline, serve
+
+    offline.add_parsers(bsub)
+    serve.add_parser(bsub)
+    roofline.add_parser(bsub)
+    b.set_defaults(func=lambda a: (a.bench(a), 0)[1])
 
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     v.add_argument("model", nargs="?", default=None, help="HF folder (default: embedded SmolLM2)")

@@ -1,0 +1,1 @@
+"""`jaxinfer bench latency | throughput | serve | roofline` (vLLM-style benchmark output)."""

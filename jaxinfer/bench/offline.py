@@ -1,0 +1,155 @@
+"""`jaxinfer bench latency` and `jaxinfer bench throughput` (offline, through LLM)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+
+import numpy as np
+
+PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+
+def engine_args(p) -> None:
+    p.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--attention-backend", default=None, choices=["reference", "pallas"])
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+
+
+def make_llm(args, max_model_len: int):
+    from jaxinfer import LLM
+
+    return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format,
+               max_model_len=args.max_model_len or max_model_len,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               attention_backend=args.attention_backend, num_kv_blocks=args.num_kv_blocks,
+               gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+               warmup=not args.no_warmup)
+
+
+def environment(llm=None) -> dict:
+    import jax
+
+    env = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
+           "platform": jax.default_backend(), "python": platform.python_version()}
+    if llm is not None:
+        eng = llm.llm_engine
+        env.update(model=eng.model_dir, architecture=eng.model_config.architecture,
+                   dtype=eng.dtype, attention_backend=eng.attention_backend)
+    return env
+
+
+def _write(args, result: dict) -> None:
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def run_latency(args) -> dict:
+    from jaxinfer import SamplingParams
+    from jaxinfer.bench.datasets import random_requests
+
+    llm = make_llm(args, args.input_len + args.output_len)
+    vocab = llm.llm_engine.model_config.vocab_size
+    reqs = random_requests(args.batch_size, args.input_len, args.output_len, vocab_size=vocab,
+                           seed=args.seed)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
+                            detokenize=False)
+    for _ in range(args.num_iters_warmup):
+        llm.generate(prompts, params, use_tqdm=False)
+    latencies = []
+    for _ in range(args.num_iters):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        latencies.append(time.perf_counter() - t0)
+        assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
+    lat = np.array(latencies)
+    result = {"benchmark": "latency", "input_len": args.input_len,
+              "output_len": args.output_len, "batch_size": args.batch_size,
+              "num_iters": args.num_iters, "avg_latency": float(lat.mean()),
+              "latencies": latencies,
+              "percentiles": {str(p): float(np.percentile(lat, p)) for p in PERCENTILES},
+              "environment": environment(llm)}
+    print(f"Avg latency: {lat.mean():.4f} s  (batch {args.batch_size}, in {args.input_len}, "
+          f"out {args.output_len})")
+    for p in PERCENTILES:
+        print(f"{p}% percentile latency: {np.percentile(lat, p):.4f} s")
+    _write(args, result)
+    return result
+
+
+def run_throughput(args) -> dict:
+    from jaxinfer import SamplingParams
+    from jaxinfer.bench.datasets import load_requests
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.default_model import ensure_default_model
+    from jaxinfer.tokenizer import Tokenizer
+
+    model_dir = args.model or ensure_default_model()
+    tokenizer = None
+    if args.dataset == "sharegpt":
+        tokenizer = Tokenizer.from_pretrained(args.tokenizer or model_dir)
+    vocab = ModelConfig.from_pretrained(model_dir).vocab_size
+    reqs = load_requests(args, tokenizer, vocab)
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in reqs)
+    llm = make_llm(args, longest)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    params = [SamplingParams(temperature=0 if args.greedy else 1.0, top_p=1.0,
+                             max_tokens=r.output_len, ignore_eos=True, detokenize=False)
+              for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    elapsed = time.perf_counter() - t0
+    n_in = sum(len(r.prompt_token_ids) for r in reqs)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    result = {"benchmark": "throughput", "dataset": args.dataset, "num_requests": len(reqs),
+              "total_prompt_tokens": n_in, "total_output_tokens": n_out,
+              "elapsed_time": elapsed, "requests_per_second": len(reqs) / elapsed,
+              "tokens_per_second": (n_in + n_out) / elapsed,
+              "output_tokens_per_second": n_out / elapsed,
+              "num_preemptions": llm.llm_engine.scheduler.num_preemptions,
+              "environment": environment(llm)}
+    print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
+          f"{result['tokens_per_second']:.2f} total tokens/s, "
+          f"{result['output_tokens_per_second']:.2f} output tokens/s "
+          f"({len(reqs)} requests, {n_in} prompt + {n_out} output tokens in {elapsed:.2f} s)")
+    _write(args, result)
+    return result
+
+
+def add_parsers(sub) -> None:
+    from jaxinfer.bench.datasets import DATASETS
+
+    lat = sub.add_parser("latency", help="latency of one batch, repeated")
+    engine_args(lat)
+    lat.add_argument("--input-len", type=int, default=32)
+    lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument("--batch-size", type=int, default=8)
+    lat.add_argument("--num-iters-warmup", type=int, default=1)
+    lat.add_argument("--num-iters", type=int, default=5)
+    lat.set_defaults(bench=run_latency)
+
+    thr = sub.add_parser("throughput", help="offline throughput over a dataset")
+    engine_args(thr)
+    thr.add_argument("--dataset", default="random", choices=DATASETS)
+    thr.add_argument("--dataset-path", default=None)
+    thr.add_argument("--num-prompts", type=int, default=256)
+    thr.add_argument("--input-len", type=int, default=512)
+    thr.add_argument("--output-len", type=int, default=256)
+    thr.add_argument("--random-range-ratio", type=float, default=0.0)
+    thr.add_argument("--greedy", action="store_true", help="temperature 0 (default: 1.0)")
+    thr.add_argument("--no-tqdm", action="store_true")
+    thr.set_defaults(bench=run_throughput)

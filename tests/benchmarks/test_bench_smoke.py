@@ -1,0 +1,131 @@
+"""Smoke runs of `jaxinfer bench ...`, the HF baseline and the plots: tiny sizes, JSON schema,
+and counts that add up (never timings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from jaxinfer.bench.datasets import nano_vllm_requests, synthetic_sharegpt_requests
+from jaxinfer.entrypoints.cli import main as cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENGINE = ["--max-model-len", "64", "--max-num-seqs", "4", "--no-warmup", "--dtype", "float32"]
+
+
+def test_latency(tmp_path):
+    out = tmp_path / "lat.json"
+    assert cli(["bench", "latency", "--input-len", "8", "--output-len", "4", "--batch-size", "2",
+                "--num-iters-warmup", "1", "--num-iters", "2", *ENGINE,
+                "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["benchmark"] == "latency" and len(r["latencies"]) == 2
+    assert set(r["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+    assert r["avg_latency"] > 0 and r["environment"]["architecture"] == "LlamaForCausalLM"
+
+
+def test_throughput_counts_add_up(tmp_path):
+    out = tmp_path / "thr.json"
+    assert cli(["bench", "throughput", "--dataset", "random", "--num-prompts", "5",
+                "--input-len", "8", "--output-len", "3", "--random-range-ratio", "0.5",
+                "--no-tqdm", *ENGINE, "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["num_requests"] == 5 and 5 * 1 <= r["total_output_tokens"] <= 5 * 4
+    assert 5 * 4 <= r["total_prompt_tokens"] <= 5 * 12
+    assert abs(r["requests_per_second"] * r["elapsed_time"] - 5) < 1e-6
+    assert abs(r["output_tokens_per_second"] * r["elapsed_time"] - r["total_output_tokens"]) \
+        < 1e-6
+
+
+def test_dataset_presets_shapes():
+    reqs = nano_vllm_requests(256, vocab_size=1000, seed=1)
+    assert len(reqs) == 256
+    assert all(100 <= len(r.prompt_token_ids) <= 1024 and 100 <= r.output_len <= 1024
+               for r in reqs)
+    assert reqs == nano_vllm_requests(256, vocab_size=1000, seed=1)  # seeded
+    syn = synthetic_sharegpt_requests(200, vocab_size=1000, seed=0)
+    lens = sorted(len(r.prompt_token_ids) for r in syn)
+    assert 60 < lens[100] < 250 and all(len(r.prompt_token_ids) + r.output_len <= 2048
+                                        for r in syn)
+
+
+def test_roofline(tmp_path):
+    out = tmp_path / "roof.json"
+    assert cli(["bench", "roofline", "--dtype", "float32", "--batch-sizes", "1,4",
+                "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["params"]["total"] == 134515008  # SmolLM2-135M, tied embeddings
+    assert r["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    assert r["decode"][1]["decode_step_floor_s"] > r["decode"][0]["decode_step_floor_s"] > 0
+
+
+def test_serve_against_a_live_server(tmp_path, smollm2_dir):
+    import argparse
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from jaxinfer.bench.serve import run_serve
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine.async_engine import AsyncLLM
+    from jaxinfer.entrypoints.openai.api_server import OpenAIServer
+
+    llm = AsyncLLM(EngineConfig(model=smollm2_dir, dtype="float32", max_model_len=64,
+                                max_num_seqs=4, warmup=False, num_kv_blocks=40))
+    srv = OpenAIServer(llm, "smol")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(srv.app, host="127.0.0.1", port=port, log_level="error"))
+    th = threading.Thread(target=uv.run, daemon=True)
+    th.start()
+    while not uv.started:
+        time.sleep(0.05)
+    try:
+        out = tmp_path / "serve.json"
+        args = argparse.Namespace(
+            base_url=f"http://127.0.0.1:{port}", model="smol", api_key=None, tokenizer=None,
+            vocab_size=49152, dataset="random", dataset_path=None, num_prompts=6, input_len=8,
+            output_len=4, random_range_ratio=0.0, request_rate=20.0, burstiness=1.0,
+            max_concurrency=3, goodput_ttft_ms=None, goodput_tpot_ms=None,
+            goodput_e2e_ms=None, seed=0, output_json=str(out))
+        run_serve(args)
+        r = json.loads(out.read_text())
+        assert (r["completed"], r["failed"]) == (6, 0)
+        assert r["total_output_tokens"] == 24 and r["total_input_tokens"] == 48
+        assert r["ttft_ms"]["median"] > 0 and r["e2e_latency_ms"]["p99"] >= r["ttft_ms"]["p99"]
+        assert r["goodput_requests_per_s"] == pytest.approx(r["request_throughput"])
+    finally:
+        uv.should_exit = True
+        th.join(timeout=10)
+        llm.shutdown()
+
+
+def test_hf_baseline_static_and_plots(tmp_path, smollm2_dir):
+    pytest.importorskip("torch")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "baselines"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import hf_transformers
+        import plot
+    finally:
+        sys.path[:2] = []
+    out = tmp_path / "hf.json"
+    r = hf_transformers.main(["--model", smollm2_dir, "--dtype", "float32", "--num-prompts", "3",
+                              "--input-len", "6", "--output-len", "3", "--batch-size", "2",
+                              "--output-json", str(out)])
+    assert r["baseline"] == "hf-transformers-static" and r["total_output_tokens"] == 9
+    assert json.loads(out.read_text())["total_prompt_tokens"] == 18
+    for b in (1, 4):
+        (tmp_path / f"lat{b}.json").write_text(json.dumps(
+            {"benchmark": "latency", "batch_size": b, "output_len": 8, "avg_latency": 0.5 * b}))
+    (tmp_path / "s.json").write_text(json.dumps(
+        {"benchmark": "serve", "request_rate": 2.0, "ttft_ms": {"median": 10.0},
+         "e2e_latency_ms": {"median": 50.0}}))
+    written = plot.main(["--results", str(tmp_path)])
+    assert len(written) == 2 and all(os.path.getsize(p) > 1000 for p in written)
