@@ -1,7 +1,8 @@
 import os
 
-# Tests run on CPU in float32; keep XLA from grabbing every core's worth of threads.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# CPU unless this machine has an NVIDIA GPU (then `pytest -m gpu` runs the native GPU tests).
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax  # noqa: E402
@@ -11,8 +12,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_collection_modifyitems(config, items):
-    has_gpu = any(d.platform == "gpu" for d in jax.devices()) if os.environ.get(
-        "JAX_PLATFORMS") != "cpu" else False
+    has_gpu = any(d.platform == "gpu" for d in jax.devices())
     if has_gpu:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
