@@ -74,7 +74,7 @@ def test_smollm2_preemption_matches_hf(smollm2_dir, hf_refs):
     llm = LLM(smollm2_dir, dtype="float32", max_model_len=64, max_num_seqs=8,
               max_num_batched_tokens=128, warmup=False, num_kv_blocks=12, block_size=16,
               enable_prefix_caching=False)
-    _check(llm, PROMPTS, hf_refs)
+    _check(llm, PROMPTS[:10], hf_refs)
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
