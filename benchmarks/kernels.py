@@ -118,6 +118,7 @@ def main():
     import jax
     import jax.numpy as jnp
 
+    from jaxinfer.bench import write_result
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
     from pallas_kernels.reference import ragged_paged_attention_reference
 
@@ -177,10 +178,7 @@ def main():
     result = {"benchmark": "kernels", "device": device.device_kind, "jax": jax.__version__,
               "interpret": args.interpret, "copy_bandwidth_bytes_per_s": bw,
               "command": " ".join(sys.argv), "python": platform.python_version(), "rows": rows}
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return write_result(args.output_json, result)
 
 
 if __name__ == "__main__":

@@ -179,7 +179,6 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_sta
     group_pad = _next_pow2(group)
     tune = attention_tuning(d, bs, jnp.dtype(q.dtype).name, t)
     block_q = max(1, tune.block_m // group_pad)
-    block_m = block_q * group_pad
     pages = tune.kv_tokens_per_iter // bs
     splits = num_splits or num_kv_splits(t, max_blocks * bs)
     num_tiles = pl.cdiv(t, block_q) + r

@@ -72,3 +72,36 @@ class PagedRunner:
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+class LiveServer:
+    """An OpenAIServer on a free 127.0.0.1 port, served by uvicorn in a thread."""
+
+    def __init__(self, llm, model_name: str, log_level: str = "warning"):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        from jaxinfer.entrypoints.openai.api_server import OpenAIServer
+
+        self.server = OpenAIServer(llm, model_name)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._uv = uvicorn.Server(uvicorn.Config(self.server.app, host="127.0.0.1", port=port,
+                                                 log_level=log_level))
+        self._thread = threading.Thread(target=self._uv.run, daemon=True)
+        self._thread.start()
+        deadline = time.time() + 30
+        while not self._uv.started:
+            if time.time() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._uv.should_exit = True
+        self._thread.join(timeout=10)
+        self.server.llm.shutdown()

@@ -14,7 +14,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 
@@ -23,6 +22,7 @@ def main(argv=None) -> dict:
     import torch
     import transformers
 
+    from jaxinfer.bench import write_result
     from jaxinfer.bench.datasets import DATASETS, load_requests
     from jaxinfer.config import ModelConfig
     from jaxinfer.models.default_model import ensure_default_model
@@ -109,10 +109,7 @@ def main(argv=None) -> dict:
     print(f"[{result['baseline']}] {result['requests_per_second']:.2f} requests/s, "
           f"{result['tokens_per_second']:.2f} total tokens/s, "
           f"{result['output_tokens_per_second']:.2f} output tokens/s")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return write_result(args.output_json, result)
 
 
 if __name__ == "__main__":

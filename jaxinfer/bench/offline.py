@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 
 import numpy as np
+
+from jaxinfer.bench import write_result
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
@@ -50,12 +51,6 @@ def environment(llm=None) -> dict:
     return env
 
 
-def _write(args, result: dict) -> None:
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-
-
 def run_latency(args) -> dict:
     from jaxinfer import SamplingParams
     from jaxinfer.bench.datasets import random_requests
@@ -86,8 +81,7 @@ def run_latency(args) -> dict:
           f"out {args.output_len})")
     for p in PERCENTILES:
         print(f"{p}% percentile latency: {np.percentile(lat, p):.4f} s")
-    _write(args, result)
-    return result
+    return write_result(args.output_json, result)
 
 
 def run_throughput(args) -> dict:
@@ -126,8 +120,7 @@ def run_throughput(args) -> dict:
           f"{result['tokens_per_second']:.2f} total tokens/s, "
           f"{result['output_tokens_per_second']:.2f} output tokens/s "
           f"({len(reqs)} requests, {n_in} prompt + {n_out} output tokens in {elapsed:.2f} s)")
-    _write(args, result)
-    return result
+    return write_result(args.output_json, result)
 
 
 def add_parsers(sub) -> None:

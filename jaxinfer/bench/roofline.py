@@ -6,9 +6,9 @@ prefill floor = FLOPs / measured dense bf16 (or fp32 on CPU) matmul rate.
 
 from __future__ import annotations
 
-import json
 import time
 
+from jaxinfer.bench import write_result
 from jaxinfer.config import ModelConfig
 
 
@@ -104,10 +104,7 @@ def run_roofline(args) -> dict:
               f"{r['decode_tokens_per_s_ceiling']:.0f} tok/s")
     print(f"  prefill {args.prefill_tokens} tokens: {pf / 1e12:.2f} TFLOP -> floor "
           f"{result['prefill_floor_s'] * 1e3:.2f} ms")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return write_result(args.output_json, result)
 
 
 def add_parser(sub) -> None:

@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+from jaxinfer.bench import write_result
+
 
 async def _one(client, url, model, req, headers, sem):
     async with sem:
@@ -119,10 +121,7 @@ def run_serve(args) -> dict:
         if s["mean"] is not None:
             print(f"  {k:15} mean {s['mean']:9.2f}  median {s['median']:9.2f}  "
                   f"p99 {s['p99']:9.2f}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return write_result(args.output_json, result)
 
 
 def add_parser(sub) -> None:

@@ -64,32 +64,19 @@ def test_roofline(tmp_path):
 
 def test_serve_against_a_live_server(tmp_path, smollm2_dir):
     import argparse
-    import socket
-    import threading
-    import time
-
-    import uvicorn
 
     from jaxinfer.bench.serve import run_serve
     from jaxinfer.config import EngineConfig
     from jaxinfer.engine.async_engine import AsyncLLM
-    from jaxinfer.entrypoints.openai.api_server import OpenAIServer
+    from tests.helpers import LiveServer
 
     llm = AsyncLLM(EngineConfig(model=smollm2_dir, dtype="float32", max_model_len=64,
                                 max_num_seqs=4, warmup=False, num_kv_blocks=40))
-    srv = OpenAIServer(llm, "smol")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(srv.app, host="127.0.0.1", port=port, log_level="error"))
-    th = threading.Thread(target=uv.run, daemon=True)
-    th.start()
-    while not uv.started:
-        time.sleep(0.05)
+    live = LiveServer(llm, "smol", log_level="error")
     try:
         out = tmp_path / "serve.json"
         args = argparse.Namespace(
-            base_url=f"http://127.0.0.1:{port}", model="smol", api_key=None, tokenizer=None,
+            base_url=live.base_url, model="smol", api_key=None, tokenizer=None,
             vocab_size=49152, dataset="random", dataset_path=None, num_prompts=6, input_len=8,
             output_len=4, random_range_ratio=0.0, request_rate=20.0, burstiness=1.0,
             max_concurrency=3, goodput_ttft_ms=None, goodput_tpot_ms=None,
@@ -101,9 +88,7 @@ def test_serve_against_a_live_server(tmp_path, smollm2_dir):
         assert r["ttft_ms"]["median"] > 0 and r["e2e_latency_ms"]["p99"] >= r["ttft_ms"]["p99"]
         assert r["goodput_requests_per_s"] == pytest.approx(r["request_throughput"])
     finally:
-        uv.should_exit = True
-        th.join(timeout=10)
-        llm.shutdown()
+        live.close()
 
 
 def test_hf_baseline_static_and_plots(tmp_path, smollm2_dir):

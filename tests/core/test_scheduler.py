@@ -90,7 +90,7 @@ def test_preempted_request_goes_to_front_and_recomputes():
     s.add_request(b)
     s.add_request(make_request("z", range(30, 33), max_tokens=1, arrival=2))
     r = FakeRunner()
-    so, _ = _step(s, r)  # a, b prefill (2 blocks each) - z waits for max_num... no: no blocks
+    so, _ = _step(s, r)  # a, b prefill (2 blocks each); z finds no free block and waits
     assert set(so.num_scheduled_tokens) == {"a", "b"}
     so, _ = _step(s, r)  # a, b decode (position 7): still in block 2
     so, _ = _step(s, r)  # position 8: both need a third block, only 0 free -> preempt b
@@ -99,6 +99,7 @@ def test_preempted_request_goes_to_front_and_recomputes():
     assert s.waiting.peek() is b  # in front of z
     outs = run_to_completion(s, r)
     assert b.num_preemptions >= 1 and len(b.output_token_ids) == 9
+    assert outs["b"][-1].finish_reason == "length" and outs["z"][-1].finished
     # The fake runner's token depends only on the sequence length, so recompute is invisible.
     assert b.output_token_ids == [1000 + n for n in range(7, 16)]
     assert s.kv.get_num_free_blocks() == 4 and not s.requests

@@ -72,3 +72,14 @@ def make_tiny_model_dir(path, arch, smollm2_dir, sharpen: float = 1.0, **overrid
     for fn in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(smollm2_dir, fn), os.path.join(path, fn))
     return hf
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_dir):
+    """The real SmolLM2 in float32, shared by the tests of one module."""
+    from jaxinfer import LLM
+
+    llm = LLM(smollm2_dir, dtype="float32", max_model_len=256, max_num_seqs=8,
+              max_num_batched_tokens=128, warmup=False, num_kv_blocks=200)
+    yield llm
+    assert_no_leaks(llm)

@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import SamplingParams
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from tests.engine.conftest import assert_no_leaks
-
-
-@pytest.fixture(scope="module")
-def smol(smollm2_dir):
-    llm = LLM(smollm2_dir, dtype="float32", max_model_len=256, max_num_seqs=8,
-              max_num_batched_tokens=128, warmup=False, num_kv_blocks=200)
-    yield llm
-    assert_no_leaks(llm)
 
 
 PROMPT = "The capital of France is"

@@ -32,14 +32,6 @@ N_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_dir):
-    llm = LLM(smollm2_dir, dtype="float32", max_model_len=256, max_num_seqs=8,
-              max_num_batched_tokens=128, warmup=False, num_kv_blocks=200)
-    yield llm
-    assert_no_leaks(llm)
-
-
-@pytest.fixture(scope="module")
 def hf_refs(smol, smollm2_hf):
     tok = smol.get_tokenizer()
     return {p: hf_greedy(smollm2_hf, tok(p)["input_ids"], N_TOKENS) for p in PROMPTS}

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import pytest
@@ -16,7 +14,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from jaxinfer.config import EngineConfig  # noqa: E402
 from jaxinfer.engine.async_engine import AsyncLLM  # noqa: E402
-from jaxinfer.entrypoints.openai.api_server import OpenAIServer  # noqa: E402
+from tests.helpers import LiveServer  # noqa: E402
 
 MODEL = "smol"
 
@@ -26,22 +24,11 @@ def server(smollm2_dir):
     llm = AsyncLLM(EngineConfig(model=smollm2_dir, dtype="float32", max_model_len=256,
                                 max_num_seqs=16, max_num_batched_tokens=128, warmup=False,
                                 num_kv_blocks=300))
-    srv = OpenAIServer(llm, MODEL)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(srv.app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if uv.started:
-            break
-        time.sleep(0.05)
-    srv.base_url = f"http://127.0.0.1:{port}"
+    live = LiveServer(llm, MODEL)
+    srv = live.server
+    srv.base_url = live.base_url
     yield srv
-    uv.should_exit = True
-    thread.join(timeout=10)
-    llm.shutdown()
+    live.close()
 
 
 @pytest.fixture
