@@ -23,7 +23,7 @@ def main(argv=None) -> dict:
     import transformers
 
     from jaxinfer.bench import write_result
-    from jaxinfer.bench.datasets import DATASETS, load_requests
+    from jaxinfer.bench.datasets import add_dataset_args, load_requests
     from jaxinfer.config import ModelConfig
     from jaxinfer.models.default_model import ensure_default_model
     from jaxinfer.tokenizer import Tokenizer
@@ -35,12 +35,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--mode", default="static", choices=["static", "continuous"])
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--dataset", default="random", choices=DATASETS)
-    ap.add_argument("--dataset-path", default=None)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--random-range-ratio", type=float, default=0.0)
+    add_dataset_args(ap, num_prompts=64, input_len=512, output_len=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)

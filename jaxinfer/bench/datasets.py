@@ -90,3 +90,13 @@ def load_requests(args, tokenizer, vocab_size: int) -> list[BenchRequest]:
 
 
 DATASETS = ("random", "sharegpt", "synthetic-sharegpt", "nano-vllm")
+
+
+def add_dataset_args(p, *, num_prompts: int, input_len: int, output_len: int) -> None:
+    """The workload options shared by throughput, serve and the baselines."""
+    p.add_argument("--dataset", default="random", choices=DATASETS)
+    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON for --dataset sharegpt")
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--input-len", type=int, default=input_len)
+    p.add_argument("--output-len", type=int, default=output_len)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)

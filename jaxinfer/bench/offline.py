@@ -124,7 +124,7 @@ def run_throughput(args) -> dict:
 
 
 def add_parsers(sub) -> None:
-    from jaxinfer.bench.datasets import DATASETS
+    from jaxinfer.bench.datasets import add_dataset_args
 
     lat = sub.add_parser("latency", help="latency of one batch, repeated")
     engine_args(lat)
@@ -137,12 +137,7 @@ def add_parsers(sub) -> None:
 
     thr = sub.add_parser("throughput", help="offline throughput over a dataset")
     engine_args(thr)
-    thr.add_argument("--dataset", default="random", choices=DATASETS)
-    thr.add_argument("--dataset-path", default=None)
-    thr.add_argument("--num-prompts", type=int, default=256)
-    thr.add_argument("--input-len", type=int, default=512)
-    thr.add_argument("--output-len", type=int, default=256)
-    thr.add_argument("--random-range-ratio", type=float, default=0.0)
+    add_dataset_args(thr, num_prompts=256, input_len=512, output_len=256)
     thr.add_argument("--greedy", action="store_true", help="temperature 0 (default: 1.0)")
     thr.add_argument("--no-tqdm", action="store_true")
     thr.set_defaults(bench=run_throughput)

@@ -125,7 +125,7 @@ def run_serve(args) -> dict:
 
 
 def add_parser(sub) -> None:
-    from jaxinfer.bench.datasets import DATASETS
+    from jaxinfer.bench.datasets import add_dataset_args
 
     p = sub.add_parser("serve", help="online load against an OpenAI-compatible server")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -133,12 +133,7 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--tokenizer", default=None, help="for --dataset sharegpt")
     p.add_argument("--vocab-size", type=int, default=32000, help="range of random token ids")
-    p.add_argument("--dataset", default="random", choices=DATASETS)
-    p.add_argument("--dataset-path", default=None)
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    add_dataset_args(p, num_prompts=100, input_len=256, output_len=64)
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     p.add_argument("--max-concurrency", type=int, default=None)
