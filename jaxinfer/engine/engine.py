@@ -16,6 +16,7 @@ from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.processor import Processor, PromptType
 from jaxinfer.layers.attention import check_backend
 from jaxinfer.outputs import RequestOutput
+from jaxinfer.parallel import make_mesh
 from jaxinfer.request import RequestStatus
 from jaxinfer.runner.buckets import BucketTable
 from jaxinfer.runner.kv_cache import kv_cache_bytes_per_block
@@ -56,18 +57,17 @@ class LLMEngine:
         from jaxinfer.models.loader import load_model
 
         self.config = config
-        if config.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} is not "
-                             "supported yet (only 1)")
         _enable_compilation_cache(config.compilation_cache_dir)
         backend = config.attention_backend or ("pallas" if _on_gpu() else "reference")
         self.attention_backend = check_backend(backend)
         model_dir = config.model or ensure_default_model()
         self.model_dir = model_dir
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
+        self.mesh = make_mesh(config.tensor_parallel_size)
         model, mcfg, dtype = load_model(model_dir, dtype=config.dtype,
                                         load_format=config.load_format,
-                                        attention_backend=backend, seed=config.seed)
+                                        attention_backend=backend, seed=config.seed,
+                                        mesh=self.mesh)
         self.model_config, self.dtype = mcfg, dtype
         max_model_len = config.max_model_len or mcfg.max_position_embeddings
         if max_model_len > mcfg.max_position_embeddings:
@@ -131,7 +131,8 @@ class LLMEngine:
             act = 2 * 4 * (c.max_num_batched_tokens or 2048) * (
                 4 * mcfg.hidden_size + 3 * mcfg.intermediate_size)
             act += 2 * 4 * c.max_num_seqs * mcfg.vocab_size * 8
-            budget = int(c.gpu_memory_utilization * limit) - in_use - act
+            # Per device: with tensor parallelism each device holds 1/tp of every block.
+            budget = (int(c.gpu_memory_utilization * limit) - in_use - act) * c.tensor_parallel_size
         else:
             budget = _CPU_KV_BYTES
         blocks = budget // per_block + 1

@@ -57,6 +57,32 @@ def attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
     raise ValueError(check_backend(backend))
 
 
+def paged_attention(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
+                    backend: str, sliding_window: int | None, mesh=None):
+    """Write this step's k, v [T, Hkv, D] into the caches, then attend with q [T, Hq, D].
+
+    With a mesh, both run per device on its own heads (jax.shard_map): no communication."""
+
+    def local(q, k, v, k_cache, v_cache, md):
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md)
+        o = attention(q, k_cache, v_cache, md, sm_scale=sm_scale, backend=backend,
+                      sliding_window=sliding_window)
+        return o, k_cache, v_cache
+
+    if mesh is None:
+        return local(q, k, v, k_cache, v_cache, md)
+    from jax.sharding import PartitionSpec as P
+
+    from jaxinfer.parallel import ATTN_Q_SPEC, KV_CACHE_SPEC
+
+    md_spec = jax.tree.map(lambda _: P(), md)
+    return jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(ATTN_Q_SPEC, ATTN_Q_SPEC, ATTN_Q_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC, md_spec),
+        out_specs=(ATTN_Q_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC), check_vma=False,
+    )(q, k, v, k_cache, v_cache, md)
+
+
 def zeros_metadata_like(num_tokens: int, num_reqs: int, max_blocks: int) -> AttentionMetadata:
     """Metadata of an all-padding step (used to trace and compile buckets)."""
     return AttentionMetadata(

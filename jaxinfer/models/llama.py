@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.layers.attention import AttentionMetadata, attention, write_kv
+from jaxinfer.layers.attention import AttentionMetadata, paged_attention
 from jaxinfer.layers.linear import Embedding, GatedMLP, Linear
 from jaxinfer.layers.norms import RMSNorm
 from jaxinfer.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
@@ -29,7 +29,9 @@ def _module_list(items):
 
 
 class LlamaAttention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs,
+                 mesh=None):
+        self.mesh = mesh  # tensor parallelism: attention runs per device under shard_map
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -55,17 +57,18 @@ class LlamaAttention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_cache, v_cache = write_kv(kv_cache[0], kv_cache[1], k, v, md)
-        o = attention(q, k_cache, v_cache, md, sm_scale=self.sm_scale, backend=self.backend,
-                      sliding_window=self.sliding_window)
+        o, k_cache, v_cache = paged_attention(
+            q, k, v, kv_cache[0], kv_cache[1], md, sm_scale=self.sm_scale, backend=self.backend,
+            sliding_window=self.sliding_window, mesh=self.mesh)
         return self.o_proj(o.reshape(num_tokens, -1)), (k_cache, v_cache)
 
 
 class LlamaDecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs,
+                 mesh=None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = LlamaAttention(cfg, dtype=dtype, attention_backend=attention_backend,
-                                        rngs=rngs)
+                                        rngs=rngs, mesh=mesh)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
@@ -77,10 +80,12 @@ class LlamaDecoderLayer(nnx.Module):
 
 
 class LlamaModel(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs,
+                 mesh=None):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = _module_list(
-            LlamaDecoderLayer(cfg, dtype=dtype, attention_backend=attention_backend, rngs=rngs)
+            LlamaDecoderLayer(cfg, dtype=dtype, attention_backend=attention_backend, rngs=rngs,
+                              mesh=mesh)
             for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -90,9 +95,11 @@ class LlamaForCausalLM(nnx.Module):
     """The whole model: embeddings, decoder layers, final norm and (un)tied LM head."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_backend: str = "reference",
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, mesh=None):
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype=dtype, attention_backend=attention_backend, rngs=rngs)
+        self.mesh = mesh
+        self.model = LlamaModel(cfg, dtype=dtype, attention_backend=attention_backend, rngs=rngs,
+                                mesh=mesh)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -119,4 +126,9 @@ class LlamaForCausalLM(nnx.Module):
             logits = self.model.embed_tokens.attend(hidden)
         else:
             logits = self.lm_head(hidden)
+        if self.mesh is not None:  # sampling sees the full vocabulary on every device
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            logits = jax.lax.with_sharding_constraint(
+                logits, NamedSharding(self.mesh, PartitionSpec()))
         return logits.astype(jnp.float32)

@@ -14,13 +14,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig, resolve_dtype
 from jaxinfer.models.registry import get_model_class
+from jaxinfer.parallel import param_spec, replicate_kv_heads, sharding, tp_model_config
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _TRANSPOSED_SUFFIXES = ("_proj.weight", "lm_head.weight")
+_KV_SUFFIXES = ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
 
 
 def _dtype(name: str):
@@ -45,25 +48,28 @@ def _safetensors_index(model_dir: str) -> dict[str, str]:
         )
     from safetensors import safe_open
 
-    with safe_open(single, framework="flax") as f:
+    with safe_open(single, framework="numpy") as f:
         return {name: single for name in f.keys()}
 
 
-def _read_tensors(files_by_name: dict[str, str], wanted: list[str]) -> dict[str, jax.Array]:
+def _iter_tensors(files_by_name: dict[str, str], wanted: list[str]):
+    """(name, host numpy array) for each wanted tensor, one file open at a time."""
     from safetensors import safe_open
 
     by_file: dict[str, list[str]] = {}
     for name in wanted:
         by_file.setdefault(files_by_name[name], []).append(name)
-    out = {}
     for fn, names in by_file.items():
-        with safe_open(fn, framework="flax") as f:
+        with safe_open(fn, framework="numpy") as f:
             for name in names:
-                out[name] = f.get_tensor(name)
-    return out
+                yield name, f.get_tensor(name)
 
 
-def _checkpoint_value(name: str, tensor: jax.Array, expected_shape, dtype) -> jax.Array:
+def _checkpoint_value(name: str, tensor: np.ndarray, expected_shape, dtype, *, kv_repeat: int,
+                      head_dim: int, mesh) -> jax.Array:
+    """Host tensor -> device array of the model's layout, placed straight into its shards."""
+    if kv_repeat > 1 and name.endswith(_KV_SUFFIXES):
+        tensor = replicate_kv_heads(tensor, kv_repeat, head_dim)
     if name.endswith(_TRANSPOSED_SUFFIXES):
         tensor = tensor.T
     if tuple(tensor.shape) != tuple(expected_shape):
@@ -71,44 +77,56 @@ def _checkpoint_value(name: str, tensor: jax.Array, expected_shape, dtype) -> ja
             f"tensor {name!r} has shape {tuple(tensor.shape)} (after transposing HF's [out, in] "
             f"layout where it applies) but the model expects {tuple(expected_shape)}"
         )
-    return tensor.astype(dtype)
+    tensor = np.ascontiguousarray(tensor.astype(dtype))
+    tp = 1 if mesh is None else mesh.size
+    return jax.device_put(tensor, sharding(mesh, param_spec(name, tensor.shape, tp)))
 
 
-def build_model(model_config: ModelConfig, *, dtype: str, attention_backend: str, seed: int = 0):
+def build_model(model_config: ModelConfig, *, dtype: str, attention_backend: str, seed: int = 0,
+                mesh=None):
     cls = get_model_class(model_config.architecture)
     return lambda: cls(model_config, dtype=_dtype(dtype), attention_backend=attention_backend,
-                       rngs=nnx.Rngs(seed))
+                       rngs=nnx.Rngs(seed), mesh=mesh)
 
 
 def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto",
                attention_backend: str = "reference", seed: int = 0,
-               model_config: ModelConfig | None = None):
-    """Returns (model, model_config, dtype_name)."""
+               model_config: ModelConfig | None = None, mesh=None):
+    """Returns (model, model_config, dtype_name). With a mesh (tensor parallelism), every
+    parameter goes from host memory straight into its shards, and the returned config has its
+    KV heads replicated up to the mesh size where they were fewer."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format={load_format!r} is not supported (supported: {', '.join(LOAD_FORMATS)})"
         )
     model_config = model_config or ModelConfig.from_pretrained(model_dir)
+    tp = 1 if mesh is None else mesh.size
+    model_config, kv_repeat = tp_model_config(model_config, tp)
     dtype_name = resolve_dtype(dtype, model_config)
     make = build_model(model_config, dtype=dtype_name, attention_backend=attention_backend,
-                       seed=seed)
-    if load_format == "dummy":
-        graphdef, state = nnx.split(nnx.eval_shape(make))
-        state = jax.jit(lambda: nnx.state(make()))()
-        return nnx.merge(graphdef, state), model_config, dtype_name
-
-    graphdef, params = nnx.split(nnx.eval_shape(make))
-    flat = nnx.to_flat_state(params)
-    files_by_name = _safetensors_index(model_dir)
+                       seed=seed, mesh=mesh)
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    flat = nnx.to_flat_state(abstract)
     names = [_param_name(path) for path, _ in flat]
+    if load_format == "dummy":
+        shardings = nnx.from_flat_state([
+            (path, sharding(mesh, param_spec(name, var.shape, tp)) if mesh else None)
+            for (path, var), name in zip(flat, names)])
+        init = jax.jit(lambda: nnx.state(make()),
+                       out_shardings=shardings if mesh is not None else None)
+        return nnx.merge(graphdef, init()), model_config, dtype_name
+
+    files_by_name = _safetensors_index(model_dir)
     missing = [n for n in names if n not in files_by_name]
     if missing:
         raise ValueError(
             f"checkpoint in {model_dir} is missing tensor {missing[0]!r}"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
-    tensors = _read_tensors(files_by_name, names)
-    for (_, var), name in zip(flat, names):
-        var.set_value(_checkpoint_value(name, tensors.pop(name), var.shape, var.dtype))
+    expected = {name: var for (_, var), name in zip(flat, names)}
+    for name, tensor in _iter_tensors(files_by_name, names):
+        var = expected[name]
+        var.set_value(_checkpoint_value(name, tensor, var.shape, var.dtype, kv_repeat=kv_repeat,
+                                        head_dim=model_config.head_dim, mesh=mesh))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     return model, model_config, dtype_name

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.layers.sampler import SamplingMetadata, sample
@@ -71,6 +72,9 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, kv_dtype,
                  buckets: BucketTable | None = None):
         self.model_config = cfg = model.config
+        self.mesh = model.mesh
+        # Step inputs and sampler state are replicated over the mesh (None: default device).
+        self._replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
         self.graphdef, self.state = nnx.split(model)
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -78,9 +82,10 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.num_kv_blocks = num_kv_blocks
         self.buckets = buckets or BucketTable.build(max_num_batched_tokens, max_num_seqs)
-        self.kv_caches = allocate_kv_caches(cfg, num_kv_blocks, block_size, kv_dtype)
-        self.sampler_state = (jnp.zeros((max_num_seqs, cfg.vocab_size), jnp.int32),
-                              jnp.zeros((max_num_seqs, cfg.vocab_size), bool))
+        self.kv_caches = allocate_kv_caches(cfg, num_kv_blocks, block_size, kv_dtype, self.mesh)
+        self.sampler_state = (
+            jnp.zeros((max_num_seqs, cfg.vocab_size), jnp.int32, device=self._replicated),
+            jnp.zeros((max_num_seqs, cfg.vocab_size), bool, device=self._replicated))
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks)
         self._jitted = jax.jit(partial(_step, self.graphdef, num_logprobs=MAX_LOGPROBS),
                                donate_argnums=(1, 2))
@@ -91,7 +96,7 @@ class ModelRunner:
     # -- compilation ----------------------------------------------------------------------------
     def _compile(self, t: int, r: int, prompt_logprobs: bool = False):
         t0 = time.perf_counter()
-        example = jax.tree.map(jnp.asarray, self._empty_batch(t, r, prompt_logprobs))
+        example = jax.device_put(self._empty_batch(t, r, prompt_logprobs), self._replicated)
         compiled = self._jitted.lower(self.state, self.kv_caches, self.sampler_state,
                                       example).compile()
         self._compiled[(t, r, prompt_logprobs)] = compiled
@@ -195,7 +200,7 @@ class ModelRunner:
         key = (batch.input_ids.shape[0], batch.req_slots.shape[0],
                batch.next_token_ids is not None)
         compiled = self._compiled.get(key) or self._compile(*key)
-        device_batch = jax.device_put(batch)  # the one transfer in
+        device_batch = jax.device_put(batch, self._replicated)  # the one transfer in
         out, self.kv_caches, self.sampler_state = compiled(self.state, self.kv_caches,
                                                            self.sampler_state, device_batch)
         out = jax.device_get(out)  # the one transfer out

@@ -1,0 +1,53 @@
+"""Tensor parallelism on 4 fake CPU devices: TP=2 and TP=4 give TP=1's greedy tokens and
+logprobs within float32 tolerance, through prefill, decode, preemption and prefix hits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.engine.conftest import make_tiny_model_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_tp(model_dir, tp, mode="tiny"):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "tests/parallel/tp_worker.py", model_dir, str(tp),
+                          mode], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("qwen3", 4)])
+def test_tp_matches_single_device(tmp_path, smollm2_dir, arch, kv_heads):
+    extra = {"head_dim": 32} if arch == "qwen3" else {}
+    make_tiny_model_dir(tmp_path, arch, smollm2_dir, num_attention_heads=4,
+                        num_key_value_heads=kv_heads, **extra)
+    base = run_tp(str(tmp_path), 1)
+    assert base["num_preemptions"] > 0 and base["prefix_hits"] > 0 and not base["leaked"]
+    for tp in (2, 4):
+        got = run_tp(str(tmp_path), tp)
+        assert got["tokens"] == base["tokens"], tp
+        np.testing.assert_allclose(np.concatenate(got["logprobs"]),
+                                   np.concatenate(base["logprobs"]), atol=2e-4)
+        assert got["kv_shards"] == tp and got["param_shards"] == tp and not got["leaked"]
+        assert got["kv_heads"] == max(kv_heads, tp)  # replicated when tp exceeds them
+        if kv_heads < tp:
+            assert got["num_preemptions"] > 0  # the same tight cache, with replicated heads
+
+
+def test_smollm2_tp3_runs_and_tp2_is_a_clear_error(smollm2_dir):
+    base = run_tp(smollm2_dir, 1, "smollm2")
+    three = run_tp(smollm2_dir, 3, "smollm2")
+    assert three["tokens"] == base["tokens"] and three["kv_shards"] == 3
+    two = run_tp(smollm2_dir, 2, "smollm2")
+    assert "tensor_parallel_size=2 must divide num_attention_heads=9" in two["error"]
+    too_many = run_tp(smollm2_dir, 8, "smollm2")
+    assert "exceeds the 4 available cpu device(s)" in too_many["error"]

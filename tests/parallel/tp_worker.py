@@ -1,0 +1,54 @@
+"""Runs in a subprocess with several fake CPU devices (XLA_FLAGS set by the caller): greedy
+tokens and their logprobs for one model at one tensor-parallel size, as JSON on stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main():
+    model_dir, tp, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from jaxinfer import LLM, SamplingParams
+
+    try:
+        if mode == "smollm2":
+            llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, max_model_len=64,
+                      max_num_seqs=4, max_num_batched_tokens=32, warmup=False, num_kv_blocks=24)
+        else:
+            # A tight cache forces preemption; repeated prompts hit the prefix cache.
+            llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, max_model_len=64,
+                      max_num_seqs=4, max_num_batched_tokens=32, warmup=False, num_kv_blocks=9,
+                      block_size=8)
+    except ValueError as e:
+        print(json.dumps({"error": str(e)}))
+        return
+    n = 4 if mode == "smollm2" else 8
+    prompts = [[100 + i, 7, 300, 9000 + i, 12, 55, 13, 14, 15][: 3 + i % 6] * (1 + i % 3)
+               for i in range(n)]
+    prompts += prompts[:3]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=10 if n == 8 else 6,
+                                       ignore_eos=True, logprobs=3), use_tqdm=False)
+    eng = llm.llm_engine
+    kv = eng.scheduler.kv
+    res = {
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                     o.outputs[0].logprobs)] for o in outs],
+        "num_preemptions": eng.scheduler.num_preemptions,
+        "prefix_hits": kv.prefix_cache_stats.hits,
+        "leaked": kv.get_num_free_blocks() != eng.runner.num_kv_blocks - 1,
+        "kv_shards": len(eng.runner.kv_caches[0][0].sharding.device_set),
+        "kv_heads": eng.model_config.num_key_value_heads,
+        "param_shards": len(eng.runner.state["model"]["layers"][0]["mlp"]["up_proj"]["weight"]
+                            .value.sharding.device_set),
+    }
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
