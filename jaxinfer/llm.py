@@ -31,6 +31,10 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
 
+    def shutdown(self) -> None:
+        """Multi-host: release the worker processes blocked in LLM() (no-op otherwise)."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
@@ -38,6 +42,8 @@ class LLM:
                  | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
         """Generate for one prompt or many; outputs come back in input order."""
+        if self.llm_engine.is_worker:
+            raise RuntimeError("this is a multi-host worker process: generate on process 0")
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

@@ -8,6 +8,7 @@ import time
 from typing import Iterable
 
 import jax
+import numpy as np
 
 from jaxinfer.config import CacheConfig, EngineConfig, SchedulerConfig
 from jaxinfer.core.kv_cache_manager import KVCacheManager
@@ -90,6 +91,16 @@ class LLMEngine:
                                     long_prefill_token_threshold=config.long_prefill_token_threshold,
                                     policy=config.scheduling_policy)
         num_blocks = self._num_kv_blocks(model, max_model_len)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            if config.tensor_parallel_size != jax.device_count():
+                raise ValueError(
+                    f"multi-host runs need tensor_parallel_size == all devices "
+                    f"({jax.device_count()} over {jax.process_count()} processes), got "
+                    f"{config.tensor_parallel_size}")
+            # Every process must size the cache as process 0 did.
+            num_blocks = int(multihost_utils.broadcast_one_to_all(np.int64(num_blocks)))
         kv = KVCacheManager(num_blocks, cache_cfg.block_size, max_model_len,
                             enable_caching=cache_cfg.enable_prefix_caching,
                             hash_algo=cache_cfg.prefix_caching_hash_algo,
@@ -113,6 +124,13 @@ class LLMEngine:
                                    + _extra_eos_ids(model_dir), seed=config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0
+        self.is_worker = jax.process_index() > 0
+        if self.is_worker:  # multi-host: replay process 0's steps until it shuts down
+            self.runner.serve_remote_steps()
+
+    def shutdown(self) -> None:
+        """Multi-host: release the worker processes (no-op otherwise)."""
+        self.runner.stop_remote_steps()
 
     def _num_kv_blocks(self, model, max_model_len: int) -> int:
         c = self.config

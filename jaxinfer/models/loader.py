@@ -78,8 +78,11 @@ def _checkpoint_value(name: str, tensor: np.ndarray, expected_shape, dtype, *, k
             f"layout where it applies) but the model expects {tuple(expected_shape)}"
         )
     tensor = np.ascontiguousarray(tensor.astype(dtype))
-    tp = 1 if mesh is None else mesh.size
-    return jax.device_put(tensor, sharding(mesh, param_spec(name, tensor.shape, tp)))
+    if mesh is None:
+        return jax.device_put(tensor)
+    # Each device (of every process) receives only its own slice.
+    spec = sharding(mesh, param_spec(name, tensor.shape, mesh.size))
+    return jax.make_array_from_callback(tensor.shape, spec, lambda idx: tensor[idx])
 
 
 def build_model(model_config: ModelConfig, *, dtype: str, attention_backend: str, seed: int = 0,

@@ -57,6 +57,8 @@ def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *, num_lo
     prompt_mask = prompt_mask.at[batch.token_slots, batch.input_ids].max(~is_out, mode="drop")
     out = sample(logits, batch.sampling, counts[batch.req_slots], prompt_mask[batch.req_slots],
                  num_logprobs=num_logprobs)
+    if model.mesh is not None:  # every process can read the (small) results back
+        out = jax.lax.with_sharding_constraint(out, NamedSharding(model.mesh, P()))
     if batch.next_token_ids is not None:
         # prompt_logprobs: every token's distribution over the next prompt token. [T, V]
         prompt_lp = jax.nn.log_softmax(model.compute_logits(hidden), axis=-1)
@@ -93,10 +95,52 @@ class ModelRunner:
         self.num_compilations = 0
         self.compile_seconds = 0.0
 
+    def _to_device(self, tree):
+        """Host numpy pytree -> device arrays (replicated over the mesh, every process)."""
+        if self.mesh is None:
+            return jax.device_put(tree)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self._replicated, x), tree)
+
+    # -- multi-host: process 0 drives, the others replay its steps ------------------------------
+    @property
+    def _multiprocess(self) -> bool:
+        return jax.process_count() > 1
+
+    def _broadcast_step(self, batch: StepBatch | None) -> None:
+        from jax.experimental import multihost_utils
+
+        if batch is None:  # stop
+            header = np.array([0, 0, 0, 1], np.int32)
+        else:
+            header = np.array([batch.input_ids.shape[0], batch.req_slots.shape[0],
+                               batch.next_token_ids is not None, 0], np.int32)
+        multihost_utils.broadcast_one_to_all(header)
+        if batch is not None:
+            multihost_utils.broadcast_one_to_all(batch)
+
+    def serve_remote_steps(self) -> None:
+        """On processes > 0: run process 0's steps until it stops them."""
+        from jax.experimental import multihost_utils
+
+        while True:
+            t, r, pl, stop = (int(x) for x in multihost_utils.broadcast_one_to_all(
+                np.zeros(4, np.int32)))
+            if stop:
+                return
+            batch = multihost_utils.broadcast_one_to_all(self._empty_batch(t, r, bool(pl)))
+            compiled = self._compiled.get((t, r, bool(pl))) or self._compile(t, r, bool(pl))
+            _, self.kv_caches, self.sampler_state = compiled(
+                self.state, self.kv_caches, self.sampler_state, self._to_device(batch))
+
+    def stop_remote_steps(self) -> None:
+        if self._multiprocess and jax.process_index() == 0:
+            self._broadcast_step(None)
+
     # -- compilation ----------------------------------------------------------------------------
     def _compile(self, t: int, r: int, prompt_logprobs: bool = False):
         t0 = time.perf_counter()
-        example = jax.device_put(self._empty_batch(t, r, prompt_logprobs), self._replicated)
+        example = self._to_device(self._empty_batch(t, r, prompt_logprobs))
         compiled = self._jitted.lower(self.state, self.kv_caches, self.sampler_state,
                                       example).compile()
         self._compiled[(t, r, prompt_logprobs)] = compiled
@@ -200,7 +244,9 @@ class ModelRunner:
         key = (batch.input_ids.shape[0], batch.req_slots.shape[0],
                batch.next_token_ids is not None)
         compiled = self._compiled.get(key) or self._compile(*key)
-        device_batch = jax.device_put(batch, self._replicated)  # the one transfer in
+        if self._multiprocess:
+            self._broadcast_step(batch)
+        device_batch = self._to_device(batch)  # the one transfer in
         out, self.kv_caches, self.sampler_state = compiled(self.state, self.kv_caches,
                                                            self.sampler_state, device_batch)
         out = jax.device_get(out)  # the one transfer out

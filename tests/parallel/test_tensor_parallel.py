@@ -51,3 +51,36 @@ def test_smollm2_tp3_runs_and_tp2_is_a_clear_error(smollm2_dir):
     assert "tensor_parallel_size=2 must divide num_attention_heads=9" in two["error"]
     too_many = run_tp(smollm2_dir, 8, "smollm2")
     assert "exceeds the 4 available cpu device(s)" in too_many["error"]
+
+
+def test_two_processes_with_jax_distributed_match_one(tmp_path, smollm2_dir):
+    """Two processes on 127.0.0.1 (gloo CPU collectives), 2 devices each, TP=4 over both:
+    the same tokens as one process on one device."""
+    import socket
+
+    make_tiny_model_dir(tmp_path, "llama", smollm2_dir, num_attention_heads=4,
+                        num_key_value_heads=2)
+    base = run_tp(str(tmp_path), 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    procs = [subprocess.Popen([sys.executable, "tests/parallel/tp_worker.py", str(tmp_path),
+                               "4", "tiny", str(port), str(pid), "2"], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for pid in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    driver = json.loads(outs[0][0].strip().splitlines()[-1])
+    worker = json.loads(outs[1][0].strip().splitlines()[-1])
+    assert worker == {"worker": 1}
+    assert driver["tokens"] == base["tokens"] and not driver["leaked"]
+    np.testing.assert_allclose(np.concatenate(driver["logprobs"]),
+                               np.concatenate(base["logprobs"]), atol=2e-4)
+    assert driver["kv_shards"] == 4 and driver["num_preemptions"] > 0

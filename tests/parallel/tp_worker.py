@@ -1,5 +1,8 @@
 """Runs in a subprocess with several fake CPU devices (XLA_FLAGS set by the caller): greedy
-tokens and their logprobs for one model at one tensor-parallel size, as JSON on stdout."""
+tokens and their logprobs for one model at one tensor-parallel size, as JSON on stdout.
+
+    tp_worker.py MODEL_DIR TP MODE [PORT PROCESS_ID NUM_PROCESSES]   (the last three: multi-host)
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,13 @@ import sys
 def main():
     model_dir, tp, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     import jax
+
+    if len(sys.argv) > 4:
+        import jaxinfer.distributed
+
+        port, pid, nproc = sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+        jaxinfer.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc,
+                                        process_id=pid)
 
     jax.config.update("jax_default_matmul_precision", "highest")
     from jaxinfer import LLM, SamplingParams
@@ -25,6 +35,9 @@ def main():
                       block_size=8)
     except ValueError as e:
         print(json.dumps({"error": str(e)}))
+        return
+    if jax.process_index() > 0:  # a multi-host worker: LLM() returned when process 0 stopped
+        print(json.dumps({"worker": jax.process_index()}))
         return
     n = 4 if mode == "smollm2" else 8
     prompts = [[100 + i, 7, 300, 9000 + i, 12, 55, 13, 14, 15][: 3 + i % 6] * (1 + i % 3)
@@ -47,6 +60,7 @@ def main():
         "param_shards": len(eng.runner.state["model"]["layers"][0]["mlp"]["up_proj"]["weight"]
                             .value.sharding.device_set),
     }
+    llm.shutdown()
     print(json.dumps(res))
 
 
