@@ -8,4 +8,4 @@ run: setup
 	.venv/bin/python -m jaxinfer.entrypoints.cli generate --no-warmup
 
 test: setup
-	.venv/bin/python -m pytest -q tests
+	.venv/bin/python -m pytest -q --durations=15 tests

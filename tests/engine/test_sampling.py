@@ -77,14 +77,14 @@ def test_sampling_follows_reference_distribution(tiny, temperature, top_p, top_k
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0, -1].numpy()
     ref = _reference_distribution(logits, temperature, top_p, top_k, min_p)
-    n = 1500
+    n = 1000
     out = llm.generate(prompt, SamplingParams(n=n, temperature=temperature, top_p=top_p,
                                               top_k=top_k, min_p=min_p, max_tokens=1, seed=7),
                        use_tqdm=False)[0]
     toks = np.array([o.token_ids[0] for o in out.outputs])
     assert ref[toks].min() > 0, "sampled a token outside the allowed set"
     support = np.flatnonzero(ref)
-    assert 5 <= len(support) < 1500  # a real choice, not a near-greedy or flat one
+    assert 5 <= len(support) < 1000  # a real choice, not a near-greedy or flat one
     counts = np.bincount(toks, minlength=len(ref))
     big = support[ref[support] * n >= 5]  # chi-square needs expected counts >= 5
     obs = np.append(counts[big], n - counts[big].sum())
