@@ -222,7 +222,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     load_format: str = "auto"
-    attention_backend: str | None = None  # None: "pallas" on GPU, "reference" on CPU
+    attention_backend: str | None = None  # None: "reference" (pallas: not yet verified on GPU)
     tensor_parallel_size: int = 1
     num_kv_blocks: int | None = None  # explicit KV cache size in blocks (incl. null block)
     kv_cache_memory_bytes: int | None = None  # or a byte budget for the KV cache

@@ -59,7 +59,9 @@ class LLMEngine:
 
         self.config = config
         _enable_compilation_cache(config.compilation_cache_dir)
-        backend = config.attention_backend or ("pallas" if _on_gpu() else "reference")
+        # The Pallas kernel becomes the GPU default once it has been compiled and verified on a
+        # GPU (tests/kernels -m gpu); until then the pure-jnp reference is the default everywhere.
+        backend = config.attention_backend or "reference"
         self.attention_backend = check_backend(backend)
         model_dir = config.model or ensure_default_model()
         self.model_dir = model_dir
