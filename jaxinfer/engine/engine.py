@@ -92,7 +92,7 @@ class LLMEngine:
                                     enable_chunked_prefill=config.enable_chunked_prefill,
                                     long_prefill_token_threshold=config.long_prefill_token_threshold,
                                     policy=config.scheduling_policy)
-        num_blocks = self._num_kv_blocks(model, max_model_len)
+        num_blocks = self._num_kv_blocks()
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -134,7 +134,7 @@ class LLMEngine:
         """Multi-host: release the worker processes (no-op otherwise)."""
         self.runner.stop_remote_steps()
 
-    def _num_kv_blocks(self, model, max_model_len: int) -> int:
+    def _num_kv_blocks(self) -> int:
         c = self.config
         per_block = kv_cache_bytes_per_block(self.model_config, c.block_size,
                                              model_kv_dtype(self.dtype))

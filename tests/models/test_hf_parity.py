@@ -102,12 +102,18 @@ def test_mixed_batch_chunked_prefill_and_decode(saved):
     assert rel_err(got["z"], _hf_logits(hf, seqs["z"])) < TOL, name
 
 
-def test_sharded_checkpoint_is_used(saved):
-    name, _, path = saved
+def test_checkpoint_layout_is_the_one_saved(saved):
+    """One config is saved sharded (index + several files), the others as one file: the
+    loader's parity above therefore covers both layouts."""
     import os
 
+    name, _, path = saved
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if name == "llama-gqa-untied":
         assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+        assert len(files) > 1
+    else:
+        assert files == ["model.safetensors"]
 
 
 def test_bfloat16_load_is_close(saved):
