@@ -5,7 +5,8 @@ GQA group packed into the MMA rows (rows = tokens x padded group), and walks the
 pages (several per iteration) with an online softmax. Programs map to (sequence, tile) through
 a small work list computed in the wrapper, so ragged batches waste at most one tile per
 sequence. For steps with few query tokens and long KV, the KV range is split over extra
-programs (flash-decoding) and merged afterwards.
+programs (flash-decoding) and merged afterwards. A head_dim that is not a power of two (80, 96)
+runs as power-of-two column chunks (64 + 16, 64 + 32), so nothing is padded.
 
 Written for the Triton lowering of Pallas (jax.experimental.pallas.triton); runs on CPU with
 interpret=True. The pure-jnp reference is pallas_kernels/reference.py.
@@ -31,9 +32,26 @@ def _next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
 
+def head_dim_chunks(d: int) -> tuple[tuple[int, int], ...]:
+    """Split head_dim into power-of-two column chunks of >= 16, largest first: (offset, size).
+
+    Triton tiles must be powers of two and MMA operands at least 16 wide, so e.g. D=80 runs as
+    64 + 16 and D=96 as 64 + 32: the scores sum the chunks' dot products and each chunk keeps
+    its own output accumulator. Nothing is padded, so no bandwidth is spent on zeros."""
+    if d < 16 or d % 16:
+        raise ValueError(f"head_dim {d} must be a multiple of 16")
+    chunks, off = [], 0
+    for bit in reversed(range(d.bit_length())):
+        size = 1 << bit
+        if d - off >= size >= 16:
+            chunks.append((off, size))
+            off += size
+    return tuple(chunks)
+
+
 def _kernel(tile_seq_ref, tile_idx_ref, qsl_ref, kv_lens_ref, tables_ref, q_ref, k_ref, v_ref,
             *out_refs, block_q, group, group_pad, pages_per_iter, block_size, num_splits,
-            sm_scale, sliding_window, soft_cap):
+            d_chunks, sm_scale, sliding_window, soft_cap):
     w, split = pl.program_id(0), pl.program_id(2)
     block_m = block_q * group_pad
     block_kv = pages_per_iter * block_size
@@ -58,21 +76,27 @@ def _kernel(tile_seq_ref, tile_idx_ref, qsl_ref, kv_lens_ref, tables_ref, q_ref,
     j0 = it_lo + split * per_split
     j1 = jnp.minimum(j0 + per_split, it_hi)
 
-    q = q_ref[pl.ds(q_start * group_pad, block_m), :]  # [M, D] (rows padded: never OOB)
-    q = jnp.where(row_ok[:, None], q, 0)
+    q_rows = pl.ds(q_start * group_pad, block_m)  # rows padded in the wrapper: never OOB
+    qs = [jnp.where(row_ok[:, None], q_ref[q_rows, pl.ds(off, size)], 0)  # [M, Dc] each
+          for off, size in d_chunks]
 
     def body(j, carry):
-        acc, m_prev, l_prev = carry
+        accs, m_prev, l_prev = carry
         ids = tables_ref[s, pl.ds(j * pages_per_iter, pages_per_iter)]  # [P]
-        k = k_ref[ids].reshape(block_kv, -1)  # [BK, D]
-        v = v_ref[ids].reshape(block_kv, -1)
         kv_pos = j * block_kv + jax.lax.iota(jnp.int32, block_kv)
         kv_ok = kv_pos < kv_len
-        # Unwritten slots may hold NaN: zero them (where, not multiply) before any product.
-        k = jnp.where(kv_ok[:, None], k, 0)
-        v = jnp.where(kv_ok[:, None], v, 0)
-        scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32) * sm_scale
+        scores = None
+        vs = []
+        for qc, (off, size) in zip(qs, d_chunks):
+            k = k_ref[ids, :, pl.ds(off, size)].reshape(block_kv, size)  # [BK, Dc]
+            v = v_ref[ids, :, pl.ds(off, size)].reshape(block_kv, size)
+            # Unwritten slots may hold NaN: zero them (where, not multiply) before any product.
+            k = jnp.where(kv_ok[:, None], k, 0)
+            vs.append(jnp.where(kv_ok[:, None], v, 0))
+            part = jax.lax.dot_general(qc, k, (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+            scores = part if scores is None else scores + part
+        scores = scores * sm_scale
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         mask = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
@@ -84,27 +108,30 @@ def _kernel(tile_seq_ref, tile_idx_ref, qsl_ref, kv_lens_ref, tables_ref, q_ref,
         p = jnp.exp2((scores - m_next[:, None]) * _LOG2E)
         p = jnp.where(mask, p, 0.0)
         l_next = alpha * l_prev + p.sum(axis=-1)
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
-        return alpha[:, None] * acc + pv, m_next, l_next
+        p = p.astype(vs[0].dtype)
+        accs = tuple(alpha[:, None] * acc + jax.lax.dot_general(
+            p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            for acc, v in zip(accs, vs))
+        return accs, m_next, l_next
 
-    head_dim = q_ref.shape[-1]
-    acc = jnp.zeros((block_m, head_dim), jnp.float32)
+    accs = tuple(jnp.zeros((block_m, size), jnp.float32) for _, size in d_chunks)
     m = jnp.full((block_m,), _MASK, jnp.float32)
     l = jnp.zeros((block_m,), jnp.float32)
-    acc, m, l = jax.lax.fori_loop(j0, j1, body, (acc, m, l))
+    accs, m, l = jax.lax.fori_loop(j0, j1, body, (accs, m, l))
 
     # Masked stores: a tile's rows past its sequence belong to the next sequence's tiles.
-    out_rows = pl.ds(q_start * group_pad, block_m)
     if num_splits == 1:
         (o_ref,) = out_refs
-        out = acc / jnp.where(l == 0, 1.0, l)[:, None]
-        plgpu.store(o_ref.at[out_rows, :], out.astype(o_ref.dtype), mask=row_ok[:, None])
+        inv = 1.0 / jnp.where(l == 0, 1.0, l)
+        for acc, (off, size) in zip(accs, d_chunks):
+            plgpu.store(o_ref.at[q_rows, pl.ds(off, size)],
+                        (acc * inv[:, None]).astype(o_ref.dtype), mask=row_ok[:, None])
     else:
         acc_ref, m_ref, l_ref = out_refs
-        plgpu.store(acc_ref.at[out_rows, :], acc, mask=row_ok[:, None])
-        plgpu.store(m_ref.at[out_rows], m, mask=row_ok)
-        plgpu.store(l_ref.at[out_rows], l, mask=row_ok)
+        for acc, (off, size) in zip(accs, d_chunks):
+            plgpu.store(acc_ref.at[q_rows, pl.ds(off, size)], acc, mask=row_ok[:, None])
+        plgpu.store(m_ref.at[q_rows], m, mask=row_ok)
+        plgpu.store(l_ref.at[q_rows], l, mask=row_ok)
 
 
 def _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs):
@@ -121,9 +148,8 @@ def _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
     if hq % hkv:
         raise ValueError(f"q heads ({hq}) must be a multiple of KV heads ({hkv}); "
                          f"q {q.shape}, k_cache {k_cache.shape}")
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"head_dim {d} must be a power of two >= 16 (q {q.shape}); "
-                         "padding for 80/96 is not implemented yet")
+    if d < 16 or d % 16:
+        raise ValueError(f"head_dim {d} must be a multiple of 16 (q {q.shape})")
     if bs & (bs - 1):
         raise ValueError(f"block_size {bs} must be a power of two (k_cache {k_cache.shape})")
     if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
@@ -193,8 +219,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_sta
 
     kernel = functools.partial(
         _kernel, block_q=block_q, group=group, group_pad=group_pad, pages_per_iter=pages,
-        block_size=bs, num_splits=splits, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap)
+        block_size=bs, num_splits=splits, d_chunks=head_dim_chunks(d), sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap)
     whole = lambda a: pl.BlockSpec(a.shape, lambda w, h, sp: (0,) * a.ndim)  # noqa: E731
     cache_spec = pl.BlockSpec((k_cache.shape[0], bs, None, d), lambda w, h, sp: (0, 0, h, 0))
     in_specs = [whole(tile_seq), whole(tile_idx), whole(query_start_loc), whole(kv_lens),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import head_dim_chunks, ragged_paged_attention
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.tuning import _TABLE
 
@@ -45,9 +45,10 @@ def make_case(rng, q_lens, ctx_lens, *, hq, hkv, d, bs, dtype, num_blocks=None, 
             jnp.asarray([r], np.int32)), sum(q_lens)
 
 
-def check(args, n_real, *, tol, **kw):
+def check(args, n_real, *, tol, num_splits=None, **kw):
     ref = ragged_paged_attention_reference(*args, sm_scale=0.125, **kw)
-    out = ragged_paged_attention(*args, sm_scale=0.125, interpret=True, **kw)
+    out = ragged_paged_attention(*args, sm_scale=0.125, interpret=True, num_splits=num_splits,
+                                 **kw)
     ref, out = np.asarray(ref, np.float32)[:n_real], np.asarray(out, np.float32)[:n_real]
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
@@ -77,6 +78,26 @@ def test_matches_reference_bfloat16(d, bs, hq, hkv):
     args, n = make_case(rng, [1, 33, 1, 7], [70, 0, 5, 40], hq=hq, hkv=hkv, d=d, bs=bs,
                         dtype=jnp.bfloat16)
     check(args, n, tol=3e-2)
+
+
+def test_head_dim_chunks():
+    assert head_dim_chunks(128) == ((0, 128),)
+    assert head_dim_chunks(80) == ((0, 64), (64, 16))
+    assert head_dim_chunks(96) == ((0, 64), (64, 32))
+    assert head_dim_chunks(112) == ((0, 64), (64, 32), (96, 16))
+    with pytest.raises(ValueError, match="head_dim 8 must be a multiple of 16"):
+        head_dim_chunks(8)
+
+
+@pytest.mark.parametrize("d,dtype,tol", [(80, jnp.float32, 2e-5), (96, jnp.float32, 2e-5),
+                                         (112, jnp.bfloat16, 3e-2)])
+def test_non_power_of_two_head_dim(d, dtype, tol):
+    """head_dim 80/96/112 run as power-of-two column chunks; splits merge every chunk."""
+    rng = np.random.default_rng(d)
+    args, n = make_case(rng, [1, 20, 1, 9], [40, 0, 300, 3], hq=8, hkv=2, d=d, bs=16,
+                        dtype=dtype)
+    check(args, n, tol=tol)
+    check(args, n, tol=tol, num_splits=3)
 
 
 @pytest.mark.parametrize("splits", [2, 5])
@@ -117,9 +138,9 @@ def test_bad_shapes_raise_naming_the_argument():
         ragged_paged_attention(q[0], *good[1:], sm_scale=1.0, interpret=True)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         ragged_paged_attention(jnp.zeros((8, 3, 64)), *good[1:], sm_scale=1.0, interpret=True)
-    with pytest.raises(ValueError, match="head_dim 80"):
-        ragged_paged_attention(jnp.zeros((8, 4, 80)), jnp.zeros((10, 16, 2, 80)),
-                               jnp.zeros((10, 16, 2, 80)), *good[3:], sm_scale=1.0,
+    with pytest.raises(ValueError, match="head_dim 72 must be a multiple of 16"):
+        ragged_paged_attention(jnp.zeros((8, 4, 72)), jnp.zeros((10, 16, 2, 72)),
+                               jnp.zeros((10, 16, 2, 72)), *good[3:], sm_scale=1.0,
                                interpret=True)
     with pytest.raises(ValueError, match=r"query_start_loc must be \[R\+1\]"):
         ragged_paged_attention(*good[:5], i32(2), i32(1), sm_scale=1.0, interpret=True)
@@ -131,8 +152,8 @@ def test_bad_shapes_raise_naming_the_argument():
                                interpret=True)
 
 
-SHIPPED = sorted({(d, bs, dt) for (d, bs, dt, _) in _TABLE}) + [(64, 16, "float32"),
-                                                               (128, 16, "float32")]
+SHIPPED = sorted({(d, bs, dt) for (d, bs, dt, _) in _TABLE}) + [
+    (64, 16, "float32"), (128, 16, "float32"), (80, 16, "bfloat16"), (96, 16, "bfloat16")]
 
 
 @pytest.mark.parametrize("d,bs,dtype", SHIPPED)
