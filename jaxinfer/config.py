@@ -211,6 +211,7 @@ class EngineConfig:
 
     model: str | None = None  # HF folder; None = the embedded SmolLM2
     tokenizer: str | None = None  # tokenizer folder; None = the model folder
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts must be token ids, no output text
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 64

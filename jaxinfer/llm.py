@@ -19,8 +19,9 @@ class LLM:
 
     Options follow vLLM where they apply: dtype, max_model_len, max_num_seqs,
     max_num_batched_tokens, block_size, enable_prefix_caching, enable_chunked_prefill, seed,
-    load_format, attention_backend ("pallas" | "reference"), tensor_parallel_size, and the
-    KV-cache size (gpu_memory_utilization, num_kv_blocks or kv_cache_memory_bytes).
+    load_format, attention_backend ("pallas" | "reference"), tensor_parallel_size, the
+    KV-cache size (gpu_memory_utilization, num_kv_blocks or kv_cache_memory_bytes), and
+    skip_tokenizer_init (token-id prompts in, token ids out: no tokenizer is loaded).
     """
 
     def __init__(self, model: str | None = None, **kwargs):
@@ -104,6 +105,9 @@ class LLM:
         """Render conversations with the tokenizer's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat needs the tokenizer's chat template, but this LLM was "
+                             "started with skip_tokenizer_init=True")
         prompts = []
         for conv in conversations:
             ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,

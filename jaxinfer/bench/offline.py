@@ -17,6 +17,8 @@ def engine_args(p) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer (token-id workloads; e.g. dummy weights, no vocab)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -32,6 +34,7 @@ def make_llm(args, max_model_len: int):
     from jaxinfer import LLM
 
     return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format,
+               skip_tokenizer_init=args.skip_tokenizer_init,
                max_model_len=args.max_model_len or max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                attention_backend=args.attention_backend, num_kv_blocks=args.num_kv_blocks,

@@ -65,7 +65,9 @@ class LLMEngine:
         self.attention_backend = check_backend(backend)
         model_dir = config.model or ensure_default_model()
         self.model_dir = model_dir
-        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
         self.mesh = make_mesh(config.tensor_parallel_size)
         model, mcfg, dtype = load_model(model_dir, dtype=config.dtype,
                                         load_format=config.load_format,
@@ -117,7 +119,7 @@ class LLMEngine:
                                   buckets=buckets)
         if config.warmup:
             self.runner.warmup()
-        eos = self.tokenizer.eos_token_id
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if eos is None and mcfg.eos_token_ids:
             eos = mcfg.eos_token_ids[0]
         self.processor = Processor(self.tokenizer, vocab_size=mcfg.vocab_size,

@@ -53,7 +53,7 @@ class OutputProcessor:
         samples = {}
         for i, child in enumerate(children):
             detok = None
-            if params.detokenize:
+            if params.detokenize and self.tokenizer is not None:
                 detok = IncrementalDetokenizer(
                     self.tokenizer, prompt_token_ids,
                     skip_special_tokens=params.skip_special_tokens, stop=params.stop,
@@ -84,6 +84,8 @@ class OutputProcessor:
         d = {tid: Logprob(v, rank=i + 1) for i, (tid, v) in
              enumerate(zip(lp.top_ids, lp.top_logprobs))}
         d[lp.token_id] = Logprob(lp.logprob, rank=lp.rank)
+        if self.tokenizer is None:  # skip_tokenizer_init: ids only
+            return d
         return {tid: Logprob(p.logprob, p.rank, self.tokenizer.decode([tid]))
                 for tid, p in d.items()}
 

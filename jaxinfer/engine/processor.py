@@ -25,6 +25,10 @@ class Processor:
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: a text prompt needs the tokenizer, but the engine was "
+                                 "started with skip_tokenizer_init=True; pass "
+                                 "{'prompt_token_ids': [...]} instead")
             return prompt, list(self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -59,6 +63,9 @@ class Processor:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop: stop strings need the tokenizer, but the engine was started "
+                             "with skip_tokenizer_init=True; use stop_token_ids")
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt(ids)
         if not params.ignore_eos and self.extra_eos_token_ids:
