@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.tuning import attention_tuning, num_kv_splits
+from pallas_kernels.tuning import AttentionTuning, attention_tuning, num_kv_splits
 
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
@@ -51,7 +51,7 @@ def head_dim_chunks(d: int) -> tuple[tuple[int, int], ...]:
 
 def _kernel(tile_seq_ref, tile_idx_ref, qsl_ref, kv_lens_ref, tables_ref, q_ref, k_ref, v_ref,
             *out_refs, block_q, group, group_pad, pages_per_iter, block_size, num_splits,
-            d_chunks, sm_scale, sliding_window, soft_cap):
+            d_chunks, sm_scale, sliding_window, soft_cap, interpret):
     w, split = pl.program_id(0), pl.program_id(2)
     block_m = block_q * group_pad
     block_kv = pages_per_iter * block_size
@@ -62,6 +62,12 @@ def _kernel(tile_seq_ref, tile_idx_ref, qsl_ref, kv_lens_ref, tables_ref, q_ref,
     ctx_len = kv_len - (seq_end - seq_start)  # tokens cached before this step's queries
     q_start = seq_start + tile_idx_ref[w] * block_q
 
+    # float32 caches are for exactness: 3-pass TF32 dots (about float32 accuracy on tensor
+    # cores), not Triton's 1-pass TF32 default. IEEE float32 dots (FMA) spill heavily in Triton.
+    # Interpret mode (CPU) computes float32 dots exactly and knows no such algorithm.
+    precision = None
+    if q_ref.dtype == jnp.float32 and not interpret:
+        precision = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     rows = jax.lax.iota(jnp.int32, block_m)
     tok = q_start + rows // group_pad
     row_ok = (seq >= 0) & (tok < seq_end) & (rows % group_pad < group)
@@ -93,7 +99,7 @@ def _kernel(tile_seq_ref, tile_idx_ref, qsl_ref, kv_lens_ref, tables_ref, q_ref,
             # Unwritten slots may hold NaN: zero them (where, not multiply) before any product.
             k = jnp.where(kv_ok[:, None], k, 0)
             vs.append(jnp.where(kv_ok[:, None], v, 0))
-            part = jax.lax.dot_general(qc, k, (((1,), (1,)), ((), ())),
+            part = jax.lax.dot_general(qc, k, (((1,), (1,)), ((), ())), precision=precision,
                                        preferred_element_type=jnp.float32)
             scores = part if scores is None else scores + part
         scores = scores * sm_scale
@@ -110,7 +116,8 @@ def _kernel(tile_seq_ref, tile_idx_ref, qsl_ref, kv_lens_ref, tables_ref, q_ref,
         l_next = alpha * l_prev + p.sum(axis=-1)
         p = p.astype(vs[0].dtype)
         accs = tuple(alpha[:, None] * acc + jax.lax.dot_general(
-            p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            p, v, (((1,), (0,)), ((), ())), precision=precision,
+            preferred_element_type=jnp.float32)
             for acc, v in zip(accs, vs))
         return accs, m_next, l_next
 
@@ -185,17 +192,18 @@ def _work_list(query_start_loc, num_seqs, num_tiles: int, block_q: int):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
-                                             "interpret", "num_splits"))
+                                             "interpret", "num_splits", "tuning"))
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                            num_seqs, *, sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, interpret: bool = False,
-                           num_splits: int | None = None):
+                           num_splits: int | None = None, tuning: AttentionTuning | None = None):
     """Causal attention of a flat ragged query batch over a paged KV cache.
 
     q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; kv_lens: int32 [R]
     (KV length incl. this step's tokens); block_tables: int32 [R, max_blocks];
     query_start_loc: int32 [R+1]; num_seqs: int32 [1]. Returns [T, Hq, D]; rows of padding
-    tokens are unspecified.
+    tokens are unspecified. `num_splits` and `tuning` override the automatic split-KV choice
+    and the tuning table (for benchmarks and sweeps).
     """
     _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
     t, hq, d = q.shape
@@ -203,11 +211,12 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_sta
     r, max_blocks = block_tables.shape
     group = hq // hkv
     group_pad = _next_pow2(group)
-    tune = attention_tuning(d, bs, jnp.dtype(q.dtype).name, t)
+    tune = attention_tuning(d, bs, jnp.dtype(q.dtype).name, t, tuning)
     block_q = max(1, tune.block_m // group_pad)
     pages = tune.kv_tokens_per_iter // bs
-    splits = num_splits or num_kv_splits(t, max_blocks * bs)
     num_tiles = pl.cdiv(t, block_q) + r
+    # Tiles with work: at most one per token, and no more than the work list holds.
+    splits = num_splits or num_kv_splits(min(num_tiles, t) * hkv, max_blocks * bs)
 
     # Rows = tokens x padded group, per KV head; padded so no tile reads or writes past the end.
     rows = (t + block_q) * group_pad
@@ -220,7 +229,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_sta
     kernel = functools.partial(
         _kernel, block_q=block_q, group=group, group_pad=group_pad, pages_per_iter=pages,
         block_size=bs, num_splits=splits, d_chunks=head_dim_chunks(d), sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap)
+        sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
     whole = lambda a: pl.BlockSpec(a.shape, lambda w, h, sp: (0,) * a.ndim)  # noqa: E731
     cache_spec = pl.BlockSpec((k_cache.shape[0], bs, None, d), lambda w, h, sp: (0, 0, h, 0))
     in_specs = [whole(tile_seq), whole(tile_idx), whole(query_start_loc), whole(kv_lens),

@@ -152,8 +152,8 @@ def test_bad_shapes_raise_naming_the_argument():
                                interpret=True)
 
 
-SHIPPED = sorted({(d, bs, dt) for (d, bs, dt, _) in _TABLE}) + [
-    (64, 16, "float32"), (128, 16, "float32"), (80, 16, "bfloat16"), (96, 16, "bfloat16")]
+SHIPPED = sorted({(d, bs, dt) for (d, bs, dt, _) in _TABLE}
+                 | {(64, 16, "float32"), (128, 16, "float32"), (80, 16, "bfloat16")})
 
 
 @pytest.mark.parametrize("d,bs,dtype", SHIPPED)
