@@ -49,6 +49,28 @@ def measure_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / t
 
 
+def measure_matmul_rate(dtype, n: int = 8192) -> float:
+    """Dense matmul FLOP/s of the device at this dtype (the compute roof)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), dtype)
+    mm = jax.jit(lambda x: x @ x)
+    t = _time(lambda: mm(a), 3, 10)
+    return 2 * n**3 / t
+
+
+def attention_flops(batch: int, ctx: int, q_len: int, hq: int, d: int) -> int:
+    """QK^T and PV FLOPs of causal attention: query i of a chunk attends ctx + i + 1 keys."""
+    attended = q_len * ctx + q_len * (q_len + 1) // 2
+    return 4 * batch * attended * hq * d
+
+
+# The cases a tuning sweep times (a subset: every case compiles every candidate).
+SWEEP_CASES = {"decode": [(1, 32768), (8, 8192), (32, 4096), (64, 4096), (256, 2048)],
+               "prefill": [(1, 0), (4, 2048)]}
+
+
 def make_inputs(batch, ctx, q_len, *, hq, hkv, d, bs, dtype, seed=0):
     import jax.numpy as jnp
 
@@ -98,6 +120,49 @@ def torch_worker(cases_json: str) -> None:
     print(json.dumps(out))
 
 
+def _ms(v):
+    return f"{v * 1e3:.3f}" if v is not None else "-"
+
+
+def run_sweep(args, *, hq, hkv, d, bs, dtype, scale):
+    """Time every candidate tuning on SWEEP_CASES; per regime, the candidate with the lowest
+    geometric-mean time over its cases is the suggested tuning-table entry."""
+    import jax
+
+    from pallas_kernels.compile_report import sweep_candidates
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    out = {}
+    for regime, cases in SWEEP_CASES.items():
+        q_len = 1 if regime == "decode" else args.prefill_len
+        if args.smoke:
+            cases = [(1, 32), (2, 32)]
+            q_len = 1 if regime == "decode" else 16
+        inputs = [make_inputs(b, ctx, q_len, hq=hq, hkv=hkv, d=d, bs=bs, dtype=dtype)
+                  for b, ctx in cases]
+        table = []
+        candidates = sweep_candidates(regime)[: 2 if args.smoke else None]
+        for tune in candidates:
+            fn = jax.jit(lambda *a, tune=tune: ragged_paged_attention(
+                *a, sm_scale=scale, interpret=args.interpret, tuning=tune))
+            try:
+                times = [_time(lambda inp=inp: fn(*inp), 2, 3 if args.smoke else 10)
+                         for inp in inputs]
+            except Exception as e:  # a candidate that fails to compile is reported, not fatal
+                table.append({"tuning": tune.__dict__, "error": f"{type(e).__name__}: {e}"[:300]})
+                continue
+            gmean = float(np.exp(np.mean(np.log(times))))
+            table.append({"tuning": tune.__dict__, "times_s": times, "geomean_s": gmean})
+            print(f"sweep {regime:7} {tune}  geomean {gmean * 1e3:.3f} ms", flush=True)
+        ok = [r for r in table if "geomean_s" in r]
+        best = min(ok, key=lambda r: r["geomean_s"]) if ok else None
+        out[regime] = {"cases": cases, "q_len": q_len, "head_dim": d, "block_size": bs,
+                       "dtype": dtype.name, "candidates": table,
+                       "best": best and best["tuning"]}
+        print(f"sweep {regime}: best {best and best['tuning']}", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8,32,64,128,256")
@@ -109,6 +174,9 @@ def main():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--reference-max-kv-tokens", type=int, default=256 * 1024,
                     help="skip the slow jnp reference above this many KV tokens")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time every candidate tuning (pallas_kernels.compile_report."
+                         "sweep_candidates) on SWEEP_CASES and report the best per regime")
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -130,6 +198,7 @@ def main():
         args.prefill_len = 16
     dtype = jnp.dtype(args.dtype)
     bw = measure_bandwidth(1 << 24 if args.smoke else 1 << 30)
+    peak = measure_matmul_rate(dtype, 256 if args.smoke else 8192)
     device = jax.devices()[0]
     cases = []
     for mode, q_len in (("decode", 1), ("prefill", args.prefill_len)):
@@ -154,8 +223,12 @@ def main():
         if kv_tokens <= args.reference_max_kv_tokens:
             t_ref = _time(lambda: ref(*inp), 1, 3)
         floor = kv_bytes / bw
-        rows.append({**c, "kv_bytes": kv_bytes, "pallas_s": t_pallas, "reference_s": t_ref,
-                     "hbm_floor_s": floor, "fraction_of_hbm_bw": floor / t_pallas})
+        flops = attention_flops(c["batch"], c["ctx"], c["q_len"], hq, d)
+        roof = max(floor, flops / peak)
+        rows.append({**c, "kv_bytes": kv_bytes, "flops": flops, "pallas_s": t_pallas,
+                     "reference_s": t_ref, "hbm_floor_s": floor, "flop_floor_s": flops / peak,
+                     "fraction_of_hbm_bw": floor / t_pallas,
+                     "fraction_of_roofline": roof / t_pallas})
     if not args.no_torch and device.platform == "gpu":
         res = subprocess.run([sys.executable, __file__, "--torch-worker", json.dumps(cases)],
                              capture_output=True, text=True,
@@ -166,17 +239,21 @@ def main():
                 row["torch_sdpa_s"] = t["torch_sdpa_s"]
         else:
             print("torch baseline failed:", res.stderr[-2000:], file=sys.stderr)
+    sweep = None
+    if args.sweep:
+        sweep = run_sweep(args, hq=hq, hkv=hkv, d=d, bs=bs, dtype=dtype, scale=scale)
     print(f"device: {device.device_kind}  jax {jax.__version__}  measured copy bandwidth "
-          f"{bw / 1e9:.0f} GB/s")
+          f"{bw / 1e9:.0f} GB/s  matmul {peak / 1e12:.0f} TFLOP/s ({dtype.name})")
     print(f"{'mode':8} {'batch':>5} {'ctx':>6} {'pallas ms':>10} {'ref ms':>9} {'sdpa ms':>8} "
-          f"{'floor ms':>9} {'% HBM':>6}")
+          f"{'HBM ms':>8} {'FLOP ms':>8} {'% HBM':>6} {'% roof':>6}")
     for r in rows:
-        fmt = lambda v: f"{v * 1e3:.3f}" if v is not None else "-"  # noqa: E731
-        print(f"{r['mode']:8} {r['batch']:>5} {r['ctx']:>6} {fmt(r['pallas_s']):>10} "
-              f"{fmt(r['reference_s']):>9} {fmt(r.get('torch_sdpa_s')):>8} "
-              f"{fmt(r['hbm_floor_s']):>9} {100 * r['fraction_of_hbm_bw']:>5.1f}")
+        print(f"{r['mode']:8} {r['batch']:>5} {r['ctx']:>6} {_ms(r['pallas_s']):>10} "
+              f"{_ms(r['reference_s']):>9} {_ms(r.get('torch_sdpa_s')):>8} "
+              f"{_ms(r['hbm_floor_s']):>8} {_ms(r['flop_floor_s']):>8} "
+              f"{100 * r['fraction_of_hbm_bw']:>5.1f} {100 * r['fraction_of_roofline']:>6.1f}")
     result = {"benchmark": "kernels", "device": device.device_kind, "jax": jax.__version__,
               "interpret": args.interpret, "copy_bandwidth_bytes_per_s": bw,
+              "matmul_flops_per_s": peak, "sweep": sweep,
               "command": " ".join(sys.argv), "python": platform.python_version(), "rows": rows}
     return write_result(args.output_json, result)
 

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Everything a session with a lent GPU should run, one phase per device call (a call may run
+# 10 minutes; a session has 30 minutes of device time). Run from the repo root on the GPU
+# machine; results and raw logs land in $OUT (the device tool brings back 8 files per call):
+#
+#   bash scripts/gpu_session.sh tests     # native kernel tests + the engine with the kernel
+#   bash scripts/gpu_session.sh kernels   # benchmarks/kernels.py with the tuning sweep
+#   bash scripts/gpu_session.sh latency   # Llama-3.1-8B-shaped dummy model: roofline and
+#                                         # latency at batch 1/8/32 (128 in, 128 out)
+#   bash scripts/gpu_session.sh throughput  # the same model on the nano-vllm workload
+#   bash scripts/gpu_session.sh hf        # HF transformers (continuous batching), same workload
+#
+# Then commit the JSON + logs under benchmarks/results/ and copy the sweep's best tunings into
+# pallas_kernels/tuning.py. SMOKE=1 runs every phase at toy sizes on a CPU (a check of this
+# script, not a measurement).
+set -uo pipefail
+phase=${1:?usage: gpu_session.sh tests|kernels|latency|throughput|hf}
+OUT=${OUT:-/tmp/jaxinfer-gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=.
+SMOKE=${SMOKE:-0}
+PY=${PYTHON:-python3}
+dev=$($PY -c "import jax; print(jax.devices()[0].device_kind.replace(' ', '_').lower())")
+echo "device: $dev  jax: $($PY -c 'import jax; print(jax.__version__)')  phase: $phase"
+
+case "$phase" in
+tests)
+    if [ "$SMOKE" = 1 ]; then sel=(tests/kernels/test_tuning.py -k lookup); else
+        sel=(-m gpu tests/kernels); fi
+    timeout 540 $PY -m pytest -q -p no:cacheprovider "${sel[@]}" 2>&1 | tee "$OUT/gpu_tests_$dev.log"
+    # The engine end to end with the kernel (natively on a GPU) vs HF transformers' greedy.
+    timeout 300 $PY -m pytest -q -p no:cacheprovider tests/engine/test_llm_greedy.py -k pallas \
+        2>&1 | tee -a "$OUT/gpu_tests_$dev.log"
+    ;;
+kernels)
+    args=(--sweep --output-json "$OUT/kernels_$dev.json")
+    [ "$SMOKE" = 1 ] && args+=(--smoke --interpret --no-torch)
+    timeout 560 $PY benchmarks/kernels.py "${args[@]}" 2>&1 | tee "$OUT/kernels_$dev.log"
+    ;;
+latency | throughput | hf)
+    model=benchmarks/configs/llama-3.1-8b
+    common=(--load-format dummy --dtype bfloat16 --skip-tokenizer-init --attention-backend pallas)
+    thr=(--dataset nano-vllm)
+    lat=(--input-len 128 --output-len 128 --num-iters 3)
+    sizes="1 8 32"
+    if [ "$SMOKE" = 1 ]; then
+        model=$OUT/tiny
+        mkdir -p "$model"
+        $PY -c "import json; json.dump(dict(architectures=['LlamaForCausalLM'], model_type='llama',
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            rms_norm_eps=1e-5, rope_theta=1e4, eos_token_id=2), open('$model/config.json', 'w'))"
+        common=(--load-format dummy --dtype float32 --skip-tokenizer-init --max-num-seqs 4
+                --num-kv-blocks 64 --no-warmup)
+        thr=(--dataset random --num-prompts 4 --input-len 16 --output-len 4)
+        lat=(--input-len 8 --output-len 4 --num-iters 1)
+        sizes="1"
+    fi
+    log="$OUT/${phase}_$dev.log"
+    if [ "$phase" = latency ]; then
+        timeout 60 $PY -m jaxinfer.entrypoints.cli bench roofline --model "$model" \
+            --dtype bfloat16 --output-json "$OUT/roofline_llama8b_$dev.json" 2>&1 | tee "$log"
+        for bs in $sizes; do
+            timeout 170 $PY -m jaxinfer.entrypoints.cli bench latency --model "$model" \
+                "${common[@]}" "${lat[@]}" --batch-size "$bs" \
+                --output-json "$OUT/latency_llama8b_bs${bs}_$dev.json" 2>&1 | tee -a "$log"
+        done
+    elif [ "$phase" = throughput ]; then
+        timeout 560 $PY -m jaxinfer.entrypoints.cli bench throughput --model "$model" \
+            "${common[@]}" "${thr[@]}" --no-tqdm \
+            --output-json "$OUT/throughput_llama8b_$dev.json" 2>&1 | tee "$log"
+    else  # HF transformers' continuous batching on the same workload (torch, no JAX)
+        hf=(--load-format dummy --mode continuous "${thr[@]}")
+        [ "$SMOKE" = 1 ] && hf=(--load-format dummy --dtype float32 --mode static "${thr[@]}")
+        timeout 560 $PY benchmarks/baselines/hf_transformers.py --model "$model" "${hf[@]}" \
+            --output-json "$OUT/hf_llama8b_$dev.json" 2>&1 | tee "$log"
+    fi
+    ;;
+*)
+    echo "unknown phase $phase (tests|kernels|latency|throughput|hf)" >&2
+    exit 2
+    ;;
+esac
