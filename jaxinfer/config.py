@@ -186,6 +186,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # >0: a prefill chunk takes at most this many tokens
     policy: str = "fcfs"  # "fcfs" | "priority" (lower value first, then arrival)
+    # Admit a waiting request only if its whole sequence fits in the free blocks (vLLM's
+    # scheduler_reserve_full_isl, default on): fewer preemptions under chunked prefill.
+    scheduler_reserve_full_isl: bool = True
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -223,7 +226,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     load_format: str = "auto"
-    attention_backend: str | None = None  # None: "reference" (pallas: not yet verified on GPU)
+    attention_backend: str | None = None  # None: "xla" (pallas: not yet verified on GPU)
     tensor_parallel_size: int = 1
     num_kv_blocks: int | None = None  # explicit KV cache size in blocks (incl. null block)
     kv_cache_memory_bytes: int | None = None  # or a byte budget for the KV cache

@@ -38,6 +38,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: frozenset[str]  # finished/aborted since the last step: runner drops them
     preempted_req_ids: frozenset[str]  # preempted this step: runner drops them
+    # req_id -> draft tokens scheduled this step (included in num_scheduled_tokens), to verify
+    scheduled_spec_decode_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -74,6 +76,7 @@ class EngineCoreOutput:
     new_logprobs: tuple[Logprobs, ...] = ()
     new_prompt_logprobs: tuple[Logprobs | None, ...] | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None  # from the KV connector, when the request finished
 
     @property
     def finished(self) -> bool:

@@ -20,12 +20,14 @@ class FinishReason(str, enum.Enum):
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    WAITING_FOR_FSM = 1  # in the waiting queue, skipped until its grammar is compiled
+    WAITING_FOR_REMOTE_KVS = 2  # in the waiting queue, skipped until its KV has arrived
+    RUNNING = 3
+    PREEMPTED = 4
     # Everything after PREEMPTED is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -77,6 +79,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
+        # Draft tokens proposed for the next step (speculative decoding); scheduled on top of
+        # all_token_ids, verified by the step, never part of all_token_ids until accepted.
+        self.spec_token_ids: list[int] = []
         # Skip prefix-cache hits when every prompt position's logits are needed, or when
         # penalties need every token to pass through the step (cached tokens do not).
         p = sampling_params

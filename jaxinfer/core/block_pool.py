@@ -65,6 +65,15 @@ class FreeKVCacheBlockQueue:
         block.next_free, self._tail.prev_free = self._tail, block
         self.num_free_blocks += 1
 
+    def prepend(self, block: KVCacheBlock) -> None:
+        """Put a block at the front: it is the next one popleft hands out."""
+        if block.prev_free is not None or block.next_free is not None:
+            raise RuntimeError(f"{block} is already in the free queue")
+        first = self._head.next_free
+        self._head.next_free, block.prev_free = block, self._head
+        block.next_free, first.prev_free = first, block
+        self.num_free_blocks += 1
+
     def block_ids(self) -> list[int]:
         """Front (evicted first) to back; for tests and debugging."""
         out, b = [], self._head.next_free
@@ -125,7 +134,12 @@ class BlockPool:
             b.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop a reference; blocks reaching 0 join the free queue's tail in the given order."""
+        """Drop a reference on blocks given in eviction order (first = evict first).
+
+        Blocks reaching 0 that hold no prefix-cache hash can never be hit: they go to the front
+        of the free queue and are reused first. Hashed blocks join the tail in the given order,
+        so cached prefixes survive as long as possible (LRU), as in vLLM."""
+        unhashed = []
         for b in ordered_blocks:
             if b.is_null:
                 continue
@@ -133,7 +147,12 @@ class BlockPool:
                 raise RuntimeError(f"double free of {b}")
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self.free_block_queue.append(b)
+                if b.block_hash is None:
+                    unhashed.append(b)
+                else:
+                    self.free_block_queue.append(b)
+        for b in reversed(unhashed):  # the first given ends up at the very front
+            self.free_block_queue.prepend(b)
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         if block.block_hash is not None:

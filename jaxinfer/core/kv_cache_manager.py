@@ -81,43 +81,72 @@ class KVCacheManager:
     # -- allocation -----------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
-                       new_computed_blocks: list[KVCacheBlock] | None = None
+                       new_computed_blocks: list[KVCacheBlock] | None = None, *,
+                       num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
+                       delay_cache_blocks: bool = False, full_sequence_must_fit: bool = False
                        ) -> list[KVCacheBlock] | None:
-        """Blocks for `num_new_tokens` more tokens on top of the request's computed ones (and
-        of `new_computed_blocks`, prefix hits taken now). Returns the newly allocated blocks, or
-        None when the pool cannot supply them; a failed call changes nothing."""
-        if num_new_tokens <= 0:
+        """Blocks for `num_new_tokens` more tokens on top of the request's computed ones.
+        Returns the newly allocated blocks, or None when the pool cannot supply them; a failed
+        call changes nothing. Layout of the request's slots after the call:
+
+            | computed | new_computed (prefix hits) | external | new | lookahead |
+
+        new_computed_blocks: prefix-cache hits taken now (num_new_computed_tokens of them).
+        num_external_computed_tokens: tokens whose KV a KV connector brings in (they get slots
+            and count as computed; num_new_tokens may then be 0, an async load).
+        num_lookahead_tokens: extra slots past the new tokens (speculative drafts' KV); never
+            cached (caching stops at request.num_tokens, which excludes drafts).
+        delay_cache_blocks: do not publish blocks in the prefix cache yet (their KV is still
+            being received).
+        full_sequence_must_fit: admit only if the pool could hold the request's whole current
+            sequence (prompt, or prompt + outputs when resumed), not just this chunk: an
+            admission gate against over-admitting chunked prefills that would later preempt
+            each other (vLLM's scheduler_reserve_full_isl)."""
+        if num_new_tokens < 0 or (num_new_tokens == 0 and num_external_computed_tokens == 0):
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
         req_blocks = self.req_to_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_need_slot = min(num_computed + num_new_tokens, self.max_model_len)
+        num_computed = (request.num_computed_tokens + num_new_computed_tokens
+                        + num_external_computed_tokens)
+        num_tokens_need_slot = min(num_computed + num_new_tokens + num_lookahead_tokens,
+                                   self.max_model_len)
         num_required = -(-num_tokens_need_slot // self.block_size)
-        if not new_computed_blocks and num_required <= len(req_blocks):
+        hits = new_computed_blocks or []
+        num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if full_sequence_must_fit:
+            full = self.blocks_needed(request.num_tokens)
+            if (max(full - len(req_blocks) - len(hits), 0)
+                    > self.block_pool.get_num_free_blocks() - num_evictable_hits):
+                return None
+        cache_upto = min(num_computed + num_new_tokens, request.num_tokens)
+        caching = self.enable_caching and not delay_cache_blocks
+        if not hits and num_required <= len(req_blocks):
             # The common decode step: the last block still has room.
-            if self.enable_caching:
-                self._cache_blocks(request, min(num_computed + num_new_tokens,
-                                                request.num_tokens))
+            if caching:
+                self._cache_blocks(request, cache_upto)
             return []
-        new_computed_blocks = new_computed_blocks or []
-        num_new_blocks = max(num_required - len(req_blocks) - len(new_computed_blocks), 0)
+        num_new_blocks = max(num_required - len(req_blocks) - len(hits), 0)
         # Free hits leave the free queue when touched, so they compete with new blocks.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
             return None
 
         req_blocks = self.req_to_blocks.setdefault(request.request_id, req_blocks)
-        if new_computed_blocks:
-            self.block_pool.touch(new_computed_blocks)
-            req_blocks.extend(new_computed_blocks)
+        if hits:
+            self.block_pool.touch(hits)
+            req_blocks.extend(hits)
             self.num_cached_blocks[request.request_id] = len(req_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
-        if self.enable_caching:
+        if caching:
             # Blocks filled by this step become findable now: the step writes every token's KV
             # before any attention reads it, so a request admitted later in the same step may
             # already hit them (as in vLLM).
-            self._cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+            self._cache_blocks(request, cache_upto)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's full blocks up to num_tokens (after a delayed KV receive)."""
+        if self.enable_caching:
+            self._cache_blocks(request, min(num_tokens, request.num_tokens))
 
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         num_full = num_tokens // self.block_size

@@ -8,6 +8,7 @@ requests are preempted (recompute) from the tail of running (fcfs) or by lowest 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable
 
 from jaxinfer.config import SchedulerConfig
@@ -18,10 +19,19 @@ from jaxinfer.outputs import (CachedRequestData, EngineCoreOutput, NewRequestDat
 from jaxinfer.request import Request, RequestStatus
 
 
+_BLOCKED = (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING_FOR_REMOTE_KVS)
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 kv_connector=None):
         self.config = config
         self.kv = kv_cache_manager
+        # Scheduler side of a KV connector (None: none). Its request_finished(request,
+        # block_ids) -> (delay_free, kv_transfer_params) may keep a finished request's blocks
+        # (e.g. while a decode instance pulls them) until finish_delayed_free().
+        self.kv_connector = kv_connector
+        self.delayed_free: dict[str, Request] = {}
         self.max_model_len = config.max_model_len
         capacity = kv_cache_manager.num_usable_blocks * kv_cache_manager.block_size
         if capacity < config.max_model_len:
@@ -76,10 +86,34 @@ class Scheduler:
 
     abort = finish_requests
 
-    def _free_request(self, request: Request) -> None:
-        self.kv.free(request)
+    def _free_request(self, request: Request) -> dict | None:
+        """Forget a finished request; its blocks go back unless the connector delays that.
+        Returns the connector's kv_transfer_params (or None)."""
+        delay, params = False, None
+        if self.kv_connector is not None:
+            delay, params = self.kv_connector.request_finished(
+                request, self.kv.get_block_ids(request.request_id))
+        if delay:
+            self.delayed_free[request.request_id] = request
+        else:
+            self.kv.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        return params
+
+    def finish_delayed_free(self, request_ids: Iterable[str]) -> None:
+        """Release the blocks of finished requests whose freeing the connector delayed."""
+        for rid in request_ids:
+            request = self.delayed_free.pop(rid, None)
+            if request is not None:
+                self.kv.free(request)
+
+    def set_request_ready(self, request_id: str) -> None:
+        """A request waiting for its grammar (WAITING_FOR_FSM) or for remote KV
+        (WAITING_FOR_REMOTE_KVS) may now be scheduled."""
+        request = self.requests.get(request_id)
+        if request is not None and request.status in _BLOCKED:
+            request.status = RequestStatus.WAITING
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -106,17 +140,25 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, tuple[int, ...]] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: list[Request] = []
 
+        # long_prefill_token_threshold keeps one long prefill from starving the others; with
+        # nobody else running or waiting it does not apply (as in vLLM).
+        threshold = cfg.long_prefill_token_threshold
+        if len(self.running) + len(self.waiting) <= 1:
+            threshold = 0
+
         # Running requests first.
         i = 0
-        threshold = cfg.long_prefill_token_threshold
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             computed = request.num_computed_tokens
-            n = len(request.all_token_ids) - computed
+            num_tokens = len(request.all_token_ids)
+            # Drafts (speculative decoding) are scheduled as extra query tokens to verify.
+            n = num_tokens + len(request.spec_token_ids) - computed
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget, self.max_model_len - computed)
@@ -134,6 +176,7 @@ class Scheduler:
                 if victim.request_id in num_scheduled:
                     # Under priority the victim may sit before us, already scheduled: undo it.
                     budget += num_scheduled.pop(victim.request_id)
+                    spec_tokens.pop(victim.request_id, None)
                     cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
                     i -= 1
             if new_blocks is None:  # the request preempted itself: nothing more fits
@@ -144,24 +187,34 @@ class Scheduler:
                 computed,
             ))
             num_scheduled[request.request_id] = n
+            num_spec = computed + n - num_tokens
+            if num_spec > 0:
+                spec_tokens[request.request_id] = tuple(request.spec_token_ids[:num_spec])
             budget -= n
             i += 1
 
-        # Then waiting requests, unless this step preempted.
+        # Then waiting requests, unless this step preempted. Requests still waiting for their
+        # grammar or their remote KV are passed over and keep their place.
+        skipped: list[Request] = []
         while not preempted and len(self.waiting) and budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             request = self.waiting.peek()
+            if request.status in _BLOCKED:
+                skipped.append(self.waiting.pop())
+                continue
             hit_blocks, num_hit = [], 0
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             n = request.num_tokens - num_hit
-            if 0 < cfg.long_prefill_token_threshold < n:
-                n = cfg.long_prefill_token_threshold
+            if 0 < threshold < n:
+                n = threshold
             if not cfg.enable_chunked_prefill and n > budget:
                 break  # strict FCFS: the head is not skipped
             n = min(n, budget)
-            new_blocks = self.kv.allocate_slots(request, n, num_hit, hit_blocks)
+            new_blocks = self.kv.allocate_slots(
+                request, n, num_hit, hit_blocks,
+                full_sequence_must_fit=cfg.scheduler_reserve_full_isl)
             if new_blocks is None:
                 break
             self.waiting.pop()
@@ -182,6 +235,9 @@ class Scheduler:
             num_scheduled[request.request_id] = n
             budget -= n
 
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
+
         preempted_ids = frozenset(r.request_id for r in preempted)
         out = SchedulerOutput(
             scheduled_new_reqs=tuple(new_reqs),
@@ -190,6 +246,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=frozenset(self.finished_req_ids),
             preempted_req_ids=preempted_ids,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
         requests = self.requests
@@ -203,12 +260,19 @@ class Scheduler:
         outputs = []
         finished = []
         requests, scheduled = self.requests, so.num_scheduled_tokens
+        spec = so.scheduled_spec_decode_tokens
         logprobs, prompt_logprobs = ro.logprobs, ro.prompt_logprobs
         for rid, sampled in zip(ro.req_ids, ro.sampled_token_ids):
             request = requests.get(rid)
             if request is None or rid not in scheduled:
                 continue  # aborted while the step ran
             prompt_lps = prompt_logprobs.get(rid) if prompt_logprobs else None
+            if spec and rid in spec:
+                # The step verified the drafts: it returns the accepted ones plus one token.
+                # Rejected drafts' KV is not computed; the next step recomputes from there.
+                num_rejected = len(spec[rid]) + 1 - len(sampled)
+                request.num_computed_tokens -= num_rejected
+                request.spec_token_ids = []
             if request.num_computed_tokens < len(request.all_token_ids):
                 # A partial prefill: its sampled token (if any) is not a real output.
                 if prompt_lps:
@@ -229,29 +293,31 @@ class Scheduler:
                                             tuple(lps), prompt_lps,
                                             max(request.num_cached_tokens, 0)))
             if reason is not None:
-                finished.append(request)
-        for request in finished:
+                finished.append((request, len(outputs) - 1))
+        for request, k in finished:
             self.running.remove(request)
-            self._free_request(request)
+            params = self._free_request(request)
+            if params is not None:
+                outputs[k] = dataclasses.replace(outputs[k], kv_transfer_params=params)
         return outputs
 
     def _check_stop(self, request: Request) -> bool:
-        """vLLM's order: length caps, then (past min_tokens) EOS and stop token ids."""
+        """vLLM's order: EOS and stop token ids (past min_tokens) before the length caps, so
+        a token that is both the last allowed one and EOS / a stop id finishes with "stop"."""
         num_out = len(request.output_token_ids)
+        params = request.sampling_params
+        if num_out >= params.min_tokens:
+            last = request.output_token_ids[-1]
+            if not params.ignore_eos and last == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
         if (len(request.all_token_ids) >= self.max_model_len
                 or num_out >= request.max_tokens):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        params = request.sampling_params
-        if num_out < params.min_tokens:
-            return False
-        last = request.output_token_ids[-1]
-        if not params.ignore_eos and last == request.eos_token_id:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if last in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = last
             return True
         return False
 
