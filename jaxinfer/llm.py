@@ -19,7 +19,7 @@ class LLM:
 
     Options follow vLLM where they apply: dtype, max_model_len, max_num_seqs,
     max_num_batched_tokens, block_size, enable_prefix_caching, enable_chunked_prefill, seed,
-    load_format, attention_backend ("pallas" | "reference"), tensor_parallel_size, the
+    load_format, attention_backend ("xla" default | "pallas" | "reference"), tensor_parallel_size, the
     KV-cache size (gpu_memory_utilization, num_kv_blocks or kv_cache_memory_bytes), and
     skip_tokenizer_init (token-id prompts in, token ids out: no tokenizer is loaded).
     """

@@ -7,9 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.runner.kv_cache import allocate_kv_caches
-from jaxinfer.runner.step_inputs import make_step_inputs
+from jaxinfer.runner.model_runner import empty_step_batch, fill_step_inputs
 
 
 @jax.jit
@@ -20,52 +19,55 @@ def _forward_all_logits(graphdef, state, kv_caches, input_ids, positions, md):
 
 
 class PagedRunner:
-    """Feeds chunks of several sequences through the model with a paged cache.
+    """Feeds chunks of several sequences through the model with a paged cache, building each
+    step with the production builder (model_runner.fill_step_inputs).
 
     Each sequence gets consecutive fresh blocks; `step` takes {seq: new_token_ids} and returns
     {seq: logits [len(new), V]} (numpy float32).
     """
 
-    def __init__(self, model, *, num_blocks=64, block_size=4, max_blocks=16, dtype=jnp.float32):
+    def __init__(self, model, *, num_blocks=64, block_size=4, max_blocks=16, dtype=jnp.float32,
+                 max_len=256, max_seqs=16):
         self.graphdef, self.state = nnx.split(model)
         self.block_size, self.max_blocks = block_size, max_blocks
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype)
         self.next_block = 1  # block 0 is the null block
-        self.tables: dict[object, list[int]] = {}
-        self.computed: dict[object, int] = {}
+        self.slot: dict[object, int] = {}
+        self.token_ids = np.zeros((max_seqs, max_len), np.int32)  # [S, L] like InputBatch's
+        self.block_table = np.zeros((max_seqs, max_blocks), np.int32)
+        self.num_blocks = np.zeros(max_seqs, np.int32)
+        self.computed = np.zeros(max_seqs, np.int32)
 
-    def _ensure_blocks(self, seq, total_len):
-        table = self.tables.setdefault(seq, [])
-        while len(table) * self.block_size < total_len:
-            table.append(self.next_block)
+    def _ensure_blocks(self, s, total_len):
+        while self.num_blocks[s] * self.block_size < total_len:
+            self.block_table[s, self.num_blocks[s]] = self.next_block
+            self.num_blocks[s] += 1
             self.next_block += 1
 
     def step(self, work: dict, *, pad_tokens: int = 3, pad_reqs: int = 1):
-        seqs = list(work)
-        for s in seqs:
-            self._ensure_blocks(s, self.computed.get(s, 0) + len(work[s]))
-        num_tokens = sum(len(work[s]) for s in seqs)
-        inp = make_step_inputs(
-            [work[s] for s in seqs], [self.computed.get(s, 0) for s in seqs],
-            [self.tables[s] for s in seqs], block_size=self.block_size,
-            num_tokens_padded=num_tokens + pad_tokens, num_reqs_padded=len(seqs) + pad_reqs,
-            max_blocks=self.max_blocks,
-        )
-        md = AttentionMetadata(
-            slot_mapping=jnp.asarray(inp.slot_mapping), block_tables=jnp.asarray(inp.block_tables),
-            seq_lens=jnp.asarray(inp.seq_lens), query_start_loc=jnp.asarray(inp.query_start_loc),
-            num_seqs=jnp.asarray(inp.num_seqs),
-        )
+        # Single-token sequences first, as the production runner lays them out.
+        seqs = sorted(work, key=lambda s: len(work[s]) != 1)
+        for seq in seqs:
+            s = self.slot.setdefault(seq, len(self.slot))
+            c = self.computed[s]
+            self.token_ids[s, c : c + len(work[seq])] = work[seq]
+            self._ensure_blocks(s, c + len(work[seq]))
+        slots = np.array([self.slot[q] for q in seqs], np.int32)
+        q_lens = np.array([len(work[q]) for q in seqs], np.int32)
+        batch = empty_step_batch(int(q_lens.sum()) + pad_tokens, len(seqs) + pad_reqs,
+                                 self.max_blocks, len(self.token_ids))
+        fill_step_inputs(batch, self.token_ids, self.block_table, slots, self.computed[slots],
+                         q_lens, self.block_size)
         logits, self.kv_caches = _forward_all_logits(
-            self.graphdef, self.state, self.kv_caches, jnp.asarray(inp.input_ids),
-            jnp.asarray(inp.positions), md,
+            self.graphdef, self.state, self.kv_caches, jnp.asarray(batch.input_ids),
+            jnp.asarray(batch.positions), jax.device_put(batch.attn),
         )
         logits = np.asarray(logits)
+        qsl = batch.attn.query_start_loc
         out = {}
-        for i, s in enumerate(seqs):
-            lo, hi = inp.query_start_loc[i], inp.query_start_loc[i + 1]
-            out[s] = logits[lo:hi]
-            self.computed[s] = self.computed.get(s, 0) + len(work[s])
+        for i, seq in enumerate(seqs):
+            out[seq] = logits[qsl[i] : qsl[i + 1]]
+            self.computed[self.slot[seq]] += len(work[seq])
         return out
 
 

@@ -22,7 +22,7 @@ def engine_args(p) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--attention-backend", default=None, choices=["reference", "pallas"])
+    p.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "reference"])
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-warmup", action="store_true")

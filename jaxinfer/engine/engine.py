@@ -15,7 +15,7 @@ from jaxinfer.core.kv_cache_manager import KVCacheManager
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.processor import Processor, PromptType
-from jaxinfer.layers.attention import check_backend
+from jaxinfer.layers.attention import DEFAULT_BACKEND, check_backend
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.parallel import make_mesh
 from jaxinfer.request import RequestStatus
@@ -60,8 +60,8 @@ class LLMEngine:
         self.config = config
         _enable_compilation_cache(config.compilation_cache_dir)
         # The Pallas kernel becomes the GPU default once it has been compiled and verified on a
-        # GPU (tests/kernels -m gpu); until then the pure-jnp reference is the default everywhere.
-        backend = config.attention_backend or "reference"
+        # GPU (tests/kernels -m gpu); until then the XLA ragged attention is the default.
+        backend = config.attention_backend or DEFAULT_BACKEND
         self.attention_backend = check_backend(backend)
         model_dir = config.model or ensure_default_model()
         self.model_dir = model_dir

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto")
     g.add_argument("--max-model-len", type=int, default=1024)
     g.add_argument("--max-num-seqs", type=int, default=8)
-    g.add_argument("--attention-backend", default=None, choices=["reference", "pallas"])
+    g.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "reference"])
     g.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
     g.set_defaults(func=_cmd_generate)
 
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-model-len", type=int, default=None)
     v.add_argument("--max-num-seqs", type=int, default=64)
     v.add_argument("--max-num-batched-tokens", type=int, default=None)
-    v.add_argument("--attention-backend", default=None, choices=["reference", "pallas"])
+    v.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "reference"])
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
     v.set_defaults(func=_cmd_serve)

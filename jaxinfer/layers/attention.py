@@ -9,7 +9,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.reference import ragged_paged_attention_reference, write_kv_reference
 
-ATTENTION_BACKENDS = ("reference", "pallas")
+# "xla": cost follows the real work (the default); "pallas": the Triton kernel (GPU; interpret
+# mode on CPU); "reference": pure jnp, slow on purpose, the ground truth of the tests.
+ATTENTION_BACKENDS = ("xla", "pallas", "reference")
+DEFAULT_BACKEND = "xla"
 
 
 @jax.tree_util.register_dataclass
@@ -22,6 +25,9 @@ class AttentionMetadata:
     seq_lens: jax.Array  # int32 [R]: KV length of each sequence including this step's tokens
     query_start_loc: jax.Array  # int32 [R+1]: offsets of each sequence's tokens in the batch
     num_seqs: jax.Array  # int32 [1]: real sequences; rows past it are padding
+    # int32 [1]: sequences [0, num_decodes) have one query token each (the runner lays single-
+    # token sequences out first); the xla backend batches them. 0 is always correct, if slower.
+    num_decodes: jax.Array
 
 
 def check_backend(backend: str) -> str:
@@ -39,8 +45,15 @@ def write_kv(k_cache, v_cache, k, v, md: AttentionMetadata):
 
 
 def attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
-              backend: str = "reference", sliding_window: int | None = None):
+              backend: str = DEFAULT_BACKEND, sliding_window: int | None = None):
     """q [T, Hq, D] over the paged caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D]."""
+    if backend == "xla":
+        from jaxinfer.layers.ragged_attention import ragged_paged_attention_xla
+
+        return ragged_paged_attention_xla(
+            q, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
+            md.num_decodes, sm_scale=sm_scale, sliding_window=sliding_window,
+        )
     if backend == "reference":
         return ragged_paged_attention_reference(
             q, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
@@ -81,14 +94,3 @@ def paged_attention(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_scal
         in_specs=(ATTN_Q_SPEC, ATTN_Q_SPEC, ATTN_Q_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC, md_spec),
         out_specs=(ATTN_Q_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC), check_vma=False,
     )(q, k, v, k_cache, v_cache, md)
-
-
-def zeros_metadata_like(num_tokens: int, num_reqs: int, max_blocks: int) -> AttentionMetadata:
-    """Metadata of an all-padding step (used to trace and compile buckets)."""
-    return AttentionMetadata(
-        slot_mapping=jnp.zeros((num_tokens,), jnp.int32),
-        block_tables=jnp.zeros((num_reqs, max_blocks), jnp.int32),
-        seq_lens=jnp.zeros((num_reqs,), jnp.int32),
-        query_start_loc=jnp.zeros((num_reqs + 1,), jnp.int32),
-        num_seqs=jnp.zeros((1,), jnp.int32),
-    )

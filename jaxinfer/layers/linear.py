@@ -47,5 +47,8 @@ class Embedding(nnx.Module):
         return jnp.take(self.weight[...], ids, axis=0)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        """Tied LM head: x [T, H] -> logits [T, V]."""
-        return x @ self.weight[...].T
+        """Tied LM head: x [T, H] -> logits [T, V].
+
+        Written as (W [V, H] . x^T)^T: XLA's CPU dot then reads the table in place instead of
+        first copying out its transpose (113 MB for SmolLM2, ~15 ms per decode step)."""
+        return jax.lax.dot_general(self.weight[...], x, (((1,), (1,)), ((), ()))).T

@@ -74,32 +74,42 @@ def _filtered_logits(logits, md: SamplingMetadata):
     return jnp.where(keep, sorted_logits, _NEG_INF), order
 
 
-def sample(logits, md: SamplingMetadata, output_counts, prompt_mask, *, num_logprobs: int):
-    """logits float32 [R, V] -> SamplerOutput (top num_logprobs raw logprobs per row)."""
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    logits = apply_penalties(logits, output_counts, prompt_mask, md)
+def sample_tokens(logits, md: SamplingMetadata):
+    """logits float32 [R, V] (penalties already applied) -> sampled ids int32 [R].
+
+    Greedy rows take the argmax. The random path (temperature, filters, Gumbel noise over the
+    whole vocabulary) runs only when some row of the step samples: an all-greedy step skips it
+    at run time (lax.cond), so it pays for no noise and no sort."""
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    # The sort behind min_p/top_k/top_p is skipped when no row of the step uses them.
-    needs_filter = jnp.any((md.temperature > 0) & ((md.top_k > 0) | (md.top_p < 1.0)
-                                                   | (md.min_p > 0.0)))
+    def random_path(logits, md):
+        # The sort behind min_p/top_k/top_p is skipped when no row of the step uses them.
+        needs_filter = jnp.any((md.temperature > 0) & ((md.top_k > 0) | (md.top_p < 1.0)
+                                                       | (md.min_p > 0.0)))
 
-    def unfiltered(logits, md):
-        temp = jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
-        iota = jnp.broadcast_to(jnp.arange(logits.shape[-1], dtype=jnp.int32), logits.shape)
-        return logits / temp, iota
+        def unfiltered(logits, md):
+            temp = jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
+            iota = jnp.broadcast_to(jnp.arange(logits.shape[-1], dtype=jnp.int32), logits.shape)
+            return logits / temp, iota
 
-    filtered, order = jax.lax.cond(needs_filter, _filtered_logits, unfiltered, logits, md)
+        filtered, order = jax.lax.cond(needs_filter, _filtered_logits, unfiltered, logits, md)
 
-    def gumbel(seed, index):
-        key = jax.random.fold_in(jax.random.key(seed), index)
-        return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
+        def gumbel(seed, index):
+            key = jax.random.fold_in(jax.random.key(seed), index)
+            return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
 
-    noise = jax.vmap(gumbel)(md.seeds, md.output_index)
-    pick = jnp.argmax(filtered + noise, axis=-1)
-    random_ids = jnp.take_along_axis(order, pick[:, None], axis=1)[:, 0]
-    token_ids = jnp.where(md.temperature > 0, random_ids, greedy_ids)
+        noise = jax.vmap(gumbel)(md.seeds, md.output_index)
+        pick = jnp.argmax(filtered + noise, axis=-1)
+        random_ids = jnp.take_along_axis(order, pick[:, None], axis=1)[:, 0]
+        return jnp.where(md.temperature > 0, random_ids, greedy_ids)
 
+    return jax.lax.cond(jnp.any(md.temperature > 0), random_path,
+                        lambda logits, md: greedy_ids, logits, md)
+
+
+def compute_logprobs(raw_logits, token_ids, num_logprobs: int) -> SamplerOutput:
+    """Raw-distribution logprobs of the sampled tokens, their ranks and the top num_logprobs."""
+    raw_logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
     chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=1)[:, 0]
     rank = 1 + jnp.sum(raw_logprobs > chosen[:, None], axis=-1).astype(jnp.int32)
     top_lp, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)

@@ -94,7 +94,7 @@ class LlamaModel(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     """The whole model: embeddings, decoder layers, final norm and (un)tied LM head."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_backend: str = "reference",
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_backend: str = "xla",
                  rngs: nnx.Rngs, mesh=None):
         self.config = cfg
         self.mesh = mesh

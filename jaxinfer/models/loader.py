@@ -93,7 +93,7 @@ def build_model(model_config: ModelConfig, *, dtype: str, attention_backend: str
 
 
 def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto",
-               attention_backend: str = "reference", seed: int = 0,
+               attention_backend: str = "xla", seed: int = 0,
                model_config: ModelConfig | None = None, mesh=None):
     """Returns (model, model_config, dtype_name). With a mesh (tensor parallelism), every
     parameter goes from host memory straight into its shards, and the returned config has its

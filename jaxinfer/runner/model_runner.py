@@ -8,6 +8,7 @@ and sampler state donated), make ONE transfer back of the sampled ids and logpro
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from functools import partial
 
@@ -18,13 +19,34 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.layers.attention import AttentionMetadata
-from jaxinfer.layers.sampler import SamplingMetadata, sample
+from jaxinfer.layers.sampler import (SamplingMetadata, apply_penalties, compute_logprobs,
+                                     sample_tokens)
 from jaxinfer.outputs import Logprobs, RunnerOutput, SchedulerOutput
 from jaxinfer.runner.buckets import BucketTable
 from jaxinfer.runner.input_batch import InputBatch
 from jaxinfer.runner.kv_cache import allocate_kv_caches
 
+logger = logging.getLogger(__name__)
+
 MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFeatures:
+    """The compile key of a step variant beside its (T, R) bucket: a step pays only for the
+    features its requests use. A plain greedy/random step computes no logprobs, ranks, top-k or
+    penalties and copies back only the sampled ids."""
+
+    logprobs: bool = False  # some request wants the sampled tokens' logprobs
+    penalties: bool = False  # some request uses repetition / frequency / presence penalties
+    prompt_logprobs: bool = False  # some request wants prompt logprobs from this step
+
+    def __str__(self) -> str:
+        on = [f.name for f in dataclasses.fields(self) if getattr(self, f.name)]
+        return "+".join(on) or "plain"
+
+
+PLAIN = StepFeatures()
 
 
 @jax.tree_util.register_dataclass
@@ -44,29 +66,106 @@ class StepBatch:
     next_token_ids: np.ndarray | None = None  # int32 [T]: next prompt token (prompt_logprobs)
 
 
-def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *, num_logprobs: int):
+def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
+          features: StepFeatures):
     model = nnx.merge(graphdef, state)
     hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.attn)
-    logits = model.compute_logits(hidden[batch.logits_indices])  # [R, V] float32
-    counts, prompt_mask = sampler_state  # [S, V] int32, [S, V] bool
-    counts = counts.at[batch.reset_slots].set(0, mode="drop")
-    prompt_mask = prompt_mask.at[batch.reset_slots].set(False, mode="drop")
-    is_out = batch.token_is_output
-    counts = counts.at[batch.token_slots, batch.input_ids].add(is_out.astype(jnp.int32),
-                                                               mode="drop")
-    prompt_mask = prompt_mask.at[batch.token_slots, batch.input_ids].max(~is_out, mode="drop")
-    out = sample(logits, batch.sampling, counts[batch.req_slots], prompt_mask[batch.req_slots],
-                 num_logprobs=num_logprobs)
-    if model.mesh is not None:  # every process can read the (small) results back
-        out = jax.lax.with_sharding_constraint(out, NamedSharding(model.mesh, P()))
-    if batch.next_token_ids is not None:
-        # prompt_logprobs: every token's distribution over the next prompt token. [T, V]
+    # The LM head and the sampler run on the R sampling rows only, never on all T tokens.
+    raw_logits = model.compute_logits(hidden[batch.logits_indices])  # [R, V] float32
+    logits = raw_logits
+    if features.penalties:
+        counts, prompt_mask = sampler_state  # [S, V] int32, [S, V] bool
+        counts = counts.at[batch.reset_slots].set(0, mode="drop")
+        prompt_mask = prompt_mask.at[batch.reset_slots].set(False, mode="drop")
+        is_out = batch.token_is_output
+        counts = counts.at[batch.token_slots, batch.input_ids].add(is_out.astype(jnp.int32),
+                                                                   mode="drop")
+        prompt_mask = prompt_mask.at[batch.token_slots, batch.input_ids].max(~is_out,
+                                                                             mode="drop")
+        logits = apply_penalties(logits, counts[batch.req_slots], prompt_mask[batch.req_slots],
+                                 batch.sampling)
+        sampler_state = (counts, prompt_mask)
+    token_ids = sample_tokens(logits, batch.sampling)
+    out = {"token_ids": token_ids}
+    if features.logprobs:
+        out["logprobs"] = compute_logprobs(raw_logits, token_ids, MAX_LOGPROBS)
+    if features.prompt_logprobs:
+        # Every token's distribution over the next prompt token. [T, V]
         prompt_lp = jax.nn.log_softmax(model.compute_logits(hidden), axis=-1)
         chosen = jnp.take_along_axis(prompt_lp, batch.next_token_ids[:, None], axis=1)[:, 0]
         rank = 1 + jnp.sum(prompt_lp > chosen[:, None], axis=-1).astype(jnp.int32)
-        top_lp, top_ids = jax.lax.top_k(prompt_lp, num_logprobs)
-        out = (out, (chosen, rank, top_ids.astype(jnp.int32), top_lp))
-    return out, kv_caches, (counts, prompt_mask)
+        top_lp, top_ids = jax.lax.top_k(prompt_lp, MAX_LOGPROBS)
+        out["prompt_logprobs"] = (chosen, rank, top_ids.astype(jnp.int32), top_lp)
+    if model.mesh is not None:  # every process can read the (small) results back
+        out = jax.lax.with_sharding_constraint(out, NamedSharding(model.mesh, P()))
+    return out, kv_caches, sampler_state
+
+
+def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
+                     prompt_logprobs: bool = False) -> StepBatch:
+    """Host buffers of an all-padding (T=t, R=r) step."""
+    zi = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    return StepBatch(
+        input_ids=zi(t), positions=zi(t),
+        attn=AttentionMetadata(slot_mapping=zi(t), block_tables=zi(r, max_blocks),
+                               seq_lens=zi(r), query_start_loc=zi(r + 1), num_seqs=zi(1),
+                               num_decodes=zi(1)),
+        logits_indices=zi(r), token_slots=np.full(t, num_slots, np.int32),
+        token_is_output=np.zeros(t, bool), req_slots=zi(r),
+        reset_slots=np.full(r, num_slots, np.int32),
+        sampling=SamplingMetadata(
+            temperature=np.zeros(r, np.float32), top_k=zi(r), top_p=np.ones(r, np.float32),
+            min_p=np.zeros(r, np.float32), repetition_penalty=np.ones(r, np.float32),
+            frequency_penalty=np.zeros(r, np.float32),
+            presence_penalty=np.zeros(r, np.float32), seeds=np.zeros(r, np.uint32),
+            output_index=zi(r)),
+        next_token_ids=zi(t) if prompt_logprobs else None,
+    )
+
+
+def reset_step_batch(batch: StepBatch, num_slots: int) -> None:
+    """Back to all-padding, in place (the buffers are reused step after step)."""
+    for leaf in jax.tree.leaves(batch):
+        leaf.fill(0)
+    batch.token_slots.fill(num_slots)
+    batch.reset_slots.fill(num_slots)
+    batch.sampling.top_p.fill(1.0)
+    batch.sampling.repetition_penalty.fill(1.0)
+
+
+def fill_step_inputs(batch: StepBatch, token_ids: np.ndarray, block_table: np.ndarray,
+                     slots: np.ndarray, computed: np.ndarray, q_lens: np.ndarray,
+                     block_size: int) -> np.ndarray:
+    """Flatten one step's work into `batch` (all padding on entry): sequence i (persistent
+    slot slots[i]) computes q_lens[i] tokens on top of computed[i] cached ones, reading its
+    tokens from token_ids[slot] and its blocks from block_table[slot]. Sequences with one query
+    token must come first (attention's num_decodes). Returns each token's position [n_tok]."""
+    n_req = len(slots)
+    n_tok = int(q_lens.sum())
+    t, r = batch.input_ids.shape[0], batch.req_slots.shape[0]
+    if n_tok > t or n_req > r:
+        raise ValueError(f"step of {n_tok} tokens / {n_req} sequences exceeds the bucket "
+                         f"({t} tokens / {r} sequences)")
+    md = batch.attn
+    qsl = md.query_start_loc
+    np.cumsum(q_lens, out=qsl[1 : n_req + 1])
+    qsl[n_req + 1 :] = n_tok
+    tok_req = np.repeat(np.arange(n_req), q_lens)  # [n_tok] sequence of each token
+    tok_slot = slots[tok_req]
+    pos = computed[tok_req] + (np.arange(n_tok) - qsl[tok_req])
+    batch.input_ids[:n_tok] = token_ids[tok_slot, pos]
+    batch.positions[:n_tok] = pos
+    md.slot_mapping[:n_tok] = (block_table[tok_slot, pos // block_size] * block_size
+                               + pos % block_size)
+    md.block_tables[:n_req] = block_table[slots]
+    md.seq_lens[:n_req] = computed + q_lens
+    md.num_seqs[0] = n_req
+    is_one = q_lens == 1
+    md.num_decodes[0] = n_req if is_one.all() else int(np.argmin(is_one))
+    batch.logits_indices[:n_req] = qsl[1 : n_req + 1] - 1
+    batch.token_slots[:n_tok] = tok_slot
+    batch.req_slots[:n_req] = slots
+    return pos
 
 
 class ModelRunner:
@@ -89,9 +188,10 @@ class ModelRunner:
             jnp.zeros((max_num_seqs, cfg.vocab_size), jnp.int32, device=self._replicated),
             jnp.zeros((max_num_seqs, cfg.vocab_size), bool, device=self._replicated))
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks)
-        self._jitted = jax.jit(partial(_step, self.graphdef, num_logprobs=MAX_LOGPROBS),
-                               donate_argnums=(1, 2))
-        self._compiled: dict[tuple[int, int, bool], object] = {}
+        self._compiled: dict[tuple[int, int, StepFeatures], object] = {}
+        # Host step buffers per (T, R, prompt_logprobs), two of each used in turn: a buffer is
+        # refilled only after the step that read it has finished.
+        self._host_buffers: dict[tuple[int, int, bool], list] = {}
         self.num_compilations = 0
         self.compile_seconds = 0.0
 
@@ -107,14 +207,15 @@ class ModelRunner:
     def _multiprocess(self) -> bool:
         return jax.process_count() > 1
 
-    def _broadcast_step(self, batch: StepBatch | None) -> None:
+    def _broadcast_step(self, batch: StepBatch | None, features: StepFeatures = PLAIN) -> None:
         from jax.experimental import multihost_utils
 
         if batch is None:  # stop
-            header = np.array([0, 0, 0, 1], np.int32)
+            header = np.array([0, 0, 0, 0, 0, 1], np.int32)
         else:
             header = np.array([batch.input_ids.shape[0], batch.req_slots.shape[0],
-                               batch.next_token_ids is not None, 0], np.int32)
+                               features.logprobs, features.penalties,
+                               features.prompt_logprobs, 0], np.int32)
         multihost_utils.broadcast_one_to_all(header)
         if batch is not None:
             multihost_utils.broadcast_one_to_all(batch)
@@ -124,12 +225,13 @@ class ModelRunner:
         from jax.experimental import multihost_utils
 
         while True:
-            t, r, pl, stop = (int(x) for x in multihost_utils.broadcast_one_to_all(
-                np.zeros(4, np.int32)))
+            t, r, lp, pen, plp, stop = (int(x) for x in multihost_utils.broadcast_one_to_all(
+                np.zeros(6, np.int32)))
             if stop:
                 return
-            batch = multihost_utils.broadcast_one_to_all(self._empty_batch(t, r, bool(pl)))
-            compiled = self._compiled.get((t, r, bool(pl))) or self._compile(t, r, bool(pl))
+            features = StepFeatures(bool(lp), bool(pen), bool(plp))
+            batch = multihost_utils.broadcast_one_to_all(self._new_buffers(t, r, bool(plp)))
+            compiled = self._get_compiled(t, r, features)
             _, self.kv_caches, self.sampler_state = compiled(
                 self.state, self.kv_caches, self.sampler_state, self._to_device(batch))
 
@@ -138,22 +240,35 @@ class ModelRunner:
             self._broadcast_step(None)
 
     # -- compilation ----------------------------------------------------------------------------
-    def _compile(self, t: int, r: int, prompt_logprobs: bool = False):
+    def _new_buffers(self, t: int, r: int, prompt_logprobs: bool) -> StepBatch:
+        return empty_step_batch(t, r, self.max_blocks, self.max_num_seqs, prompt_logprobs)
+
+    def _compile(self, t: int, r: int, features: StepFeatures = PLAIN):
         t0 = time.perf_counter()
-        example = self._to_device(self._empty_batch(t, r, prompt_logprobs))
-        compiled = self._jitted.lower(self.state, self.kv_caches, self.sampler_state,
-                                      example).compile()
-        self._compiled[(t, r, prompt_logprobs)] = compiled
+        example = self._to_device(self._new_buffers(t, r, features.prompt_logprobs))
+        jitted = jax.jit(partial(_step, self.graphdef, features=features),
+                         donate_argnums=(1, 2))
+        compiled = jitted.lower(self.state, self.kv_caches, self.sampler_state,
+                                example).compile()
+        self._compiled[(t, r, features)] = compiled
         self.num_compilations += 1
         self.compile_seconds += time.perf_counter() - t0
         return compiled
 
-    def warmup(self, progress=None) -> None:
-        """Compile every bucket ahead of time (results land in the persistent cache too).
+    def _get_compiled(self, t: int, r: int, features: StepFeatures):
+        compiled = self._compiled.get((t, r, features))
+        if compiled is None:
+            if features != PLAIN:
+                logger.info("compiling step variant T=%d R=%d %s on first use", t, r, features)
+            compiled = self._compile(t, r, features)
+        return compiled
 
-        Steps that compute prompt_logprobs use a second variant, compiled on first use."""
+    def warmup(self, progress=None) -> None:
+        """Compile every bucket of the plain variant ahead of time (into the persistent cache
+        too). Variants with logprobs / penalties / prompt_logprobs compile on first use (with a
+        log line): all of them at every bucket would multiply the start-up time by eight."""
         for t, r in self.buckets.all_pairs():
-            if (t, r, False) not in self._compiled:
+            if (t, r, PLAIN) not in self._compiled:
                 self._compile(t, r)
             if progress:
                 progress(t, r)
@@ -170,62 +285,53 @@ class ModelRunner:
             if c.new_block_ids:
                 b.append_blocks(b.req_id_to_slot[c.req_id], c.new_block_ids)
 
-    def _empty_batch(self, t: int, r: int, prompt_logprobs: bool = False) -> StepBatch:
-        s = self.max_num_seqs
-        zi = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        return StepBatch(
-            input_ids=zi(t), positions=zi(t),
-            attn=AttentionMetadata(slot_mapping=zi(t), block_tables=zi(r, self.max_blocks),
-                                   seq_lens=zi(r), query_start_loc=zi(r + 1), num_seqs=zi(1)),
-            logits_indices=zi(r), token_slots=np.full(t, s, np.int32),
-            token_is_output=np.zeros(t, bool), req_slots=zi(r),
-            reset_slots=np.full(r, s, np.int32),
-            sampling=SamplingMetadata(
-                temperature=np.zeros(r, np.float32), top_k=zi(r), top_p=np.ones(r, np.float32),
-                min_p=np.zeros(r, np.float32), repetition_penalty=np.ones(r, np.float32),
-                frequency_penalty=np.zeros(r, np.float32),
-                presence_penalty=np.zeros(r, np.float32), seeds=np.zeros(r, np.uint32),
-                output_index=zi(r)),
-            next_token_ids=zi(t) if prompt_logprobs else None,
-        )
+    def _buffers(self, t: int, r: int, prompt_logprobs: bool) -> StepBatch:
+        key = (t, r, prompt_logprobs)
+        pair = self._host_buffers.get(key)
+        if pair is None:
+            pair = self._host_buffers[key] = [self._new_buffers(t, r, prompt_logprobs),
+                                              self._new_buffers(t, r, prompt_logprobs)]
+        pair.reverse()
+        batch = pair[0]
+        reset_step_batch(batch, self.max_num_seqs)
+        return batch
 
-    def _build(self, so: SchedulerOutput) -> tuple[StepBatch, list[str], np.ndarray]:
+    def _build(self, so: SchedulerOutput):
         b = self.batch
-        req_ids = list(so.num_scheduled_tokens)
-        n_req = len(req_ids)
+        sched = so.num_scheduled_tokens
+        n_req = len(sched)
+        q_lens = np.fromiter(sched.values(), np.int32, n_req)
+        req_ids = list(sched)
+        is_one = q_lens == 1
+        if not is_one[: int(is_one.sum())].all():
+            # Single-token sequences first: the xla attention batches them (num_decodes).
+            order = np.argsort(q_lens != 1, kind="stable")
+            q_lens = q_lens[order]
+            req_ids = [req_ids[i] for i in order]
         slots = np.fromiter((b.req_id_to_slot[r] for r in req_ids), np.int32, n_req)
-        q_lens = np.fromiter(so.num_scheduled_tokens.values(), np.int32, n_req)
         n_tok = int(q_lens.sum())
         t, r = self.buckets.pick(n_tok, n_req)
         computed = b.num_computed[slots]
         wants_pl = bool(np.any((b.num_prompt_logprobs[slots] >= 0)
                                & (computed < b.num_prompt_tokens[slots])))
-        batch = self._empty_batch(t, r, wants_pl)
-
-        qsl = batch.attn.query_start_loc
-        np.cumsum(q_lens, out=qsl[1 : n_req + 1])
-        qsl[n_req + 1 :] = n_tok
-        tok_req = np.repeat(np.arange(n_req), q_lens)  # [n_tok] sequence of each token
-        tok_slot = slots[tok_req]
-        pos = computed[tok_req] + (np.arange(n_tok) - qsl[tok_req])
-        batch.input_ids[:n_tok] = b.token_ids[tok_slot, pos]
+        penalties = bool(np.any((b.repetition_penalty[slots] != 1.0)
+                                | (b.frequency_penalty[slots] != 0.0)
+                                | (b.presence_penalty[slots] != 0.0)))
+        features = StepFeatures(logprobs=bool(np.any(b.num_logprobs[slots] >= 0)),
+                                penalties=penalties, prompt_logprobs=wants_pl)
+        batch = self._buffers(t, r, wants_pl)
+        pos = fill_step_inputs(batch, b.token_ids, b.block_table, slots, computed, q_lens,
+                               self.block_size)
+        tok_slot = batch.token_slots[:n_tok]
         if wants_pl:
             has_next = pos + 1 < b.num_prompt_tokens[tok_slot]
             batch.next_token_ids[:n_tok] = np.where(
                 has_next, b.token_ids[tok_slot, np.minimum(pos + 1, b.token_ids.shape[1] - 1)], 0)
-        batch.positions[:n_tok] = pos
-        batch.attn.slot_mapping[:n_tok] = (b.block_table[tok_slot, pos // self.block_size]
-                                           * self.block_size + pos % self.block_size)
-        batch.attn.block_tables[:n_req] = b.block_table[slots]
-        batch.attn.seq_lens[:n_req] = computed + q_lens
-        batch.attn.num_seqs[0] = n_req
-        batch.logits_indices[:n_req] = qsl[1 : n_req + 1] - 1
-        batch.token_slots[:n_tok] = tok_slot
-        batch.token_is_output[:n_tok] = pos >= b.num_prompt_tokens[tok_slot]
-        batch.req_slots[:n_req] = slots
-        resets = b.needs_reset[slots]
-        batch.reset_slots[:n_req] = np.where(resets, slots, self.max_num_seqs)
-        b.needs_reset[slots] = False
+        if penalties:
+            batch.token_is_output[:n_tok] = pos >= b.num_prompt_tokens[tok_slot]
+            resets = b.needs_reset[slots]
+            batch.reset_slots[:n_req] = np.where(resets, slots, self.max_num_seqs)
+        b.needs_reset[slots] = False  # penalty state matters only to steps that use it
         sm = batch.sampling
         for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                      "frequency_penalty", "presence_penalty"):
@@ -233,27 +339,28 @@ class ModelRunner:
         sm.seeds[:n_req] = b.seed[slots]
         sm.output_index[:n_req] = b.num_tokens[slots] - b.num_prompt_tokens[slots]
         b.num_computed[slots] = computed + q_lens
-        self._step_spans = (computed, qsl)  # for prompt_logprobs
-        return batch, req_ids, slots
+        self._step_spans = (computed, batch.attn.query_start_loc)  # for prompt_logprobs
+        return batch, features, req_ids, slots
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        if so.scheduled_spec_decode_tokens:
+            raise NotImplementedError("speculative decoding: this runner cannot verify draft "
+                                      "tokens yet")
         self._apply_diff(so)
         if not so.num_scheduled_tokens:
             return RunnerOutput(req_ids=(), sampled_token_ids=())
-        batch, req_ids, slots = self._build(so)
-        key = (batch.input_ids.shape[0], batch.req_slots.shape[0],
-               batch.next_token_ids is not None)
-        compiled = self._compiled.get(key) or self._compile(*key)
+        batch, features, req_ids, slots = self._build(so)
+        t, r = batch.input_ids.shape[0], batch.req_slots.shape[0]
+        compiled = self._get_compiled(t, r, features)
         if self._multiprocess:
-            self._broadcast_step(batch)
+            self._broadcast_step(batch, features)
         device_batch = self._to_device(batch)  # the one transfer in
         out, self.kv_caches, self.sampler_state = compiled(self.state, self.kv_caches,
                                                            self.sampler_state, device_batch)
         out = jax.device_get(out)  # the one transfer out
         prompt_lps = {}
-        if batch.next_token_ids is not None:
-            out, pl_out = out
-            prompt_lps = self._prompt_logprobs(pl_out, batch, req_ids, slots)
+        if "prompt_logprobs" in out:
+            prompt_lps = self._prompt_logprobs(out["prompt_logprobs"], batch, req_ids, slots)
         return self._to_runner_output(out, req_ids, slots, prompt_lps)
 
     def _prompt_logprobs(self, pl_out, batch, req_ids, slots) -> dict:
@@ -282,11 +389,13 @@ class ModelRunner:
     def _to_runner_output(self, out, req_ids, slots, prompt_lps) -> RunnerOutput:
         b = self.batch
         sampled, logprobs = [], {}
+        token_ids = out["token_ids"].tolist()
+        lp = out.get("logprobs")
         for i, (rid, s) in enumerate(zip(req_ids, slots)):
             if b.num_computed[s] < b.num_tokens[s]:
                 sampled.append(())  # partial prefill: no token
                 continue
-            tok = int(out.token_ids[i])
+            tok = token_ids[i]
             sampled.append((tok,))
             n = b.num_tokens[s]
             if n < b.token_ids.shape[1]:
@@ -295,8 +404,8 @@ class ModelRunner:
             k = b.num_logprobs[s]
             if k >= 0:
                 logprobs[rid] = (Logprobs(
-                    token_id=tok, logprob=float(out.logprob[i]), rank=int(out.rank[i]),
-                    top_ids=tuple(int(x) for x in out.top_ids[i, :k]),
-                    top_logprobs=tuple(float(x) for x in out.top_logprobs[i, :k])),)
+                    token_id=tok, logprob=float(lp.logprob[i]), rank=int(lp.rank[i]),
+                    top_ids=tuple(int(x) for x in lp.top_ids[i, :k]),
+                    top_logprobs=tuple(float(x) for x in lp.top_logprobs[i, :k])),)
         return RunnerOutput(req_ids=tuple(req_ids), sampled_token_ids=tuple(sampled),
                             logprobs=logprobs, prompt_logprobs=prompt_lps)

@@ -7,7 +7,14 @@ from jaxinfer import LLM, SamplingParams
 from tests.engine.conftest import assert_no_leaks, make_tiny_model_dir
 
 
-def test_no_compilation_after_warmup(tmp_path, smollm2_dir):
+def test_no_compilation_after_warmup(tmp_path, smollm2_dir, caplog):
+    """Warm-up compiles the plain variant of every bucket: greedy and random sampling (top-p,
+    seeds) then compile nothing. Variants (logprobs, penalties) compile once on first use, with
+    a log line, and never again."""
+    import logging
+
+    from jaxinfer.runner.model_runner import PLAIN
+
     make_tiny_model_dir(tmp_path, "qwen3", smollm2_dir, head_dim=32)
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=64, warmup=True, num_kv_blocks=60,
@@ -20,17 +27,29 @@ def test_no_compilation_after_warmup(tmp_path, smollm2_dir):
         if "compile" in name:
             events.append(name)
 
+    variant_workload = ([f"prompt {i} " * (i + 1) for i in range(7)],
+                        SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=17,
+                                       logprobs=2, presence_penalty=0.5))
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         llm.generate(["a b c", "hello " * 20, "x"], SamplingParams(temperature=0, max_tokens=9),
                      use_tqdm=False)
-        llm.generate([f"prompt {i} " * (i + 1) for i in range(7)],
-                     SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=17,
-                                    logprobs=2, presence_penalty=0.5), use_tqdm=False)
+        llm.generate(["a b c", "hello " * 20, "x", "y z"],
+                     SamplingParams(temperature=0.7, top_p=0.8, seed=3, max_tokens=9),
+                     use_tqdm=False)
+        assert events == [], events
+        assert runner.num_compilations == len(runner.buckets.all_pairs())
+        with caplog.at_level(logging.INFO, logger="jaxinfer.runner.model_runner"):
+            llm.generate(*variant_workload, use_tqdm=False)
+        variants = [k for k in runner._compiled if k[2] != PLAIN]
+        assert variants and all(k[2].logprobs and k[2].penalties for k in variants)
+        assert runner.num_compilations == len(runner.buckets.all_pairs()) + len(variants)
+        assert sum("on first use" in r.message for r in caplog.records) == len(variants)
+        events.clear()
+        llm.generate(*variant_workload, use_tqdm=False)
+        assert events == [], events
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    assert runner.num_compilations == len(runner.buckets.all_pairs())
-    assert events == [], events
     assert_no_leaks(llm)
 
 
@@ -39,12 +58,14 @@ def test_donated_step_never_copies_the_kv_cache(tmp_path, smollm2_dir):
     and no copy instruction produces a KV-cache-shaped array."""
     import re
 
+    from jaxinfer.runner.model_runner import StepFeatures
+
     make_tiny_model_dir(tmp_path, "llama", smollm2_dir)
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=2,
               max_num_batched_tokens=16, warmup=False, num_kv_blocks=10,
               compilation_cache_dir="")
     runner = llm.llm_engine.runner
-    hlo = runner._compile(16, 2).as_text()
+    hlo = runner._compile(16, 2, StepFeatures(penalties=True)).as_text()
     num_params = len(jax.tree.leaves(runner.state))
     donated = len(jax.tree.leaves(runner.kv_caches)) + len(jax.tree.leaves(runner.sampler_state))
     alias = re.search(r"input_output_alias=\{([^\n]*?)\}, entry", hlo).group(1)

@@ -180,5 +180,9 @@ def test_prompt_logprobs_match_hf_across_chunks(tmp_path, smollm2_dir):
         assert ids[i] in d and abs(d[ids[i]].logprob - ref[i - 1, ids[i]]) < 1e-4
         top2 = np.argsort(-ref[i - 1])[:2]
         assert all(int(t) in d for t in top2)
-        assert d[ids[i]].rank == 1 + int((ref[i - 1] > ref[i - 1, ids[i]]).sum())
+        # The rank, up to tokens within the logprob tolerance of the chosen one (near-ties).
+        chosen = ref[i - 1, ids[i]]
+        lo = 1 + int((ref[i - 1] > chosen + 1e-4).sum())
+        hi = 1 + int((ref[i - 1] > chosen - 1e-4).sum()) - 1
+        assert lo <= d[ids[i]].rank <= hi
     assert_no_leaks(llm)
