@@ -154,6 +154,7 @@ def replace(cfg, **changes):
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: max(2048, max_num_seqs), chunked prefill
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "bfloat16" | "float16" | "float32"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
@@ -239,6 +241,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported "
+                             f"(supported: {', '.join(KV_CACHE_DTYPES)})")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -74,6 +74,10 @@ class LLMEngine:
                                         attention_backend=backend, seed=config.seed,
                                         mesh=self.mesh)
         self.model_config, self.dtype = mcfg, dtype
+        # The KV cache's dtype: the model's ("auto") or a narrower one (half the KV bytes per
+        # token; K/V are rounded when written, attention still computes in float32).
+        self.kv_dtype = model_kv_dtype(dtype if config.kv_cache_dtype == "auto"
+                                       else config.kv_cache_dtype)
         max_model_len = config.max_model_len or mcfg.max_position_embeddings
         if max_model_len > mcfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
@@ -115,7 +119,7 @@ class LLMEngine:
                                     growth=config.bucket_growth)
         self.runner = ModelRunner(model, num_kv_blocks=num_blocks, block_size=config.block_size,
                                   max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-                                  max_num_batched_tokens=max_tokens, kv_dtype=model_kv_dtype(dtype),
+                                  max_num_batched_tokens=max_tokens, kv_dtype=self.kv_dtype,
                                   buckets=buckets)
         if config.warmup:
             self.runner.warmup()
@@ -138,8 +142,7 @@ class LLMEngine:
 
     def _num_kv_blocks(self) -> int:
         c = self.config
-        per_block = kv_cache_bytes_per_block(self.model_config, c.block_size,
-                                             model_kv_dtype(self.dtype))
+        per_block = kv_cache_bytes_per_block(self.model_config, c.block_size, self.kv_dtype)
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if c.kv_cache_memory_bytes is not None:

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--dtype", default="auto")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--max-model-len", type=int, default=1024)
     g.add_argument("--max-num-seqs", type=int, default=8)
     g.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "reference"])
@@ -75,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(or set JAXINFER_API_KEY)")
     v.add_argument("--served-model-name", default=None)
     v.add_argument("--dtype", default="auto")
+    v.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "bfloat16", "float16", "float32"])
     v.add_argument("--max-model-len", type=int, default=None)
     v.add_argument("--max-num-seqs", type=int, default=64)
     v.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -114,3 +114,23 @@ def test_hf_baseline_static_and_plots(tmp_path, smollm2_dir):
          "e2e_latency_ms": {"median": 50.0}}))
     written = plot.main(["--results", str(tmp_path)])
     assert len(written) == 2 and all(os.path.getsize(p) > 1000 for p in written)
+
+
+def test_compare_cpu_jaxinfer_only(tmp_path):
+    """The peer comparison tool end to end with jaxinfer alone (peers are a manual install):
+    a subprocess run, the table's ratio and the JSON schema."""
+    import subprocess
+
+    out = tmp_path / "cmp.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "compare_cpu.py"), "--engines",
+         "jaxinfer,vllm,llama.cpp", "--num-prompts", "2", "--input-len", "8", "--output-len",
+         "4", "--max-num-batched-tokens", "16", "--output-json", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+        env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "vllm: skipped" in proc.stdout and "llama.cpp: skipped" in proc.stdout
+    r = json.loads(out.read_text())
+    j = r["results"]["jaxinfer"]
+    assert j["output_tokens"] == 2 * 4 and j["elapsed_s"] > 0 and j["batch_ttft_s"] > 0
+    assert r["jaxinfer_over_peer"] == {"jaxinfer": 1.0}

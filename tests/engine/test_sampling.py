@@ -186,3 +186,31 @@ def test_prompt_logprobs_match_hf_across_chunks(tmp_path, smollm2_dir):
         hi = 1 + int((ref[i - 1] > chosen - 1e-4).sum()) - 1
         assert lo <= d[ids[i]].rank <= hi
     assert_no_leaks(llm)
+
+
+def test_kv_cache_dtype_bfloat16(tmp_path, smollm2_dir):
+    """kv_cache_dtype (vLLM's option): a bfloat16 cache under a float32 model holds twice the
+    blocks for the same bytes; greedy tokens match the float32 cache on a peaky model."""
+    import jax.numpy as jnp
+
+    path = tmp_path / "m"
+    make_tiny_model_dir(path, "llama", smollm2_dir, sharpen=3.0)
+    budget = 1 << 20
+    outs, blocks = {}, {}
+    for kvd in ("auto", "bfloat16"):
+        llm = LLM(str(path), dtype="float32", kv_cache_dtype=kvd, max_model_len=64,
+                  max_num_seqs=2, max_num_batched_tokens=32, warmup=False,
+                  kv_cache_memory_bytes=budget)
+        runner = llm.llm_engine.runner
+        assert runner.kv_caches[0][0].dtype == (jnp.bfloat16 if kvd == "bfloat16"
+                                                else jnp.float32)
+        blocks[kvd] = runner.num_kv_blocks
+        out = llm.generate([{"prompt_token_ids": list(range(1000, 1020))}],
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)
+        outs[kvd] = out[0].outputs[0].token_ids
+        assert_no_leaks(llm)
+    assert blocks["bfloat16"] - 1 == 2 * (blocks["auto"] - 1)
+    assert outs["bfloat16"] == outs["auto"]
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp4'"):
+        LLM(str(path), kv_cache_dtype="fp4")

@@ -387,7 +387,8 @@ def run_server(args) -> int:
 
     from jaxinfer.config import EngineConfig
 
-    config = EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+    config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           attention_backend=args.attention_backend, seed=args.seed,
