@@ -131,6 +131,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []  # drafts were for the step it no longer gets
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(victim)
