@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from functools import partial
 
@@ -243,17 +244,22 @@ class ModelRunner:
     def _new_buffers(self, t: int, r: int, prompt_logprobs: bool) -> StepBatch:
         return empty_step_batch(t, r, self.max_blocks, self.max_num_seqs, prompt_logprobs)
 
-    def _compile(self, t: int, r: int, features: StepFeatures = PLAIN):
-        t0 = time.perf_counter()
+    def _lower(self, t: int, r: int, features: StepFeatures):
         example = self._to_device(self._new_buffers(t, r, features.prompt_logprobs))
         jitted = jax.jit(partial(_step, self.graphdef, features=features),
                          donate_argnums=(1, 2))
-        compiled = jitted.lower(self.state, self.kv_caches, self.sampler_state,
-                                example).compile()
-        self._compiled[(t, r, features)] = compiled
-        self.num_compilations += 1
-        self.compile_seconds += time.perf_counter() - t0
+        return jitted.lower(self.state, self.kv_caches, self.sampler_state, example)
+
+    def _compile(self, t: int, r: int, features: StepFeatures = PLAIN):
+        t0 = time.perf_counter()
+        compiled = self._lower(t, r, features).compile()
+        self._add_compiled((t, r, features), compiled, time.perf_counter() - t0)
         return compiled
+
+    def _add_compiled(self, key, compiled, seconds: float) -> None:
+        self._compiled[key] = compiled
+        self.num_compilations += 1
+        self.compile_seconds += seconds
 
     def _get_compiled(self, t: int, r: int, features: StepFeatures):
         compiled = self._compiled.get((t, r, features))
@@ -263,15 +269,37 @@ class ModelRunner:
             compiled = self._compile(t, r, features)
         return compiled
 
-    def warmup(self, progress=None) -> None:
+    def warmup(self, progress=None, num_threads: int | None = None) -> None:
         """Compile every bucket of the plain variant ahead of time (into the persistent cache
         too). Variants with logprobs / penalties / prompt_logprobs compile on first use (with a
-        log line): all of them at every bucket would multiply the start-up time by eight."""
-        for t, r in self.buckets.all_pairs():
-            if (t, r, PLAIN) not in self._compiled:
+        log line): all of them at every bucket would multiply the start-up time by eight.
+
+        Buckets are traced and lowered here, one after another (Python), and compiled by
+        `num_threads` threads (default: one per CPU core, at most 4): XLA compiles outside the
+        GIL, so on a 2-core machine start-up takes about half the time."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo = [(t, r) for t, r in self.buckets.all_pairs() if (t, r, PLAIN) not in self._compiled]
+        n = num_threads or min(os.cpu_count() or 1, 4)
+        if n <= 1 or self._multiprocess:
+            for t, r in todo:
                 self._compile(t, r)
-            if progress:
-                progress(t, r)
+                if progress:
+                    progress(t, r)
+            return
+
+        def compile_one(lowered):
+            t0 = time.perf_counter()
+            return lowered.compile(), time.perf_counter() - t0
+
+        with ThreadPoolExecutor(n, thread_name_prefix="jaxinfer-compile") as pool:
+            futures = [((t, r), pool.submit(compile_one, self._lower(t, r, PLAIN)))
+                       for t, r in todo]
+            for (t, r), fut in futures:
+                compiled, seconds = fut.result()
+                self._add_compiled((t, r, PLAIN), compiled, seconds)
+                if progress:
+                    progress(t, r)
 
     # -- one step -------------------------------------------------------------------------------
     def _apply_diff(self, so: SchedulerOutput) -> None:
