@@ -79,6 +79,12 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, kv_lens, block_tables, query
         mask = valid[..., None, None]
         return jnp.where(mask, k, 0.0), jnp.where(mask, v, 0.0)
 
+    def empty_carry(rows):
+        """Online-softmax state of `rows` query rows: running max, sum and output."""
+        return (jnp.full((rows, num_kv_heads, group), _MASK_VALUE, f32),
+                jnp.zeros((rows, num_kv_heads, group), f32),
+                jnp.zeros((rows, num_kv_heads, group, head_dim), f32))
+
     # -- decode rows: all together ------------------------------------------------------------
     rd = min(num_reqs, num_tokens)
     nd = num_decodes[0]
@@ -97,9 +103,7 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, kv_lens, block_tables, query
         scores = jnp.einsum("rhgd,rchd->rhgc", qd, k)
         return _online_softmax_step(carry, scores, valid[:, None, None, :], v)
 
-    init = (jnp.full((rd, num_kv_heads, group), _MASK_VALUE, f32),
-            jnp.zeros((rd, num_kv_heads, group), f32),
-            jnp.zeros((rd, num_kv_heads, group, head_dim), f32))
+    init = empty_carry(rd)
     first = 0
     if sliding_window is not None:  # chunks wholly before every row's window are skipped
         lo = jnp.min(jnp.where(dec_valid, dec_len - sliding_window, jnp.iinfo(jnp.int32).max))
@@ -142,9 +146,7 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, kv_lens, block_tables, query
                 scores = jnp.einsum("thgd,chd->thgc", qt, k)
                 return _online_softmax_step(carry, scores, valid[:, None, None, :], v)
 
-            init = (jnp.full((tile, num_kv_heads, group), _MASK_VALUE, f32),
-                    jnp.zeros((tile, num_kv_heads, group), f32),
-                    jnp.zeros((tile, num_kv_heads, group, head_dim), f32))
+            init = empty_carry(tile)
             lo = 0
             if sliding_window is not None:
                 lo = jnp.maximum(ctx + t * tile - sliding_window + 1, 0) // chunk
