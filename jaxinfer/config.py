@@ -237,6 +237,12 @@ class EngineConfig:
     warmup: bool = True  # compile every bucket at start-up
     min_token_bucket: int = 16
     bucket_growth: int = 2
+    # Engine core in a child process behind a ZeroMQ client (vLLM's V1 layout). None: the env
+    # var JAXINFER_ENABLE_MULTIPROCESSING (default "1"); False: the core runs in this process.
+    enable_multiprocessing: bool | None = None
+    # Overlap the host's scheduling with the device's step: step N+1 is dispatched before step
+    # N's sampled ids are read back (they are patched into N+1's inputs on the device).
+    async_scheduling: bool = False
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -255,3 +261,86 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+
+ATTENTION_BACKENDS = ("xla", "pallas", "reference")
+
+
+def multiprocessing_enabled(config: EngineConfig) -> bool:
+    if config.enable_multiprocessing is not None:
+        return config.enable_multiprocessing
+    value = os.environ.get("JAXINFER_ENABLE_MULTIPROCESSING", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes", ""):
+        raise ValueError(f"JAXINFER_ENABLE_MULTIPROCESSING={value!r}: use 0 or 1")
+    return value not in ("0", "false", "no")
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """EngineConfig with every default resolved against the model folder: what both the front
+    end (tokenizer, validation) and the engine core (model, cache, scheduler) are built from.
+    Pure data: it crosses to the engine-core process as is."""
+
+    engine: EngineConfig  # what the user asked for
+    model_dir: str  # resolved model folder (the embedded default converted on demand)
+    tokenizer_dir: str | None  # None: skip_tokenizer_init
+    model_config: ModelConfig  # from the folder's config.json
+    dtype: str  # concrete weight dtype ("float32" | "bfloat16" | "float16")
+    kv_cache_dtype: str  # concrete KV cache dtype
+    attention_backend: str
+    max_model_len: int
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+    eos_token_ids: tuple[int, ...]  # config.json's and generation_config.json's, in order
+
+
+def _generation_eos_ids(model_dir: str) -> tuple[int, ...]:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return ()
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+
+def resolve_config(config: EngineConfig) -> ResolvedConfig:
+    """Resolve the defaults of `config` (reads the model's config.json; loads no weights and
+    needs no device). Raises ValueError naming the option on an impossible combination."""
+    if config.model is None:
+        from jaxinfer.models.default_model import ensure_default_model
+
+        model_dir = ensure_default_model()
+    else:
+        model_dir = config.model
+    mcfg = ModelConfig.from_pretrained(model_dir)
+    backend = config.attention_backend or "xla"
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={backend!r} is not supported "
+                         f"(supported: {', '.join(ATTENTION_BACKENDS)})")
+    dtype = resolve_dtype(config.dtype, mcfg)
+    kv_dtype = dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+    max_model_len = config.max_model_len or mcfg.max_position_embeddings
+    if max_model_len > mcfg.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={mcfg.max_position_embeddings}")
+    max_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+    if not config.enable_chunked_prefill:
+        max_tokens = max(max_tokens, max_model_len)
+    if max_tokens < config.max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens={max_tokens} must be >= max_num_seqs="
+                         f"{config.max_num_seqs}")
+    cache = CacheConfig(block_size=config.block_size, num_blocks=config.num_kv_blocks,
+                        enable_prefix_caching=config.enable_prefix_caching,
+                        hash_seed=config.seed)
+    sched = SchedulerConfig(max_model_len=max_model_len, max_num_batched_tokens=max_tokens,
+                            max_num_seqs=config.max_num_seqs,
+                            enable_chunked_prefill=config.enable_chunked_prefill,
+                            long_prefill_token_threshold=config.long_prefill_token_threshold,
+                            policy=config.scheduling_policy)
+    tokenizer_dir = None if config.skip_tokenizer_init else (config.tokenizer or model_dir)
+    eos = mcfg.eos_token_ids + tuple(t for t in _generation_eos_ids(model_dir)
+                                     if t not in mcfg.eos_token_ids)
+    return ResolvedConfig(engine=config, model_dir=model_dir, tokenizer_dir=tokenizer_dir,
+                          model_config=mcfg, dtype=dtype, kv_cache_dtype=kv_dtype,
+                          attention_backend=backend, max_model_len=max_model_len,
+                          scheduler=sched, cache=cache, eos_token_ids=eos)

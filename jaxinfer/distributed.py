@@ -13,6 +13,13 @@ from __future__ import annotations
 
 import jax
 
+_initialized = False
+
+
+def is_initialized() -> bool:
+    """This process joined a multi-process JAX run through initialize()."""
+    return _initialized
+
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int,
                local_device_ids=None) -> None:
@@ -22,6 +29,8 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int,
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes, process_id=process_id,
                                local_device_ids=local_device_ids)
+    global _initialized
+    _initialized = True
 
 
 def is_multiprocess() -> bool:

@@ -21,7 +21,9 @@ class LLM:
     max_num_batched_tokens, block_size, enable_prefix_caching, enable_chunked_prefill, seed,
     load_format, attention_backend ("xla" default | "pallas" | "reference"), tensor_parallel_size, the
     KV-cache size (gpu_memory_utilization, num_kv_blocks or kv_cache_memory_bytes), and
-    skip_tokenizer_init (token-id prompts in, token ids out: no tokenizer is loaded).
+    skip_tokenizer_init (token-id prompts in, token ids out: no tokenizer is loaded),
+    enable_multiprocessing (default: the engine core in a child process; env var
+    JAXINFER_ENABLE_MULTIPROCESSING=0 turns it off) and async_scheduling.
     """
 
     def __init__(self, model: str | None = None, **kwargs):
@@ -31,9 +33,12 @@ class LLM:
             raise TypeError(f"LLM() got unknown option(s) {unknown}; known: {sorted(fields)}")
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
+        if self.llm_engine.is_worker:  # multi-host: replay process 0's steps until shutdown
+            self.llm_engine.run_worker_loop()
 
     def shutdown(self) -> None:
-        """Multi-host: release the worker processes blocked in LLM() (no-op otherwise)."""
+        """Stop the engine core: its process, or (multi-host) release the worker processes
+        blocked in LLM(). Also done when the LLM is garbage-collected or Python exits."""
         self.llm_engine.shutdown()
 
     def get_tokenizer(self):

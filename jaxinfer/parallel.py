@@ -20,14 +20,15 @@ from jaxinfer.config import ModelConfig
 TP = "tp"
 
 
-def make_mesh(tensor_parallel_size: int) -> Mesh | None:
-    """A 1-D mesh over the first tp devices; None for tp == 1 (plain single-device jit)."""
-    devices = jax.devices()
+def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh | None:
+    """A 1-D mesh over the first tp of `devices` (default: all JAX devices; a data-parallel
+    rank passes its own); None for tp == 1 (plain single-device jit)."""
+    devices = list(devices) if devices is not None else jax.devices()
     if tensor_parallel_size > len(devices):
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} exceeds the "
                          f"{len(devices)} available {devices[0].platform} device(s)")
-    if tensor_parallel_size == 1:
-        return None
+    if tensor_parallel_size == 1 and devices[0] == jax.devices()[0]:
+        return None  # the default device: plain jit
     return Mesh(np.array(devices[:tensor_parallel_size]), (TP,),
                 axis_types=(jax.sharding.AxisType.Auto,))
 

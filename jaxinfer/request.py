@@ -76,6 +76,9 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (or scheduled into it)
         self.num_cached_tokens = -1  # prefix-cache hit at first admission (-1: not yet admitted)
         self.num_preemptions = 0
+        # Tokens sampled by scheduled steps whose results have not come back yet (async
+        # scheduling keeps one in flight; synchronous stepping is back to 0 before scheduling).
+        self.num_output_placeholders = 0
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids

@@ -157,7 +157,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             computed = request.num_computed_tokens
-            num_tokens = len(request.all_token_ids)
+            placeholders = request.num_output_placeholders
+            # A token still in flight (async scheduling) is computed by this step all the same
+            # (the runner patches its id in on the device), unless it will end the request.
+            num_tokens = len(request.all_token_ids) + placeholders
+            if placeholders and (request.num_output_tokens + placeholders >= request.max_tokens
+                                 or num_tokens >= self.max_model_len):
+                i += 1
+                continue
             # Drafts (speculative decoding) are scheduled as extra query tokens to verify.
             n = num_tokens + len(request.spec_token_ids) - computed
             if 0 < threshold < n:
@@ -201,7 +208,8 @@ class Scheduler:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             request = self.waiting.peek()
-            if request.status in _BLOCKED:
+            if request.status in _BLOCKED or request.num_output_placeholders:
+                # (a request preempted with a token in flight resumes once the token is in)
                 skipped.append(self.waiting.pop())
                 continue
             hit_blocks, num_hit = [], 0
@@ -252,7 +260,10 @@ class Scheduler:
         self.finished_req_ids = set()
         requests = self.requests
         for rid, n in num_scheduled.items():
-            requests[rid].num_computed_tokens += n
+            request = requests[rid]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples a real token
         return out
 
     # -- after the step -------------------------------------------------------------------------
@@ -274,11 +285,12 @@ class Scheduler:
                 num_rejected = len(spec[rid]) + 1 - len(sampled)
                 request.num_computed_tokens -= num_rejected
                 request.spec_token_ids = []
-            if request.num_computed_tokens < len(request.all_token_ids):
-                # A partial prefill: its sampled token (if any) is not a real output.
+            if not sampled:
+                # A partial prefill: no output token.
                 if prompt_lps:
                     outputs.append(EngineCoreOutput(rid, (), new_prompt_logprobs=prompt_lps))
                 continue
+            request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
             new_ids = sampled
             for i, tok in enumerate(sampled):
                 request.output_token_ids.append(tok)
@@ -296,7 +308,10 @@ class Scheduler:
             if reason is not None:
                 finished.append((request, len(outputs) - 1))
         for request, k in finished:
-            self.running.remove(request)
+            if request in self.running:
+                self.running.remove(request)
+            else:  # preempted while its last token was in flight (async scheduling)
+                self.waiting.remove(request)
             params = self._free_request(request)
             if params is not None:
                 outputs[k] = dataclasses.replace(outputs[k], kv_transfer_params=params)

@@ -1,76 +1,106 @@
-"""AsyncLLM: the engine loop in a background thread, one async output stream per request.
+"""AsyncLLM: the asyncio front end (vLLM V1's AsyncLLM), one output stream per request.
 
-LLMEngine is not thread-safe, so every call into it happens on the engine thread: asyncio
-callers post commands (add / abort) on a queue; the thread applies them between steps and hands
-each RequestOutput back to the caller's event loop. A request whose consumer goes away (client
-disconnect, cancelled task) is aborted, which frees its KV blocks.
+Processor and OutputProcessor run on the event loop; the engine core runs in its own process
+behind an AsyncMPClient (or, with multiprocessing off, in a background thread). One output-
+handler task reads the core's outputs, detokenizes them and feeds each request's queue. A
+request whose consumer goes away (client disconnect, cancelled task) is aborted, which frees
+its KV blocks; a dead core fails every open stream with EngineDeadError.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
-import threading
-import traceback
-from dataclasses import dataclass
+import itertools
+import logging
 from typing import Any, AsyncIterator, Callable
 
-from jaxinfer.config import EngineConfig
-from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.config import EngineConfig, multiprocessing_enabled, resolve_config
+from jaxinfer.engine.engine import in_process_only, make_processor
+from jaxinfer.engine.messages import EngineDeadError
+from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.tokenizer import Tokenizer
 
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None,
+    def __init__(self, config: EngineConfig | None = None, *,
                  on_step: Callable[[list[RequestOutput], dict], None] | None = None,
                  on_abort: Callable[[str], None] | None = None):
-        self.engine = engine or LLMEngine(config or EngineConfig())
-        self.on_step = on_step  # called on the engine thread after each step (metrics)
-        self.on_abort = on_abort  # called on the engine thread when a live request is aborted
-        self._cmds: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._counter = 0
-        self._lock = threading.Lock()
-        self.stats: dict[str, Any] = self.engine.get_stats()
+        from jaxinfer.engine.core_client import AsyncMPClient, ThreadedCoreClient
+
+        config = config or EngineConfig()
+        self.resolved = rc = resolve_config(config)
+        self.tokenizer = Tokenizer.from_pretrained(rc.tokenizer_dir) if rc.tokenizer_dir else None
+        self.max_model_len = rc.max_model_len
+        self.multiprocessing = multiprocessing_enabled(config) and not in_process_only()
+        self.engine_core = AsyncMPClient(rc) if self.multiprocessing else ThreadedCoreClient(rc)
+        self.processor = make_processor(rc, self.tokenizer, self.engine_core.info)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.on_step = on_step  # called on the event loop after each batch of outputs (metrics)
+        self.on_abort = on_abort  # called when a live request is aborted
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._handler: asyncio.Task | None = None
+        self._dead: BaseException | None = None
+        self._counter = itertools.count(1)
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def stats(self) -> dict[str, Any]:
+        """The core's stats as of its last step (or last going idle)."""
+        return self.engine_core.stats
 
     @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
+    def core(self):
+        """The EngineCore itself when it runs in this process (else AttributeError)."""
+        return self.engine_core.core
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="jaxinfer-engine",
-                                            daemon=True)
-            self._thread.start()
+        """Nothing to do: the core is up after construction; the output handler starts with
+        the first request on the serving event loop."""
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._cmds.put(("wake", None))
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
+        if self._handler is not None:
+            try:
+                self._handler.cancel()
+            except RuntimeError:  # its loop is closed already
+                pass
+        self.engine_core.shutdown()
 
     def new_request_id(self, prefix: str = "req") -> str:
-        with self._lock:
-            self._counter += 1
-            return f"{prefix}-{self._counter}"
+        return f"{prefix}-{next(self._counter)}"
+
+    def _ensure_handler(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._handler is None or self._handler.done():
+            self._handler = asyncio.get_running_loop().create_task(self._handle_outputs())
+
+    async def _handle_outputs(self) -> None:
+        while True:
+            try:
+                eo = await self.engine_core.get_output_async()
+            except EngineDeadError as e:
+                logger.error("engine core is dead: %s", e)
+                self._dead = e
+                for q in self._streams.values():
+                    q.put_nowait(e)
+                self._streams.clear()
+                return
+            outputs, to_stop = self.output_processor.process_outputs(eo.outputs)
+            if to_stop:  # stop strings: the core stops generating for them
+                await self.engine_core.abort_requests_async(to_stop)
+            for out in outputs:
+                q = self._streams.get(out.request_id)
+                if q is None:
+                    continue
+                if out.finished:
+                    del self._streams[out.request_id]
+                q.put_nowait(out)
+            if self.on_step is not None and outputs:
+                self.on_step(outputs, self.stats)
 
     # -- API for asyncio callers ----------------------------------------------------------------
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
@@ -78,17 +108,20 @@ class AsyncLLM:
         """Yields cumulative RequestOutputs of one request until it finishes.
 
         Raises ValueError (bad prompt or parameters) before the first output."""
-        self.start()
-        loop = asyncio.get_running_loop()
+        self._ensure_handler()
         request_id = request_id or self.new_request_id()
-        stream = _Stream(loop, asyncio.Queue())
-        accepted = loop.create_future()
-        self._cmds.put(("add", (request_id, prompt, params, kwargs, stream, accepted)))
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids, children = self.processor.make_requests(request_id, prompt, params, **kwargs)
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        self.output_processor.add_request(request_id, text, ids, children)
         finished = False
         try:
-            await accepted  # raises the validation error, if any
+            for child in children:
+                await self.engine_core.add_request_async(child)
             while True:
-                item = await stream.queue.get()
+                item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -100,65 +133,20 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", request_id))
-
-    # -- the engine thread ----------------------------------------------------------------------
-    def _apply(self, cmd, arg) -> None:
-        if cmd == "add":
-            request_id, prompt, params, kwargs, stream, accepted = arg
+        """Abort a live request (a no-op when it has finished)."""
+        self._streams.pop(request_id, None)
+        children = self.output_processor.abort(request_id)
+        if not children:
+            return
+        if self.on_abort is not None:
+            self.on_abort(request_id)
+        if self._dead is None:
             try:
-                self.engine.add_request(request_id, prompt, params, **kwargs)
-            except Exception as e:  # validation: report to the caller, keep serving others
-                stream.loop.call_soon_threadsafe(_set_exception, accepted, e)
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # a stream finalised after its loop ended: nothing to tell
                 return
-            self._streams[request_id] = stream
-            stream.loop.call_soon_threadsafe(_set_result, accepted, None)
-        elif cmd == "abort":
-            if self._streams.pop(arg, None) is not None:
-                self.engine.abort_request(arg)
-                if self.on_abort is not None:
-                    self.on_abort(arg)
+            loop.create_task(self.engine_core.abort_requests_async(children))
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            block = not self.engine.has_unfinished_requests()
-            try:
-                cmd, arg = self._cmds.get(block=block, timeout=0.5 if block else None)
-                self._apply(cmd, arg)
-                while True:
-                    cmd, arg = self._cmds.get_nowait()
-                    self._apply(cmd, arg)
-            except queue.Empty:
-                pass
-            if not self.engine.has_unfinished_requests():
-                self.stats = self.engine.get_stats()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as e:  # a bug in a step: fail the requests in flight, keep going
-                traceback.print_exc()
-                for rid, stream in list(self._streams.items()):
-                    stream.put(RuntimeError(f"engine step failed: {e}"))
-                    self.engine.abort_request(rid)
-                self._streams.clear()
-                continue
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is None:
-                    continue
-                if out.finished:
-                    del self._streams[out.request_id]
-                stream.put(out)
-            self.stats = self.engine.get_stats()
-            if self.on_step is not None:
-                self.on_step(outputs, self.stats)
-
-
-def _set_result(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
+    async def call_utility(self, name: str, *args):
+        """Run an EngineCore utility (get_stats, reset_prefix_cache, leak_report, ...)."""
+        return await self.engine_core.call_utility_async(name, *args)

@@ -1,4 +1,7 @@
-"""Processor: user prompt + SamplingParams -> validated, tokenized Request(s)."""
+"""Processor: user prompt + SamplingParams -> validated, tokenized EngineCoreRequest(s).
+
+Everything the engine core would refuse is refused here, with the field and the limit named:
+the core (maybe in another process) then never has to reject a request."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import random
 import time
 from typing import Any
 
-from jaxinfer.request import Request
+from jaxinfer.engine.messages import EngineCoreRequest
 from jaxinfer.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
@@ -15,8 +18,10 @@ PromptType = str | dict[str, Any] | list[int]
 class Processor:
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int,
                  eos_token_id: int | None, extra_eos_token_ids: tuple[int, ...] = (),
-                 seed: int = 0):
+                 seed: int = 0, num_usable_kv_blocks: int | None = None, block_size: int = 16):
         self.tokenizer = tokenizer
+        self.num_usable_kv_blocks = num_usable_kv_blocks  # None: not checked
+        self.block_size = block_size
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
@@ -50,6 +55,11 @@ class Processor:
         if len(ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, longer than max_model_len="
                              f"{self.max_model_len}")
+        if self.num_usable_kv_blocks is not None:
+            need = -(-(len(ids) + 1) // self.block_size)
+            if need > self.num_usable_kv_blocks:
+                raise ValueError(f"the request needs {need} KV blocks, more than the whole "
+                                 f"cache ({self.num_usable_kv_blocks} blocks)")
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of vocabulary "
@@ -58,7 +68,7 @@ class Processor:
     def make_requests(self, request_id: str, prompt: PromptType,
                       params: SamplingParams | None, *, arrival_time: float | None = None,
                       priority: int = 0, cache_salt: str | None = None
-                      ) -> tuple[str | None, list[int], list[Request]]:
+                      ) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
         """One Request per sample (n > 1 fans out into children sharing the prompt)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -76,7 +86,9 @@ class Processor:
         reqs = []
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
-            reqs.append(Request(rid, ids, params, eos_token_id=self.eos_token_id,
-                                arrival_time=arrival_time, priority=priority,
-                                cache_salt=cache_salt, sampling_seed=base_seed + i))
+            reqs.append(EngineCoreRequest(
+                request_id=rid, prompt_token_ids=ids, sampling_params=params,
+                eos_token_id=self.eos_token_id, arrival_time=arrival_time,
+                sampling_seed=(base_seed + i) & 0xFFFFFFFF, priority=priority,
+                cache_salt=cache_salt))
         return text, ids, reqs

@@ -11,7 +11,7 @@ from pallas_kernels.reference import ragged_paged_attention_reference, write_kv_
 
 # "xla": cost follows the real work (the default); "pallas": the Triton kernel (GPU; interpret
 # mode on CPU); "reference": pure jnp, slow on purpose, the ground truth of the tests.
-ATTENTION_BACKENDS = ("xla", "pallas", "reference")
+from jaxinfer.config import ATTENTION_BACKENDS  # noqa: E402  (one list, in the config)
 DEFAULT_BACKEND = "xla"
 
 

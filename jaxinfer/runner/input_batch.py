@@ -14,7 +14,10 @@ class InputBatch:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), np.int32)  # [S, L+1]
-        self.num_tokens = np.zeros(max_num_reqs, np.int32)  # known tokens per slot
+        # Tokens per slot, counting the ones sampled by steps still in flight (their ids are
+        # written into token_ids when the step is collected; `pending` counts them).
+        self.num_tokens = np.zeros(max_num_reqs, np.int32)
+        self.pending = np.zeros(max_num_reqs, np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
         self.num_computed = np.zeros(max_num_reqs, np.int32)  # KV written (or being written)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), np.int32)  # [S, B]
@@ -41,6 +44,7 @@ class InputBatch:
         n = len(new.token_ids)
         self.token_ids[s, :n] = new.token_ids
         self.num_tokens[s] = n
+        self.pending[s] = 0
         self.num_prompt_tokens[s] = new.num_prompt_tokens
         self.num_computed[s] = new.num_computed_tokens
         self.num_blocks[s] = 0

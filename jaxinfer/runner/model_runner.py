@@ -64,29 +64,41 @@ class StepBatch:
     req_slots: np.ndarray  # int32 [R]: persistent slot of each sequence (pad: 0)
     reset_slots: np.ndarray  # int32 [R]: slots whose penalty state restarts (pad: S)
     sampling: SamplingMetadata  # [R] each
+    # bool [T]: the token is the one the previous step sampled for this request, still on the
+    # device (async scheduling): the step reads it from its slot's last sampled id.
+    from_last_sampled: np.ndarray
     next_token_ids: np.ndarray | None = None  # int32 [T]: next prompt token (prompt_logprobs)
 
 
 def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
           features: StepFeatures):
     model = nnx.merge(graphdef, state)
-    hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.attn)
+    counts, prompt_mask, last_sampled = sampler_state  # [S, V], [S, V], [S]
+    # Tokens sampled by the previous step (not yet seen by the host) come from the device.
+    input_ids = jnp.where(batch.from_last_sampled,
+                          jnp.take(last_sampled, batch.token_slots, mode="clip"),
+                          batch.input_ids)
+    hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attn)
     # The LM head and the sampler run on the R sampling rows only, never on all T tokens.
     raw_logits = model.compute_logits(hidden[batch.logits_indices])  # [R, V] float32
     logits = raw_logits
     if features.penalties:
-        counts, prompt_mask = sampler_state  # [S, V] int32, [S, V] bool
         counts = counts.at[batch.reset_slots].set(0, mode="drop")
         prompt_mask = prompt_mask.at[batch.reset_slots].set(False, mode="drop")
         is_out = batch.token_is_output
-        counts = counts.at[batch.token_slots, batch.input_ids].add(is_out.astype(jnp.int32),
-                                                                   mode="drop")
-        prompt_mask = prompt_mask.at[batch.token_slots, batch.input_ids].max(~is_out,
-                                                                             mode="drop")
+        counts = counts.at[batch.token_slots, input_ids].add(is_out.astype(jnp.int32),
+                                                             mode="drop")
+        prompt_mask = prompt_mask.at[batch.token_slots, input_ids].max(~is_out, mode="drop")
         logits = apply_penalties(logits, counts[batch.req_slots], prompt_mask[batch.req_slots],
                                  batch.sampling)
-        sampler_state = (counts, prompt_mask)
     token_ids = sample_tokens(logits, batch.sampling)
+    # Each real sequence's sampled id stays on the device for the next step (padding rows
+    # write nowhere).
+    num_slots = last_sampled.shape[0]
+    rows = jnp.arange(token_ids.shape[0])
+    write_slots = jnp.where(rows < batch.attn.num_seqs[0], batch.req_slots, num_slots)
+    last_sampled = last_sampled.at[write_slots].set(token_ids, mode="drop")
+    sampler_state = (counts, prompt_mask, last_sampled)
     out = {"token_ids": token_ids}
     if features.logprobs:
         out["logprobs"] = compute_logprobs(raw_logits, token_ids, MAX_LOGPROBS)
@@ -120,6 +132,7 @@ def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
             frequency_penalty=np.zeros(r, np.float32),
             presence_penalty=np.zeros(r, np.float32), seeds=np.zeros(r, np.uint32),
             output_index=zi(r)),
+        from_last_sampled=np.zeros(t, bool),
         next_token_ids=zi(t) if prompt_logprobs else None,
     )
 
@@ -187,7 +200,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(cfg, num_kv_blocks, block_size, kv_dtype, self.mesh)
         self.sampler_state = (
             jnp.zeros((max_num_seqs, cfg.vocab_size), jnp.int32, device=self._replicated),
-            jnp.zeros((max_num_seqs, cfg.vocab_size), bool, device=self._replicated))
+            jnp.zeros((max_num_seqs, cfg.vocab_size), bool, device=self._replicated),
+            jnp.zeros((max_num_seqs,), jnp.int32, device=self._replicated))
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks)
         self._compiled: dict[tuple[int, int, StepFeatures], object] = {}
         # Host step buffers per (T, R, prompt_logprobs), two of each used in turn: a buffer is
@@ -366,18 +380,23 @@ class ModelRunner:
             getattr(sm, name)[:n_req] = getattr(b, name)[slots]
         sm.seeds[:n_req] = b.seed[slots]
         sm.output_index[:n_req] = b.num_tokens[slots] - b.num_prompt_tokens[slots]
+        # The token sampled by the step in flight (async scheduling) is read on the device.
+        batch.from_last_sampled[:n_tok] = ((b.pending[tok_slot] > 0)
+                                           & (pos == b.num_tokens[tok_slot] - 1))
         b.num_computed[slots] = computed + q_lens
-        self._step_spans = (computed, batch.attn.query_start_loc)  # for prompt_logprobs
-        return batch, features, req_ids, slots
+        return batch, features, req_ids, slots, computed
 
-    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+    def dispatch(self, so: SchedulerOutput) -> "_InFlightStep | None":
+        """Apply the diff, build the inputs and launch the step; does not wait for it. The
+        rows that sample a real token count it at once (InputBatch.num_tokens / pending), so
+        the next step can be built before this one is collected. None: nothing to run."""
         if so.scheduled_spec_decode_tokens:
             raise NotImplementedError("speculative decoding: this runner cannot verify draft "
                                       "tokens yet")
         self._apply_diff(so)
         if not so.num_scheduled_tokens:
-            return RunnerOutput(req_ids=(), sampled_token_ids=())
-        batch, features, req_ids, slots = self._build(so)
+            return None
+        batch, features, req_ids, slots, computed = self._build(so)
         t, r = batch.input_ids.shape[0], batch.req_slots.shape[0]
         compiled = self._get_compiled(t, r, features)
         if self._multiprocess:
@@ -385,17 +404,40 @@ class ModelRunner:
         device_batch = self._to_device(batch)  # the one transfer in
         out, self.kv_caches, self.sampler_state = compiled(self.state, self.kv_caches,
                                                            self.sampler_state, device_batch)
-        out = jax.device_get(out)  # the one transfer out
+        b = self.batch
+        samples = b.num_computed[slots] >= b.num_tokens[slots]  # else a partial prefill
+        positions = b.num_tokens[slots].copy()  # where each sampled token goes
+        b.num_tokens[slots] += samples
+        b.pending[slots] += samples
+        return _InFlightStep(out, batch, req_ids, slots, computed, samples, positions)
+
+    def collect(self, step: "_InFlightStep | None") -> RunnerOutput:
+        """Wait for a dispatched step and read its results back (the one transfer out)."""
+        if step is None:
+            return RunnerOutput(req_ids=(), sampled_token_ids=())
+        out = jax.device_get(step.out)
+        b = self.batch
+        tokens = out["token_ids"]
+        for i, (rid, s) in enumerate(zip(step.req_ids, step.slots)):
+            # The slot may have been freed (finished) or re-used since the dispatch.
+            if step.samples[i] and b.req_id_to_slot.get(rid) == s:
+                n = step.positions[i]
+                if n < b.token_ids.shape[1]:
+                    b.token_ids[s, n] = tokens[i]
+                b.pending[s] -= 1
         prompt_lps = {}
         if "prompt_logprobs" in out:
-            prompt_lps = self._prompt_logprobs(out["prompt_logprobs"], batch, req_ids, slots)
-        return self._to_runner_output(out, req_ids, slots, prompt_lps)
+            prompt_lps = self._prompt_logprobs(out["prompt_logprobs"], step)
+        return self._to_runner_output(out, step, prompt_lps)
 
-    def _prompt_logprobs(self, pl_out, batch, req_ids, slots) -> dict:
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        return self.collect(self.dispatch(so))
+
+    def _prompt_logprobs(self, pl_out, step: "_InFlightStep") -> dict:
         """Per request: Logprobs of the prompt tokens this step predicted (None for token 0)."""
         chosen, rank, top_ids, top_lps = pl_out
-        b = self.batch
-        computed, qsl = self._step_spans
+        b, batch, req_ids, slots = self.batch, step.batch, step.req_ids, step.slots
+        computed, qsl = step.computed, batch.attn.query_start_loc
         result = {}
         for i, (rid, s) in enumerate(zip(req_ids, slots)):
             k = b.num_prompt_logprobs[s]
@@ -414,26 +456,35 @@ class ModelRunner:
             result[rid] = tuple(entries)
         return result
 
-    def _to_runner_output(self, out, req_ids, slots, prompt_lps) -> RunnerOutput:
+    def _to_runner_output(self, out, step: "_InFlightStep", prompt_lps) -> RunnerOutput:
         b = self.batch
         sampled, logprobs = [], {}
         token_ids = out["token_ids"].tolist()
         lp = out.get("logprobs")
-        for i, (rid, s) in enumerate(zip(req_ids, slots)):
-            if b.num_computed[s] < b.num_tokens[s]:
+        for i, (rid, s) in enumerate(zip(step.req_ids, step.slots)):
+            if not step.samples[i]:
                 sampled.append(())  # partial prefill: no token
                 continue
             tok = token_ids[i]
             sampled.append((tok,))
-            n = b.num_tokens[s]
-            if n < b.token_ids.shape[1]:
-                b.token_ids[s, n] = tok
-            b.num_tokens[s] = n + 1
-            k = b.num_logprobs[s]
+            k = b.num_logprobs[s] if b.req_id_to_slot.get(rid) == s else -1
             if k >= 0:
                 logprobs[rid] = (Logprobs(
                     token_id=tok, logprob=float(lp.logprob[i]), rank=int(lp.rank[i]),
                     top_ids=tuple(int(x) for x in lp.top_ids[i, :k]),
                     top_logprobs=tuple(float(x) for x in lp.top_logprobs[i, :k])),)
-        return RunnerOutput(req_ids=tuple(req_ids), sampled_token_ids=tuple(sampled),
+        return RunnerOutput(req_ids=tuple(step.req_ids), sampled_token_ids=tuple(sampled),
                             logprobs=logprobs, prompt_logprobs=prompt_lps)
+
+
+@dataclasses.dataclass
+class _InFlightStep:
+    """A dispatched step: its device outputs and what collect() needs to read them."""
+
+    out: dict  # device arrays: token_ids [R] (+ logprobs, prompt_logprobs)
+    batch: StepBatch  # the host inputs (its buffer is not refilled before collect)
+    req_ids: list[str]  # in row order
+    slots: np.ndarray  # int32 [n_req] persistent slot per row
+    computed: np.ndarray  # int32 [n_req] tokens computed before the step
+    samples: np.ndarray  # bool [n_req] the row samples a real token (not a partial prefill)
+    positions: np.ndarray  # int32 [n_req] the sampled token's position in the sequence

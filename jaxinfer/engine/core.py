@@ -1,0 +1,306 @@
+"""EngineCore: the scheduler and the model runner, with no tokenizer (vLLM V1's engine core).
+
+It takes EngineCoreRequests (token ids + sampling parameters) and returns EngineCoreOutputs
+(new token ids, finish reasons, logprobs). The front end (LLMEngine / AsyncLLM) does text.
+A client drives it: in this process (InprocClient) or in its own process (core_client.py),
+where `run_busy_loop` serves two queues fed by socket I/O threads.
+
+Async scheduling (`async_scheduling=True`): `step_async` dispatches step N+1 before reading
+step N's sampled ids. The runner patches the ids of step N into step N+1's inputs on the
+device; the scheduler counts the token in flight (Request.num_output_placeholders).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import traceback
+from collections import deque
+
+import jax
+import numpy as np
+
+from jaxinfer.config import ResolvedConfig
+from jaxinfer.core.kv_cache_manager import KVCacheManager
+from jaxinfer.core.scheduler import Scheduler
+from jaxinfer.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from jaxinfer.outputs import EngineCoreOutput
+from jaxinfer.request import FinishReason, Request, RequestStatus
+from jaxinfer.runner.buckets import BucketTable
+from jaxinfer.runner.kv_cache import kv_cache_bytes_per_block
+from jaxinfer.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_BYTES = 1 << 30  # default KV budget on CPU (as vLLM's CPU backend has a fixed space)
+
+
+def _on_gpu(devices) -> bool:
+    return devices[0].platform in ("gpu", "cuda", "rocm")
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    import os
+
+    from jaxinfer.models.default_model import cache_dir
+
+    if path == "":
+        return
+    path = path or os.path.join(cache_dir(), "xla")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def jnp_dtype(name: str):
+    import jax.numpy as jnp
+
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+
+
+class EngineCore:
+    """Scheduler + runner over `devices` (default: all of this process's JAX devices; a data-
+    parallel rank passes its own subset)."""
+
+    def __init__(self, rc: ResolvedConfig, devices=None):
+        from jaxinfer.models.loader import load_model
+        from jaxinfer.parallel import make_mesh
+
+        cfg = rc.engine
+        self.resolved = rc
+        enable_compilation_cache(cfg.compilation_cache_dir)
+        self.devices = list(devices) if devices is not None else jax.devices()
+        self.mesh = make_mesh(cfg.tensor_parallel_size, self.devices)
+        model, mcfg, dtype = load_model(rc.model_dir, dtype=rc.dtype,
+                                        load_format=cfg.load_format,
+                                        attention_backend=rc.attention_backend, seed=cfg.seed,
+                                        model_config=rc.model_config, mesh=self.mesh)
+        self.model_config = mcfg  # as built (KV heads replicated up to tp where needed)
+        self.kv_dtype = jnp_dtype(rc.kv_cache_dtype)
+        num_blocks = self._num_kv_blocks()
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            if cfg.tensor_parallel_size != jax.device_count():
+                raise ValueError(
+                    f"multi-host runs need tensor_parallel_size == all devices "
+                    f"({jax.device_count()} over {jax.process_count()} processes), got "
+                    f"{cfg.tensor_parallel_size}")
+            # Every process must size the cache as process 0 did.
+            num_blocks = int(multihost_utils.broadcast_one_to_all(np.int64(num_blocks)))
+        cache, sched = rc.cache, rc.scheduler
+        kv = KVCacheManager(num_blocks, cache.block_size, rc.max_model_len,
+                            enable_caching=cache.enable_prefix_caching,
+                            hash_algo=cache.prefix_caching_hash_algo, hash_seed=cache.hash_seed)
+        self.scheduler = Scheduler(sched, kv)
+        buckets = BucketTable.build(sched.max_num_batched_tokens, sched.max_num_seqs,
+                                    min_tokens=cfg.min_token_bucket, growth=cfg.bucket_growth)
+        self.runner = ModelRunner(model, num_kv_blocks=num_blocks, block_size=cache.block_size,
+                                  max_model_len=rc.max_model_len,
+                                  max_num_seqs=sched.max_num_seqs,
+                                  max_num_batched_tokens=sched.max_num_batched_tokens,
+                                  kv_dtype=self.kv_dtype, buckets=buckets)
+        if cfg.warmup:
+            self.runner.warmup()
+        self.async_scheduling = cfg.async_scheduling
+        # Steps dispatched and not yet collected (async scheduling keeps at most two).
+        self._in_flight: deque = deque()
+        # Host time per step (schedule + build + dispatch + collect bookkeeping + update), and
+        # the time the host waited on the device: for benchmarks/async_scheduling.py.
+        self.step_timings: list[tuple[float, float]] | None = None
+
+    @property
+    def is_worker(self) -> bool:
+        """Multi-host: processes > 0 only replay process 0's steps (run_worker_loop)."""
+        return jax.process_index() > 0
+
+    def run_worker_loop(self) -> None:
+        """Multi-host, processes > 0: execute process 0's steps until it shuts down."""
+        self.runner.serve_remote_steps()
+
+    def _num_kv_blocks(self) -> int:
+        rc, c = self.resolved, self.resolved.engine
+        per_block = kv_cache_bytes_per_block(self.model_config, c.block_size, self.kv_dtype)
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_memory_bytes is not None:
+            budget = c.kv_cache_memory_bytes
+        elif _on_gpu(self.devices):
+            stats = self.devices[0].memory_stats() or {}
+            limit = stats.get("bytes_limit", 0)
+            in_use = stats.get("bytes_in_use", 0)
+            mcfg = self.model_config
+            # Activations and sampler state of the largest step, with a 2x margin.
+            act = 2 * 4 * rc.scheduler.max_num_batched_tokens * (
+                4 * mcfg.hidden_size + 3 * mcfg.intermediate_size)
+            act += 2 * 4 * c.max_num_seqs * mcfg.vocab_size * 8
+            # Per device: with tensor parallelism each device holds 1/tp of every block.
+            budget = (int(c.gpu_memory_utilization * limit) - in_use - act) * c.tensor_parallel_size
+        else:
+            budget = _CPU_KV_BYTES
+        blocks = budget // per_block + 1
+        if blocks < 2:
+            raise ValueError(f"no memory left for the KV cache (budget {budget} bytes, "
+                             f"{per_block} bytes per block)")
+        return int(blocks)
+
+    def ready_info(self) -> dict:
+        """What the front end learns at start-up (it validates requests against it)."""
+        return {"num_kv_blocks": self.runner.num_kv_blocks,
+                "num_usable_kv_blocks": self.scheduler.kv.num_usable_blocks,
+                "block_size": self.scheduler.kv.block_size,
+                "num_compilations": self.runner.num_compilations}
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request (ValueError on what the front end should have refused)."""
+        self.scheduler.add_request(Request(
+            req.request_id, req.prompt_token_ids, req.sampling_params,
+            eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
+            priority=req.priority, cache_salt=req.cache_salt, sampling_seed=req.sampling_seed))
+
+    def abort_requests(self, request_ids, status=RequestStatus.FINISHED_ABORTED) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+
+    # -- stepping -------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Synchronous: schedule, run, read back, update."""
+        if self.async_scheduling:
+            return self.step_async()
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        handle = self.runner.dispatch(so)
+        t1 = time.perf_counter()
+        ro = self.runner.collect(handle)
+        t2 = time.perf_counter()
+        outs = self.scheduler.update_from_output(so, ro)
+        if self.step_timings is not None and handle is not None:
+            self.step_timings.append(((t1 - t0) + (time.perf_counter() - t2), t2 - t1))
+        return outs
+
+    def step_async(self) -> list[EngineCoreOutput]:
+        """Pipelined: dispatch the next step, then collect the oldest one in flight (while the
+        device already runs the next). Outputs lag one step behind dispatch."""
+        t0 = time.perf_counter()
+        dispatched = False
+        if self.scheduler.has_unfinished_requests() and len(self._in_flight) < 2:
+            so = self.scheduler.schedule()
+            handle = self.runner.dispatch(so)
+            if handle is not None:
+                self._in_flight.append((so, handle))
+                dispatched = True
+        if not self._in_flight or (dispatched and len(self._in_flight) < 2):
+            return []
+        so, handle = self._in_flight.popleft()
+        t1 = time.perf_counter()
+        ro = self.runner.collect(handle)
+        t2 = time.perf_counter()
+        outs = self.scheduler.update_from_output(so, ro)
+        if self.step_timings is not None:
+            self.step_timings.append(((t1 - t0) + (time.perf_counter() - t2), t2 - t1))
+        return outs
+
+    # -- utilities (callable from clients by name) ----------------------------------------------
+    def get_stats(self) -> dict:
+        stats = self.scheduler.make_stats()
+        stats["num_free_kv_blocks"] = self.scheduler.kv.get_num_free_blocks()
+        stats["num_kv_blocks"] = self.runner.num_kv_blocks
+        stats["num_compilations"] = self.runner.num_compilations
+        stats["time"] = time.time()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def leak_report(self) -> list[str]:
+        """What is still held although no request is live (empty when all is well)."""
+        s, kv = self.scheduler, self.scheduler.kv
+        problems = []
+        if s.requests or s.running or len(s.waiting):
+            problems.append(f"requests left: {sorted(s.requests)}")
+        if self._in_flight:
+            problems.append(f"{len(self._in_flight)} steps in flight")
+        if kv.get_num_free_blocks() != self.runner.num_kv_blocks - 1:
+            problems.append(f"free blocks {kv.get_num_free_blocks()} != "
+                            f"{self.runner.num_kv_blocks - 1}")
+        if kv.req_to_blocks or kv.num_cached_blocks:
+            problems.append(f"block lists left: {sorted(kv.req_to_blocks)}")
+        return problems
+
+    def profile_steps(self, enable: bool = True) -> list:
+        """Start recording (host seconds, device-wait seconds) per step; returns what was
+        recorded so far and clears it."""
+        done = self.step_timings or []
+        self.step_timings = [] if enable else None
+        return done
+
+    def shutdown(self) -> None:
+        self.runner.stop_remote_steps()
+
+    # -- the busy loop (engine-core process, or a background thread) ----------------------------
+    def run_busy_loop(self, inputs: "queue.Queue", outputs: "queue.Queue") -> None:
+        """Serve `inputs` until a None arrives. Items: ("add", EngineCoreRequest),
+        ("abort", [ids]), ("utility", (call_id, name, args)). Puts EngineCoreOutputs on
+        `outputs`: one per step that produced something, one for each utility call, and one
+        with fresh stats whenever the core goes idle. A failing step ends the loop with an
+        engine_error (the front end then fails every request: nothing hangs)."""
+        stats_sent = True
+        while True:
+            try:
+                item = inputs.get(block=not self.has_work())
+            except queue.Empty:
+                item = ()
+            while item != ():
+                if item is None:
+                    return
+                stats_sent = False
+                self._handle_input(item, outputs)
+                try:
+                    item = inputs.get_nowait()
+                except queue.Empty:
+                    item = ()
+            if self.has_work():
+                try:
+                    outs = self.step()
+                except Exception:
+                    tb = traceback.format_exc()
+                    logger.error("engine core step failed:\n%s", tb)
+                    outputs.put(EngineCoreOutputs(engine_error=f"engine core step failed:\n{tb}"))
+                    return
+                if outs:
+                    outputs.put(EngineCoreOutputs(outputs=outs, stats=self.get_stats()))
+                    stats_sent = True
+            if not stats_sent and not self.has_work():
+                outputs.put(EngineCoreOutputs(stats=self.get_stats()))
+                stats_sent = True
+
+    def _handle_input(self, item, outputs: "queue.Queue") -> None:
+        kind, arg = item
+        if kind == "add":
+            try:
+                self.add_request(arg)
+            except Exception as e:  # the front end validates first; never leave it waiting
+                logger.error("engine core refused request %s: %s", arg.request_id, e)
+                outputs.put(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                    arg.request_id, (), FinishReason.ABORT, stop_reason=f"refused: {e}")]))
+        elif kind == "abort":
+            self.abort_requests(arg)
+        elif kind == "utility":
+            call_id, name, args = arg
+            try:
+                if name.startswith("_") or name not in UTILITIES:
+                    raise AttributeError(f"EngineCore has no utility {name!r}")
+                result, err = getattr(self, name)(*args), None
+            except Exception as e:
+                result, err = None, f"{type(e).__name__}: {e}"
+            outputs.put(EngineCoreOutputs(utility_output=(call_id, result, err),
+                                          stats=self.get_stats()))
+        else:
+            raise ValueError(f"unknown engine core input {kind!r}")
+
+
+UTILITIES = ("get_stats", "reset_prefix_cache", "leak_report", "profile_steps", "ready_info")

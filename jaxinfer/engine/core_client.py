@@ -1,0 +1,516 @@
+"""Clients of the EngineCore: in this process, or in a child process over ZeroMQ + msgspec.
+
+    InprocClient        core in this process, stepped by the caller (tests, debugging, multi-host)
+    ThreadedCoreClient  core in a background thread of this process (AsyncLLM without MP)
+    SyncMPClient        core in a child process; blocking calls (LLM / LLMEngine)
+    AsyncMPClient       core in a child process; asyncio calls (AsyncLLM / the server)
+
+The child process: an input thread decodes requests from the front end's PUSH socket into a
+queue, the main thread runs EngineCore.run_busy_loop over that queue, an output thread encodes
+and sends EngineCoreOutputs. It exits when its parent dies (a pipe closes), and a core that
+fails or vanishes is reported to the front end as EngineDeadError, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import tempfile
+import threading
+import traceback
+import uuid
+import weakref
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from jaxinfer.config import ResolvedConfig
+from jaxinfer.engine.messages import (EngineCoreOutputs, EngineCoreRequest, EngineDeadError,
+                                      RequestType, encoder, outputs_decoder, request_decoder)
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100  # how often a waiting front end checks that the core process is alive
+# JAX options a child process must share with its parent (numerics of the tests, platform).
+_JAX_OPTIONS = ("jax_default_matmul_precision", "jax_enable_x64")
+
+
+# -- in this process ------------------------------------------------------------------------------
+class InprocClient:
+    """The core in this process; get_output() runs one step."""
+
+    def __init__(self, rc: ResolvedConfig, devices=None):
+        from jaxinfer.engine.core import EngineCore
+
+        self.core = EngineCore(rc, devices)
+        self.info = self.core.ready_info()
+        self.stats = self.core.get_stats()
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self.core.add_request(req)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        outs = self.core.step() if self.core.has_work() else []
+        self.stats = self.core.get_stats()
+        return EngineCoreOutputs(outputs=outs, stats=self.stats)
+
+    def has_work(self) -> bool:
+        return self.core.has_work()
+
+    def call_utility(self, name: str, *args) -> Any:
+        return getattr(self.core, name)(*args)
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+class ThreadedCoreClient:
+    """The core's busy loop in a background thread of this process, with the asyncio API of
+    AsyncMPClient (for AsyncLLM when multiprocessing is off)."""
+
+    def __init__(self, rc: ResolvedConfig, devices=None):
+        from jaxinfer.engine.core import EngineCore
+
+        self.core = EngineCore(rc, devices)
+        self.info = self.core.ready_info()
+        self.stats = self.core.get_stats()
+        self._inputs: queue.Queue = queue.Queue()
+        self._outputs: queue.Queue = queue.Queue()
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="jaxinfer-core", daemon=True)
+        self._thread.start()
+        self._aq: asyncio.Queue | None = None
+        self._futures: dict[int, asyncio.Future] = {}
+        self._pump: threading.Thread | None = None
+        self._dead: BaseException | None = None
+
+    def _run(self) -> None:
+        self.core.run_busy_loop(self._inputs, self._outputs)
+        self._outputs.put(None)
+
+    def _ensure_pump(self) -> None:
+        if self._pump is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._aq = asyncio.Queue()
+
+        def pump():  # outputs queue -> the event loop
+            while True:
+                item = self._outputs.get()
+                loop.call_soon_threadsafe(self._deliver, item)
+                if item is None:
+                    return
+
+        self._pump = threading.Thread(target=pump, name="jaxinfer-core-pump", daemon=True)
+        self._pump.start()
+
+    def _deliver(self, item: EngineCoreOutputs | None) -> None:
+        if item is None or item.engine_error:
+            self._dead = EngineDeadError(item.engine_error if item else "engine core stopped")
+            for fut in self._futures.values():
+                if not fut.done():
+                    fut.set_exception(self._dead)
+            self._aq.put_nowait(self._dead)
+            return
+        _route(item, self._futures, self._aq, self)
+
+    async def add_request_async(self, req: EngineCoreRequest) -> None:
+        self._check()
+        self._ensure_pump()
+        self._inputs.put(("add", req))
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids and self._dead is None:
+            self._inputs.put(("abort", list(request_ids)))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._ensure_pump()
+        item = await self._aq.get()
+        if isinstance(item, BaseException):
+            self._aq.put_nowait(item)  # every later reader fails too
+            raise item
+        return item
+
+    async def call_utility_async(self, name: str, *args) -> Any:
+        self._check()
+        self._ensure_pump()
+        call_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._futures[call_id] = fut
+        self._inputs.put(("utility", (call_id, name, args)))
+        return await fut
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+    def shutdown(self) -> None:
+        self._inputs.put(None)
+        self._thread.join(timeout=30)
+        self.core.shutdown()
+
+
+def _route(item: EngineCoreOutputs, futures: dict, out_queue, holder) -> None:
+    """Utility results to their futures; stats to holder.stats; step outputs to out_queue."""
+    if item.stats is not None:
+        holder.stats = item.stats
+    if item.utility_output is not None:
+        call_id, result, err = item.utility_output
+        fut = futures.pop(call_id, None)
+        if fut is not None and not fut.done():
+            if err is not None:
+                fut.set_exception(RuntimeError(f"engine core utility failed: {err}"))
+            else:
+                fut.set_result(result)
+        return
+    out_queue.put_nowait(item)
+
+
+# -- the engine-core process ----------------------------------------------------------------------
+def core_process_main() -> None:
+    """Entry point of the child process (`python -m jaxinfer.engine.core_client`). Its stdin
+    is the lifeline: the start-up arguments arrive there (pickled), and its end of file means
+    the parent is gone, so the core exits too."""
+    import pickle
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
+    stdin = sys.stdin.buffer
+    size = int.from_bytes(stdin.read(8), "little")
+    rc, input_addr, output_addr, jax_options = pickle.loads(stdin.read(size))
+
+    def watch_parent():
+        while stdin.read(4096):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch_parent, name="jaxinfer-core-watch", daemon=True).start()
+    ctx = zmq.Context()
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 5000)
+    out_sock.connect(output_addr)
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.connect(input_addr)
+    enc = encoder()
+    try:
+        import jax
+
+        for name, value in jax_options.items():
+            jax.config.update(name, value)
+        from jaxinfer.engine.core import EngineCore
+
+        core = EngineCore(rc)
+    except BaseException as e:
+        kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__
+        out_sock.send(enc.encode(EngineCoreOutputs(
+            engine_error=f"{kind}: {e}\n{traceback.format_exc()}")))
+        out_sock.close()
+        ctx.term()
+        os._exit(1)
+    out_sock.send(enc.encode(EngineCoreOutputs(ready=core.ready_info(),
+                                               stats=core.get_stats())))
+    inputs: queue.Queue = queue.Queue()
+    outputs: queue.Queue = queue.Queue()
+
+    def read_inputs():
+        import msgspec
+
+        dec_req = request_decoder()
+        while True:
+            kind, payload = in_sock.recv_multipart()
+            if kind == RequestType.ADD.value:
+                inputs.put(("add", dec_req.decode(payload)))
+            elif kind == RequestType.ABORT.value:
+                inputs.put(("abort", msgspec.msgpack.decode(payload)))
+            elif kind == RequestType.UTILITY.value:
+                call_id, name, args = msgspec.msgpack.decode(payload)
+                inputs.put(("utility", (call_id, name, tuple(args))))
+            elif kind == RequestType.SHUTDOWN.value:
+                inputs.put(None)
+                return
+
+    def write_outputs():
+        while True:
+            item = outputs.get()
+            if item is None:
+                return
+            out_sock.send(enc.encode(item))
+
+    threading.Thread(target=read_inputs, name="jaxinfer-core-in", daemon=True).start()
+    writer = threading.Thread(target=write_outputs, name="jaxinfer-core-out", daemon=True)
+    writer.start()
+    code = 0
+    try:
+        core.run_busy_loop(inputs, outputs)
+    except BaseException:
+        outputs.put(EngineCoreOutputs(engine_error=f"engine core failed:\n"
+                                                   f"{traceback.format_exc()}"))
+        code = 1
+    outputs.put(None)
+    writer.join(timeout=10)
+    try:
+        core.shutdown()
+    finally:
+        out_sock.close()
+        os._exit(code)
+
+
+class _CoreProcess:
+    """Starts the engine-core process (a fresh interpreter: no fork of a JAX process, and no
+    `if __name__ == "__main__"` guard needed in the user's script), binds the two sockets and
+    waits for its handshake."""
+
+    def __init__(self, rc: ResolvedConfig):
+        import pickle
+        import subprocess
+        import sys
+
+        import jax
+
+        self.ctx = zmq.Context()
+        base = os.path.join(tempfile.gettempdir(), f"jaxinfer-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.input_addr, self.output_addr = f"ipc://{base}-in", f"ipc://{base}-out"
+        self.in_sock = self.ctx.socket(zmq.PUSH)  # front end -> core
+        self.in_sock.setsockopt(zmq.LINGER, 0)
+        self.in_sock.bind(self.input_addr)
+        self.out_sock = self.ctx.socket(zmq.PULL)  # core -> front end
+        self.out_sock.setsockopt(zmq.LINGER, 0)
+        self.out_sock.bind(self.output_addr)
+        options = {name: getattr(jax.config, name) for name in _JAX_OPTIONS}
+        self.proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.engine.core_client"],
+                                     stdin=subprocess.PIPE)
+        args = pickle.dumps((rc, self.input_addr, self.output_addr, options))
+        self.proc.stdin.write(len(args).to_bytes(8, "little") + args)
+        self.proc.stdin.flush()  # stdin stays open: it is the core's lifeline
+        self.decoder = outputs_decoder()
+        # Stops the process and closes the sockets when the client is collected or at exit.
+        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.in_sock,
+                                           self.out_sock, self.ctx)
+        try:
+            self.info, self.stats = self._handshake()
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _handshake(self) -> tuple[dict, dict]:
+        while True:
+            if self.out_sock.poll(_POLL_MS):
+                msg = self.decoder.decode(self.out_sock.recv())
+                if msg.engine_error:
+                    first = msg.engine_error.split("\n", 1)[0]
+                    if first.startswith("ValueError: "):
+                        raise ValueError(first[len("ValueError: "):])
+                    raise RuntimeError(f"engine core failed to start: {msg.engine_error}")
+                return msg.ready, msg.stats
+            if not self.is_alive():
+                raise RuntimeError(f"engine core process exited during start-up (exit code "
+                                   f"{self.proc.returncode})")
+
+    def dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"the engine core process died (exit code {self.proc.returncode})")
+
+    def send(self, kind: RequestType, payload: bytes) -> None:
+        self.in_sock.send_multipart((kind.value, payload), copy=False)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _stop_process(proc, in_sock, out_sock, ctx) -> None:
+    import subprocess
+
+    if proc.poll() is None:
+        try:
+            in_sock.send_multipart((RequestType.SHUTDOWN.value, b""), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
+    in_sock.close(linger=0)
+    out_sock.close(linger=0)
+    ctx.term()
+
+
+class SyncMPClient:
+    """Blocking client of an engine-core process (LLM / LLMEngine)."""
+
+    def __init__(self, rc: ResolvedConfig):
+        import msgspec
+
+        self._msgpack = msgspec.msgpack
+        self.p = _CoreProcess(rc)
+        self.info, self.stats = self.p.info, self.p.stats
+        self._enc = encoder()
+        self._ids = itertools.count()
+        self._outputs: queue.Queue = queue.Queue()
+        self._futures: dict[int, Future] = {}
+        self._dead: BaseException | None = None
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="jaxinfer-client-out",
+                                        daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        sock, dec = self.p.out_sock, self.p.decoder
+        while not self._stop.is_set():
+            if sock.poll(_POLL_MS):
+                msg = dec.decode(sock.recv())
+                if msg.engine_error:
+                    self._fail(EngineDeadError(msg.engine_error))
+                    return
+                _route(msg, self._futures, self._outputs, self)
+            elif not self.p.is_alive():
+                self._fail(self.p.dead_error())
+                return
+
+    def _fail(self, err: BaseException) -> None:
+        self._dead = err
+        for fut in list(self._futures.values()):
+            if not fut.done():
+                fut.set_exception(err)
+        self._outputs.put(err)
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self._check()
+        self.p.send(RequestType.ADD, self._enc.encode(req))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self._dead is None:
+            self.p.send(RequestType.ABORT, self._enc.encode(list(request_ids)))
+
+    def get_output(self) -> EngineCoreOutputs:
+        item = self._outputs.get()
+        if isinstance(item, BaseException):
+            self._outputs.put(item)
+            raise item
+        return item
+
+    def call_utility(self, name: str, *args) -> Any:
+        self._check()
+        call_id = next(self._ids)
+        fut: Future = Future()
+        self._futures[call_id] = fut
+        self.p.send(RequestType.UTILITY, self._enc.encode((call_id, name, list(args))))
+        return fut.result()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._reader.join(timeout=5)
+        self.p.shutdown()
+
+
+class AsyncMPClient:
+    """asyncio client of an engine-core process (AsyncLLM / the OpenAI server). Construction
+    blocks until the core is ready; the sockets join the event loop on first use."""
+
+    def __init__(self, rc: ResolvedConfig):
+        self.p = _CoreProcess(rc)
+        self.info, self.stats = self.p.info, self.p.stats
+        self._enc = encoder()
+        self._ids = itertools.count()
+        self._aq: asyncio.Queue | None = None
+        self._futures: dict[int, asyncio.Future] = {}
+        self._dead: BaseException | None = None
+        self._task: asyncio.Task | None = None
+        self._in = self._out = None
+
+    def _ensure_started(self) -> None:
+        if self._task is not None:
+            return
+        import zmq.asyncio
+
+        self._in = zmq.asyncio.Socket.shadow(self.p.in_sock.underlying)
+        self._out = zmq.asyncio.Socket.shadow(self.p.out_sock.underlying)
+        self._aq = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        dec = self.p.decoder
+        try:
+            while True:
+                if await self._out.poll(_POLL_MS):
+                    msg = dec.decode(await self._out.recv())
+                    if msg.engine_error:
+                        self._fail(EngineDeadError(msg.engine_error))
+                        return
+                    _route(msg, self._futures, self._aq, self)
+                elif not self.p.is_alive():
+                    self._fail(self.p.dead_error())
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a broken socket or message: nothing more can come
+            self._fail(EngineDeadError(f"engine core output failed: {e!r}"))
+
+    def _fail(self, err: BaseException) -> None:
+        self._dead = err
+        for fut in list(self._futures.values()):
+            if not fut.done():
+                fut.set_exception(err)
+        self._aq.put_nowait(err)
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+    async def add_request_async(self, req: EngineCoreRequest) -> None:
+        self._check()
+        self._ensure_started()
+        await self._in.send_multipart((RequestType.ADD.value, self._enc.encode(req)))
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids and self._dead is None:
+            self._ensure_started()
+            await self._in.send_multipart((RequestType.ABORT.value,
+                                           self._enc.encode(list(request_ids))))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._ensure_started()
+        item = await self._aq.get()
+        if isinstance(item, BaseException):
+            self._aq.put_nowait(item)
+            raise item
+        return item
+
+    async def call_utility_async(self, name: str, *args) -> Any:
+        self._check()
+        self._ensure_started()
+        call_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._futures[call_id] = fut
+        await self._in.send_multipart((RequestType.UTILITY.value,
+                                       self._enc.encode((call_id, name, list(args)))))
+        return await fut
+
+    def shutdown(self) -> None:
+        if self._task is not None:
+            try:
+                self._task.cancel()
+            except RuntimeError:  # its event loop is already closed
+                pass
+        self.p.shutdown()
+
+
+if __name__ == "__main__":
+    core_process_main()

@@ -1,0 +1,66 @@
+"""The messages between the front end and the engine core (msgspec-encoded over ZeroMQ).
+
+The front end owns text (tokenize, chat templates, detokenize, stop strings); the core owns
+token ids (schedule, KV, sample). One request type goes in, one output type comes out.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from jaxinfer.outputs import EngineCoreOutput
+from jaxinfer.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One sequence to generate (a child of an n > 1 request is its own EngineCoreRequest)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    sampling_seed: int  # the seed of the request's RNG stream (uint32)
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class RequestType(bytes, enum.Enum):
+    """First frame of a front end -> core message."""
+
+    ADD = b"\x00"  # payload: EngineCoreRequest
+    ABORT = b"\x01"  # payload: list[str] of request ids
+    UTILITY = b"\x02"  # payload: (call_id, method name, args): a method of EngineCore
+    SHUTDOWN = b"\x03"  # payload: empty; the core finishes its loop and exits
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step (or one utility call) produced, core -> front end."""
+
+    outputs: list[EngineCoreOutput] = []
+    stats: dict[str, Any] | None = None  # scheduler / cache stats after the step
+    # (call_id, result, error message or None) of a utility call
+    utility_output: tuple[int, Any, str | None] | None = None
+    # The core failed (startup or a step) and is going away: the error, for the front end.
+    engine_error: str | None = None
+    ready: dict[str, Any] | None = None  # the startup handshake: facts the front end needs
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def request_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineCoreRequest)
+
+
+def outputs_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineCoreOutputs)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone (crashed, killed or failed a step); the front end can
+    no longer serve. Raised by every client call after the fact."""
