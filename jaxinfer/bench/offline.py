@@ -28,6 +28,8 @@ def engine_args(p) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="dispatch step N+1 before reading step N's tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
 
@@ -42,7 +44,8 @@ def make_llm(args, max_model_len: int):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                attention_backend=args.attention_backend, num_kv_blocks=args.num_kv_blocks,
                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-               warmup=not args.no_warmup)
+               warmup=not args.no_warmup,
+               async_scheduling=getattr(args, "async_scheduling", False))
 
 
 def environment(llm=None) -> dict:
@@ -120,7 +123,7 @@ def run_throughput(args) -> dict:
               "elapsed_time": elapsed, "requests_per_second": len(reqs) / elapsed,
               "tokens_per_second": (n_in + n_out) / elapsed,
               "output_tokens_per_second": n_out / elapsed,
-              "num_preemptions": llm.llm_engine.scheduler.num_preemptions,
+              "num_preemptions": llm.llm_engine.get_stats()["num_preemptions"],
               "environment": environment(llm)}
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
           f"{result['tokens_per_second']:.2f} total tokens/s, "

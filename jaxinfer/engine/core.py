@@ -210,6 +210,7 @@ class EngineCore:
         stats["num_free_kv_blocks"] = self.scheduler.kv.get_num_free_blocks()
         stats["num_kv_blocks"] = self.runner.num_kv_blocks
         stats["num_compilations"] = self.runner.num_compilations
+        stats["compile_seconds"] = self.runner.compile_seconds
         stats["time"] = time.time()
         return stats
 

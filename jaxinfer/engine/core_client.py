@@ -348,61 +348,81 @@ def _stop_process(proc, in_sock, out_sock, ctx) -> None:
     ctx.term()
 
 
+class _Shared:
+    """State the output-reader thread shares with its client (not the client itself, so that
+    a client nobody holds is collected and its core process stopped)."""
+
+    def __init__(self, stats: dict):
+        self.stats = stats
+        self.dead: BaseException | None = None
+        self.outputs: queue.Queue = queue.Queue()
+        self.futures: dict[int, Future] = {}
+        self.stop = threading.Event()
+
+    def fail(self, err: BaseException) -> None:
+        self.dead = err
+        for fut in list(self.futures.values()):
+            if not fut.done():
+                fut.set_exception(err)
+        self.outputs.put(err)
+
+
+def _read_outputs(shared: _Shared, sock, decoder, proc) -> None:
+    """SyncMPClient's reader thread: decode the core's messages until it stops or dies."""
+    try:
+        while not shared.stop.is_set():
+            if sock.poll(_POLL_MS):
+                msg = decoder.decode(sock.recv())
+                if msg.engine_error:
+                    shared.fail(EngineDeadError(msg.engine_error))
+                    return
+                _route(msg, shared.futures, shared.outputs, shared)
+            elif proc.poll() is not None:
+                shared.fail(EngineDeadError(
+                    f"the engine core process died (exit code {proc.returncode})"))
+                return
+    except zmq.ZMQError as e:  # the socket was closed under us (shutdown, interpreter exit)
+        if not shared.stop.is_set():
+            shared.fail(EngineDeadError(f"engine core connection lost: {e}"))
+
+
 class SyncMPClient:
     """Blocking client of an engine-core process (LLM / LLMEngine)."""
 
     def __init__(self, rc: ResolvedConfig):
-        import msgspec
-
-        self._msgpack = msgspec.msgpack
         self.p = _CoreProcess(rc)
-        self.info, self.stats = self.p.info, self.p.stats
+        self.info = self.p.info
+        self._shared = _Shared(self.p.stats)
         self._enc = encoder()
         self._ids = itertools.count()
-        self._outputs: queue.Queue = queue.Queue()
-        self._futures: dict[int, Future] = {}
-        self._dead: BaseException | None = None
-        self._stop = threading.Event()
-        self._reader = threading.Thread(target=self._read, name="jaxinfer-client-out",
-                                        daemon=True)
+        self._reader = threading.Thread(
+            target=_read_outputs, args=(self._shared, self.p.out_sock, self.p.decoder,
+                                        self.p.proc),
+            name="jaxinfer-client-out", daemon=True)
         self._reader.start()
+        self._finalizer = weakref.finalize(self, _stop_sync_client, self._shared, self._reader,
+                                           self.p)
 
-    def _read(self) -> None:
-        sock, dec = self.p.out_sock, self.p.decoder
-        while not self._stop.is_set():
-            if sock.poll(_POLL_MS):
-                msg = dec.decode(sock.recv())
-                if msg.engine_error:
-                    self._fail(EngineDeadError(msg.engine_error))
-                    return
-                _route(msg, self._futures, self._outputs, self)
-            elif not self.p.is_alive():
-                self._fail(self.p.dead_error())
-                return
-
-    def _fail(self, err: BaseException) -> None:
-        self._dead = err
-        for fut in list(self._futures.values()):
-            if not fut.done():
-                fut.set_exception(err)
-        self._outputs.put(err)
+    @property
+    def stats(self) -> dict:
+        return self._shared.stats
 
     def _check(self) -> None:
-        if self._dead is not None:
-            raise self._dead
+        if self._shared.dead is not None:
+            raise self._shared.dead
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self._check()
         self.p.send(RequestType.ADD, self._enc.encode(req))
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and self._dead is None:
+        if request_ids and self._shared.dead is None:
             self.p.send(RequestType.ABORT, self._enc.encode(list(request_ids)))
 
     def get_output(self) -> EngineCoreOutputs:
-        item = self._outputs.get()
+        item = self._shared.outputs.get()
         if isinstance(item, BaseException):
-            self._outputs.put(item)
+            self._shared.outputs.put(item)
             raise item
         return item
 
@@ -410,14 +430,18 @@ class SyncMPClient:
         self._check()
         call_id = next(self._ids)
         fut: Future = Future()
-        self._futures[call_id] = fut
+        self._shared.futures[call_id] = fut
         self.p.send(RequestType.UTILITY, self._enc.encode((call_id, name, list(args))))
         return fut.result()
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._reader.join(timeout=5)
-        self.p.shutdown()
+        self._finalizer()
+
+
+def _stop_sync_client(shared: _Shared, reader: threading.Thread, p: _CoreProcess) -> None:
+    shared.stop.set()
+    reader.join(timeout=5)
+    p.shutdown()
 
 
 class AsyncMPClient:

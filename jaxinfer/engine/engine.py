@@ -116,7 +116,10 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """The next batch of outputs from the core (one engine step's worth)."""
+        """The next batch of outputs from the core (one engine step's worth); [] when no
+        request is unfinished (nothing would come)."""
+        if not self.output_processor.has_unfinished():
+            return []
         eo = self.engine_core.get_output()
         outputs, to_stop = self.output_processor.process_outputs(eo.outputs)
         if to_stop:  # stop strings: the core stops generating for them

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=8)
     g.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "reference"])
     g.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
+    g.add_argument("--async-scheduling", action="store_true",
+                    help="dispatch step N+1 before reading step N's tokens (host/device overlap)")
     g.set_defaults(func=_cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks: latency | throughput | serve | roofline")
@@ -85,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "reference"])
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
+    v.add_argument("--async-scheduling", action="store_true",
+                    help="dispatch step N+1 before reading step N's tokens (host/device overlap)")
     v.set_defaults(func=_cmd_serve)
 
     c = sub.add_parser("convert-gguf", help="convert a Llama-family GGUF into an HF folder")

@@ -21,11 +21,13 @@ def run_generate(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
               max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
-              seed=args.seed or 0, warmup=not args.no_warmup)
+              seed=args.seed or 0, warmup=not args.no_warmup,
+              async_scheduling=args.async_scheduling)
     eng = llm.llm_engine
+    stats = eng.get_stats()
     print(f"loaded {eng.model_dir} ({eng.model_config.architecture}, {eng.dtype}, attention "
-          f"{eng.attention_backend}, {eng.runner.num_kv_blocks} KV blocks, "
-          f"{eng.runner.num_compilations} compiled buckets) in {time.perf_counter() - t0:.1f}s")
+          f"{eng.attention_backend}, {stats['num_kv_blocks']} KV blocks, "
+          f"{stats['num_compilations']} compiled buckets) in {time.perf_counter() - t0:.1f}s")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
     prompts = args.prompt or DEFAULT_PROMPTS
@@ -42,5 +44,5 @@ def run_generate(args) -> int:
         print(f"\n### {p}\n{c.text.strip()}\n[{len(c.token_ids)} tokens, {c.finish_reason}]")
     print(f"\n{len(outs)} requests, {n_in} prompt + {n_out} generated tokens in {dt:.2f}s: "
           f"{n_out / dt:.1f} output tok/s, {(n_in + n_out) / dt:.1f} total tok/s "
-          f"(compilation included: {eng.runner.compile_seconds:.1f}s of compiling in all)")
+          f"(compilation included: {eng.get_stats()['compile_seconds']:.1f}s of compiling in all)")
     return 0

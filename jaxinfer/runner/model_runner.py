@@ -409,7 +409,9 @@ class ModelRunner:
         positions = b.num_tokens[slots].copy()  # where each sampled token goes
         b.num_tokens[slots] += samples
         b.pending[slots] += samples
-        return _InFlightStep(out, batch, req_ids, slots, computed, samples, positions)
+        return _InFlightStep(out, batch, req_ids, slots, computed, samples, positions,
+                             b.num_logprobs[slots], b.num_prompt_logprobs[slots],
+                             b.num_prompt_tokens[slots])
 
     def collect(self, step: "_InFlightStep | None") -> RunnerOutput:
         """Wait for a dispatched step and read its results back (the one transfer out)."""
@@ -436,12 +438,12 @@ class ModelRunner:
     def _prompt_logprobs(self, pl_out, step: "_InFlightStep") -> dict:
         """Per request: Logprobs of the prompt tokens this step predicted (None for token 0)."""
         chosen, rank, top_ids, top_lps = pl_out
-        b, batch, req_ids, slots = self.batch, step.batch, step.req_ids, step.slots
+        batch = step.batch
         computed, qsl = step.computed, batch.attn.query_start_loc
         result = {}
-        for i, (rid, s) in enumerate(zip(req_ids, slots)):
-            k = b.num_prompt_logprobs[s]
-            n_prompt = b.num_prompt_tokens[s]
+        for i, rid in enumerate(step.req_ids):
+            k = step.num_prompt_logprobs[i]
+            n_prompt = step.num_prompt_tokens[i]
             if k < 0 or computed[i] >= n_prompt:
                 continue
             entries = [None] if computed[i] == 0 else []
@@ -457,17 +459,16 @@ class ModelRunner:
         return result
 
     def _to_runner_output(self, out, step: "_InFlightStep", prompt_lps) -> RunnerOutput:
-        b = self.batch
         sampled, logprobs = [], {}
         token_ids = out["token_ids"].tolist()
         lp = out.get("logprobs")
-        for i, (rid, s) in enumerate(zip(step.req_ids, step.slots)):
+        for i, rid in enumerate(step.req_ids):
             if not step.samples[i]:
                 sampled.append(())  # partial prefill: no token
                 continue
             tok = token_ids[i]
             sampled.append((tok,))
-            k = b.num_logprobs[s] if b.req_id_to_slot.get(rid) == s else -1
+            k = step.num_logprobs[i]
             if k >= 0:
                 logprobs[rid] = (Logprobs(
                     token_id=tok, logprob=float(lp.logprob[i]), rank=int(lp.rank[i]),
@@ -488,3 +489,7 @@ class _InFlightStep:
     computed: np.ndarray  # int32 [n_req] tokens computed before the step
     samples: np.ndarray  # bool [n_req] the row samples a real token (not a partial prefill)
     positions: np.ndarray  # int32 [n_req] the sampled token's position in the sequence
+    # Per row, as at dispatch (the request may leave the batch before collect):
+    num_logprobs: np.ndarray  # int32 [n_req] -1: none wanted
+    num_prompt_logprobs: np.ndarray  # int32 [n_req] -1: none wanted
+    num_prompt_tokens: np.ndarray  # int32 [n_req]

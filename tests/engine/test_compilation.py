@@ -18,7 +18,7 @@ def test_no_compilation_after_warmup(tmp_path, smollm2_dir, caplog):
     make_tiny_model_dir(tmp_path, "qwen3", smollm2_dir, head_dim=32)
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=64, warmup=True, num_kv_blocks=60,
-              compilation_cache_dir="")
+              compilation_cache_dir="", enable_multiprocessing=False)  # watches the runner
     runner = llm.llm_engine.runner
     assert runner.num_compilations == len(runner.buckets.all_pairs()) > 4
     events = []
@@ -63,7 +63,7 @@ def test_donated_step_never_copies_the_kv_cache(tmp_path, smollm2_dir):
     make_tiny_model_dir(tmp_path, "llama", smollm2_dir)
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=2,
               max_num_batched_tokens=16, warmup=False, num_kv_blocks=10,
-              compilation_cache_dir="")
+              compilation_cache_dir="", enable_multiprocessing=False)
     runner = llm.llm_engine.runner
     hlo = runner._compile(16, 2, StepFeatures(penalties=True)).as_text()
     num_params = len(jax.tree.leaves(runner.state))

@@ -57,9 +57,9 @@ def test_smollm2_continuous_batching_matches_hf(smol, hf_refs):
 
 
 def test_smollm2_prefix_cache_hits_match_hf(smol, hf_refs):
-    before = smol.llm_engine.scheduler.kv.prefix_cache_stats.hits
+    before = smol.llm_engine.get_stats()["prefix_cache_hits"]
     _check(smol, PROMPTS[:6], hf_refs)  # the same prompts again: their blocks are cached
-    assert smol.llm_engine.scheduler.kv.prefix_cache_stats.hits > before
+    assert smol.llm_engine.get_stats()["prefix_cache_hits"] > before
 
 
 def test_smollm2_preemption_matches_hf(smollm2_dir, hf_refs):
@@ -67,7 +67,7 @@ def test_smollm2_preemption_matches_hf(smollm2_dir, hf_refs):
               max_num_batched_tokens=128, warmup=False, num_kv_blocks=12, block_size=16,
               enable_prefix_caching=False)
     _check(llm, PROMPTS[:10], hf_refs)
-    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.get_stats()["num_preemptions"] > 0
 
 
 def test_smollm2_chunked_prefill_matches_hf(smollm2_dir, hf_refs):

@@ -149,15 +149,14 @@ def test_logprobs_match_hf(tiny):
 
 def test_n_samples_share_the_prompt_blocks(tiny):
     llm, _ = tiny
-    kv = llm.llm_engine.scheduler.kv
     prompt = {"prompt_token_ids": list(range(100, 150))}  # 50 tokens: 3 full blocks of 16
-    hits0 = kv.prefix_cache_stats.hits
+    hits0 = llm.llm_engine.get_stats()["prefix_cache_hits"]
     out = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=5,
                                               ignore_eos=True), use_tqdm=False)[0]
     assert [o.index for o in out.outputs] == [0, 1, 2, 3]
     assert all(len(o.token_ids) == 5 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
-    assert kv.prefix_cache_stats.hits - hits0 == 3 * 48  # children 2..4 hit child 1's blocks
+    assert llm.llm_engine.get_stats()["prefix_cache_hits"] - hits0 == 3 * 48  # children 2..4 hit child 1's blocks
 
 
 def test_prompt_logprobs_match_hf_across_chunks(tmp_path, smollm2_dir):
@@ -200,7 +199,7 @@ def test_kv_cache_dtype_bfloat16(tmp_path, smollm2_dir):
     for kvd in ("auto", "bfloat16"):
         llm = LLM(str(path), dtype="float32", kv_cache_dtype=kvd, max_model_len=64,
                   max_num_seqs=2, max_num_batched_tokens=32, warmup=False,
-                  kv_cache_memory_bytes=budget)
+                  kv_cache_memory_bytes=budget, enable_multiprocessing=False)
         runner = llm.llm_engine.runner
         assert runner.kv_caches[0][0].dtype == (jnp.bfloat16 if kvd == "bfloat16"
                                                 else jnp.float32)

@@ -38,15 +38,16 @@ def client(server):
 
 def wait_idle(server, timeout=30.0):
     """Until the engine holds no request and every KV block is free."""
-    eng = server.llm.engine
+    llm = server.llm
     deadline = time.time() + timeout
     while time.time() < deadline:
-        kv = eng.scheduler.kv
-        if (not eng.has_unfinished_requests()
-                and kv.get_num_free_blocks() == eng.runner.num_kv_blocks - 1):
+        st = llm.stats  # the core's, as of its last step or its last going idle
+        if (not llm.output_processor.has_unfinished() and st["num_running_reqs"] == 0
+                and st["num_waiting_reqs"] == 0
+                and st["num_free_kv_blocks"] == st["num_kv_blocks"] - 1):
             return
         time.sleep(0.05)
-    raise AssertionError(f"engine not idle: {eng.get_stats()}")
+    raise AssertionError(f"engine not idle: {llm.stats}")
 
 
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
@@ -154,7 +155,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
             lines = resp.iter_lines()
             got = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: ") for line in got)
-            assert server.llm.engine.has_unfinished_requests()
+            assert server.llm.output_processor.has_unfinished()
     wait_idle(server)  # the request was aborted: nothing running, every block free
     metrics = httpx.get(server.base_url + "/metrics").text
     line = [m for m in metrics.splitlines()

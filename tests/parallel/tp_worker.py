@@ -27,12 +27,13 @@ def main():
     try:
         if mode == "smollm2":
             llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, max_model_len=64,
-                      max_num_seqs=4, max_num_batched_tokens=32, warmup=False, num_kv_blocks=24)
+                      max_num_seqs=4, max_num_batched_tokens=32, warmup=False, num_kv_blocks=24,
+                      enable_multiprocessing=False)  # the test reads the runner
         else:
             # A tight cache forces preemption; repeated prompts hit the prefix cache.
             llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, max_model_len=64,
                       max_num_seqs=4, max_num_batched_tokens=32, warmup=False, num_kv_blocks=9,
-                      block_size=8)
+                      block_size=8, enable_multiprocessing=False)
     except ValueError as e:
         print(json.dumps({"error": str(e)}))
         return

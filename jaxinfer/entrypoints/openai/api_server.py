@@ -392,7 +392,7 @@ def run_server(args) -> int:
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           attention_backend=args.attention_backend, seed=args.seed,
-                          warmup=not args.no_warmup)
+                          warmup=not args.no_warmup, async_scheduling=args.async_scheduling)
     llm = AsyncLLM(config)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if args.model else "SmolLM2-135M-Instruct")

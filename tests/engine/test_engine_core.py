@@ -1,0 +1,184 @@
+"""The engine core behind its clients: multiprocess by default, async scheduling token-identical
+to synchronous stepping, a dead core is an error in the front end (never a hang)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.messages import (EngineCoreOutputs, EngineCoreRequest, EngineDeadError,
+                                      encoder, outputs_decoder, request_decoder)
+from jaxinfer.outputs import EngineCoreOutput, Logprobs
+from jaxinfer.request import FinishReason
+from tests.engine.conftest import assert_no_leaks, make_tiny_model_dir
+
+OPTS = dict(dtype="float32", max_model_len=96, max_num_seqs=6, max_num_batched_tokens=32,
+            warmup=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_dir):
+    path = tmp_path_factory.mktemp("tiny-core")
+    make_tiny_model_dir(path, "llama", smollm2_dir, sharpen=2.0)
+    return str(path)
+
+
+def test_messages_round_trip():
+    params = SamplingParams(temperature=0.5, stop=["x"], stop_token_ids=[3], logprobs=2, seed=7)
+    req = EngineCoreRequest("r-1", [1, 2, 3], params, 2, 12.5, 99, priority=1, cache_salt="s")
+    got = request_decoder().decode(encoder().encode(req))
+    assert got == req and got.sampling_params == params
+    out = EngineCoreOutputs(outputs=[EngineCoreOutput(
+        "r-1", (5, 6), FinishReason.STOP, "x", (Logprobs(5, -0.1, 1, (5, 7), (-0.1, -2.0)),),
+        None, 16)], stats={"num_running_reqs": 1}, utility_output=(3, [1, 2], None))
+    back = outputs_decoder().decode(encoder().encode(out))
+    assert back.outputs == out.outputs and back.stats == out.stats
+    assert tuple(back.utility_output) == (3, [1, 2], None)
+
+
+def _workload():
+    prompts = [{"prompt_token_ids": [1000 + 37 * i + j for j in range(5 + 9 * i)]}
+               for i in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=12 + i, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=10 + i,
+                             stop_token_ids=[1234]) for i in range(8)]
+    params[3] = SamplingParams(temperature=0, max_tokens=9, logprobs=2, ignore_eos=True)
+    params[5] = SamplingParams(temperature=0.8, seed=5, max_tokens=14, presence_penalty=0.5,
+                               repetition_penalty=1.2, ignore_eos=True)
+    return prompts, params
+
+
+def test_async_scheduling_is_token_identical(tiny_dir):
+    """Same tokens, logprobs and finish reasons with async scheduling as without, on a tight
+    cache (preemption) and a small token budget (chunked prefill), with seeded sampling and
+    penalties; through the engine-core process."""
+    prompts, params = _workload()
+    results = {}
+    for async_scheduling in (False, True):
+        llm = LLM(tiny_dir, num_kv_blocks=13, block_size=8, async_scheduling=async_scheduling,
+                  **OPTS)
+        assert llm.llm_engine.multiprocessing
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[async_scheduling] = [
+            (o.outputs[0].token_ids, o.outputs[0].finish_reason,
+             [sorted((k, round(v.logprob, 4)) for k, v in d.items())
+              for d in o.outputs[0].logprobs or []]) for o in outs]
+        stats = llm.llm_engine.get_stats()
+        assert stats["num_preemptions"] > 0
+        assert_no_leaks(llm)
+        llm.shutdown()
+    assert results[True] == results[False]
+    assert all(len(r[0]) > 0 for r in results[True])
+
+
+def test_killed_core_is_a_clear_error_within_seconds(tiny_dir):
+    llm = LLM(tiny_dir, num_kv_blocks=40, **OPTS)
+    proc = llm.llm_engine.engine_core.p.proc
+    errors = []
+
+    def run():
+        try:
+            llm.generate({"prompt_token_ids": list(range(1000, 1010))},
+                         SamplingParams(max_tokens=80, ignore_eos=True), use_tqdm=False)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    worker.join(timeout=20)
+    assert not worker.is_alive(), "generate hung after the core died"
+    assert time.monotonic() - t0 < 10
+    assert len(errors) == 1 and isinstance(errors[0], EngineDeadError)
+    assert "died" in str(errors[0])
+    with pytest.raises(EngineDeadError):  # and every later call fails the same way
+        llm.generate("hello", use_tqdm=False)
+    llm.shutdown()
+
+
+def test_async_llm_streams_fail_when_the_core_dies(tiny_dir):
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine.async_engine import AsyncLLM
+
+    llm = AsyncLLM(EngineConfig(model=tiny_dir, num_kv_blocks=40, **OPTS))
+
+    async def main():
+        got = []
+        params = SamplingParams(max_tokens=80, ignore_eos=True)
+        with pytest.raises(EngineDeadError):
+            async for out in llm.generate({"prompt_token_ids": [1000, 1001]}, params):
+                got.append(out)
+                if len(got) == 2:
+                    os.kill(llm.engine_core.p.proc.pid, signal.SIGKILL)
+        assert len(got) >= 2
+        with pytest.raises(EngineDeadError):
+            async for _ in llm.generate("again", params):
+                pass
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+    llm.shutdown()
+
+
+def test_core_dies_with_its_parent(tiny_dir):
+    """A front end killed outright takes its engine core with it."""
+    script = (
+        "import sys\n"
+        "from jaxinfer import LLM\n"
+        f"llm = LLM({tiny_dir!r}, num_kv_blocks=40, **{OPTS!r})\n"
+        "print(llm.llm_engine.engine_core.p.proc.pid, flush=True)\n"
+        "sys.stdin.read()\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        core_pid = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and _alive(core_pid):
+            time.sleep(0.2)
+        assert not _alive(core_pid), "the engine core outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_core_start_up_errors_reach_the_front_end(tiny_dir):
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(tiny_dir, num_kv_blocks=3, **OPTS)  # the core's Scheduler refuses: 2 usable blocks
+
+
+def test_multiprocessing_switch(tiny_dir, monkeypatch):
+    monkeypatch.setenv("JAXINFER_ENABLE_MULTIPROCESSING", "0")
+    llm = LLM(tiny_dir, num_kv_blocks=40, **OPTS)
+    assert not llm.llm_engine.multiprocessing
+    assert llm.llm_engine.scheduler is llm.llm_engine.engine_core.core.scheduler
+    out = llm.generate({"prompt_token_ids": [1000, 1001]},
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    monkeypatch.setenv("JAXINFER_ENABLE_MULTIPROCESSING", "1")
+    mp = LLM(tiny_dir, num_kv_blocks=40, **OPTS)
+    with pytest.raises(AttributeError, match="another process"):
+        mp.llm_engine.scheduler
+    assert mp.generate({"prompt_token_ids": [1000, 1001]},
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+    mp.shutdown()
