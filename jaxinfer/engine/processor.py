@@ -5,6 +5,7 @@ the core (maybe in another process) then never has to reject a request."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from typing import Any
@@ -85,7 +86,10 @@ class Processor:
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         reqs = []
         for i in range(params.n):
+            # The core's id: the caller's (per sample when n > 1) plus 8 random hex digits, so
+            # that ids stay unique in a core that several front ends feed (as vLLM does).
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
+            rid = f"{rid}-{os.urandom(4).hex()}"
             reqs.append(EngineCoreRequest(
                 request_id=rid, prompt_token_ids=ids, sampling_params=params,
                 eos_token_id=self.eos_token_id, arrival_time=arrival_time,
