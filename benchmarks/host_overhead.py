@@ -43,8 +43,8 @@ def measure(model: str, num_reqs: int, steps: int, prompt_len: int, async_schedu
                                                     for j in range(prompt_len)],
                                            params, None, time.time(), i))
     # Prefill everything (and compile the decode bucket) before measuring.
-    while any(r.num_computed_tokens < r.num_tokens for r in core.scheduler.running) or \
-            len(core.scheduler.running) < num_reqs:
+    while len(core.scheduler.running) < num_reqs or any(
+            r.num_output_tokens == 0 for r in core.scheduler.running):
         core.step()
     for _ in range(warmup_steps):
         core.step()

@@ -56,6 +56,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tk.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its vocabulary string is at least as
+        long): a text of N characters has at least N / max_token_chars tokens."""
+        if getattr(self, "_max_token_chars", None) is None:
+            vocab = self._tk.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max((len(k) for k in vocab), default=1)
+        return self._max_token_chars
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -75,8 +75,9 @@ class AsyncLLM:
     def _ensure_handler(self) -> None:
         if self._dead is not None:
             raise self._dead
-        if self._handler is None or self._handler.done():
-            self._handler = asyncio.get_running_loop().create_task(self._handle_outputs())
+        loop = asyncio.get_running_loop()
+        if self._handler is None or self._handler.done() or self._handler.get_loop() is not loop:
+            self._handler = loop.create_task(self._handle_outputs())
 
     async def _handle_outputs(self) -> None:
         while True:

@@ -87,6 +87,7 @@ class ThreadedCoreClient:
         self._thread = threading.Thread(target=self._run, name="jaxinfer-core", daemon=True)
         self._thread.start()
         self._aq: asyncio.Queue | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._futures: dict[int, asyncio.Future] = {}
         self._pump: threading.Thread | None = None
         self._dead: BaseException | None = None
@@ -96,15 +97,21 @@ class ThreadedCoreClient:
         self._outputs.put(None)
 
     def _ensure_pump(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # first use, or a new event loop: deliver there from now on
+            self._loop, self._aq = loop, asyncio.Queue()
+            if self._dead is not None:
+                self._aq.put_nowait(self._dead)
         if self._pump is not None:
             return
-        loop = asyncio.get_running_loop()
-        self._aq = asyncio.Queue()
 
-        def pump():  # outputs queue -> the event loop
+        def pump():  # outputs queue -> the current event loop
             while True:
                 item = self._outputs.get()
-                loop.call_soon_threadsafe(self._deliver, item)
+                try:
+                    self._loop.call_soon_threadsafe(self._deliver, item)
+                except RuntimeError:  # that loop is closed: nobody waits for these outputs
+                    pass
                 if item is None:
                     return
 
@@ -284,8 +291,14 @@ class _CoreProcess:
         self.out_sock.setsockopt(zmq.LINGER, 0)
         self.out_sock.bind(self.output_addr)
         options = {name: getattr(jax.config, name) for name in _JAX_OPTIONS}
+        # The child imports this very jaxinfer, wherever the parent found it.
+        import jaxinfer
+
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(jaxinfer.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.engine.core_client"],
-                                     stdin=subprocess.PIPE)
+                                     stdin=subprocess.PIPE, env=env)
         args = pickle.dumps((rc, self.input_addr, self.output_addr, options))
         self.proc.stdin.write(len(args).to_bytes(8, "little") + args)
         self.proc.stdin.flush()  # stdin stays open: it is the core's lifeline
@@ -457,17 +470,25 @@ class AsyncMPClient:
         self._futures: dict[int, asyncio.Future] = {}
         self._dead: BaseException | None = None
         self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._in = self._out = None
 
     def _ensure_started(self) -> None:
-        if self._task is not None:
+        loop = asyncio.get_running_loop()
+        if self._task is not None and self._loop is loop:
             return
+        # First use, or a new event loop (asyncio.run called again): re-attach to this one.
         import zmq.asyncio
 
+        if self._task is not None and not self._loop.is_closed():
+            self._task.cancel()
+        self._loop = loop
         self._in = zmq.asyncio.Socket.shadow(self.p.in_sock.underlying)
         self._out = zmq.asyncio.Socket.shadow(self.p.out_sock.underlying)
         self._aq = asyncio.Queue()
-        self._task = asyncio.get_running_loop().create_task(self._read())
+        if self._dead is not None:
+            self._aq.put_nowait(self._dead)
+        self._task = loop.create_task(self._read())
 
     async def _read(self) -> None:
         dec = self.p.decoder

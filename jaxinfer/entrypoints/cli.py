@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
                    "(or set JAXINFER_API_KEY)")
     v.add_argument("--served-model-name", default=None)
+    v.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+                   help="larger request bodies get 413 (default 8 MiB)")
     v.add_argument("--dtype", default="auto")
     v.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "bfloat16", "float16", "float32"])

@@ -183,3 +183,27 @@ def test_multiprocessing_switch(tiny_dir, monkeypatch):
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0].token_ids == out[0].outputs[0].token_ids
     mp.shutdown()
+
+
+@pytest.mark.parametrize("mp", [True, False])
+def test_async_llm_serves_one_event_loop_after_another(tiny_dir, mp):
+    """asyncio.run twice with one AsyncLLM (core process or background thread): the second
+    loop is served too, with the same greedy tokens."""
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine.async_engine import AsyncLLM
+
+    llm = AsyncLLM(EngineConfig(model=tiny_dir, num_kv_blocks=40, enable_multiprocessing=mp,
+                                **OPTS))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def one():
+        last = None
+        async for out in llm.generate({"prompt_token_ids": [1000, 1001, 1002]}, params):
+            last = out
+        return last.outputs[0].token_ids
+
+    first = asyncio.run(asyncio.wait_for(one(), timeout=60))
+    second = asyncio.run(asyncio.wait_for(one(), timeout=60))
+    assert len(first) == 5 and second == first
+    assert asyncio.run(llm.call_utility("leak_report")) == []
+    llm.shutdown()

@@ -213,3 +213,121 @@ def test_models_health_metrics_and_auth(server, client):
     finally:
         server.api_key = None
     wait_idle(server)
+
+
+def _post(server, path, body, **kw):
+    return httpx.post(server.base_url + path, json=body, timeout=60, **kw)
+
+
+def test_fields_are_honoured_ignored_by_list_or_refused_by_name(server):
+    base = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    # What OpenAI clients send routinely, and no-op values of what we cannot do yet: 200.
+    for extra in ({"user": "u1", "store": False, "metadata": {"a": "b"}},
+                  {"response_format": {"type": "text"}, "logit_bias": {}, "best_of": 1}):
+        assert _post(server, "/v1/completions", base | extra).status_code == 200, extra
+    assert _post(server, "/v1/chat/completions",
+                 chat | {"tool_choice": "none", "user": "u"}).status_code == 200
+    refused = [
+        ("/v1/chat/completions", chat | {"response_format": {"type": "json_schema",
+                                                             "json_schema": {"name": "x"}}},
+         "response_format"),
+        ("/v1/chat/completions", chat | {"response_format": {"type": "json_object"}},
+         "response_format"),
+        ("/v1/chat/completions", chat | {"tools": [{"type": "function",
+                                                    "function": {"name": "f"}}]}, "tools"),
+        ("/v1/chat/completions", chat | {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/completions", base | {"logit_bias": {"50": 5}}, "logit_bias"),
+        ("/v1/completions", base | {"best_of": 3}, "best_of"),
+        ("/v1/completions", base | {"suffix": "end"}, "suffix"),
+        ("/v1/completions", base | {"frobnicate": 1}, "frobnicate"),
+        ("/v1/completions", base | {"max_tokens": 0}, "max_tokens"),
+    ]
+    for path, body, field in refused:
+        r = _post(server, path, body)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == field and field in err["message"], err
+    wait_idle(server)
+
+
+def test_unknown_routes_methods_and_big_bodies_get_openai_errors(server):
+    r = httpx.get(server.base_url + "/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    r = httpx.get(server.base_url + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "MethodNotAllowedError"
+    old = server.max_request_body_bytes
+    server.max_request_body_bytes = 1000
+    try:
+        r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "x" * 2000})
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert err["param"] == "body" and "1000" in err["message"]
+        # Without a content-length (chunked upload) the limit holds too.
+        r = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                       content=iter([b'{"model": "smol", "prompt": "', b"y" * 2000, b'"}']),
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        r = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                       content=iter([b'{"model": "smol", ', b'"prompt": "Hi", "max_tokens": 2}']),
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+    finally:
+        server.max_request_body_bytes = old
+    wait_idle(server)
+
+
+def test_lm_eval_loglikelihood_requests(server):
+    """What lm-evaluation-harness's local-completions sends: token-id prompts, echo=true,
+    logprobs, max_tokens 1 (or 0: prompt only, as vLLM allows)."""
+    prompt = [504, 3458, 282, 4649, 314, 7042]  # "The capital of France is Paris"-like ids
+    for max_tokens in (1, 0):
+        r = _post(server, "/v1/completions", {
+            "model": MODEL, "prompt": [prompt], "echo": True, "logprobs": 1,
+            "max_tokens": max_tokens, "temperature": 0, "seed": 1234})
+        assert r.status_code == 200, r.text
+        (choice,) = r.json()["choices"]
+        lps = choice["logprobs"]
+        n = len(prompt) + max_tokens
+        assert len(lps["tokens"]) == len(lps["token_logprobs"]) == len(lps["top_logprobs"]) == n
+        assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+        assert all(v <= 0 for v in lps["token_logprobs"][1:])
+        # The top-1 alternative is at least as likely as the prompt's own token.
+        for tok, v, top in zip(lps["tokens"][1:], lps["token_logprobs"][1:],
+                               lps["top_logprobs"][1:]):
+            assert tok in top and max(top.values()) >= v - 1e-6
+        assert lps["text_offset"] == sorted(lps["text_offset"])
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] == len(prompt) and usage["completion_tokens"] == max_tokens
+    # generate_until: stop strings and plain greedy text.
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": ["Q: 2+2?\nA:"],
+                                          "max_tokens": 8, "temperature": 0, "stop": ["\n"],
+                                          "seed": 1234})
+    assert r.status_code == 200 and "\n" not in r.json()["choices"][0]["text"]
+    wait_idle(server)
+
+
+def test_health_answers_while_a_huge_prompt_is_refused(server):
+    """A multi-megabyte prompt is refused (400, both numbers) without stalling the event loop:
+    /health keeps answering meanwhile."""
+    import threading
+
+    result = {}
+
+    def big():
+        result["r"] = _post(server, "/v1/completions",
+                            {"model": MODEL, "prompt": "The quick brown fox. " * 300_000})
+
+    t = threading.Thread(target=big)
+    t.start()
+    worst = 0.0
+    while t.is_alive():
+        t0 = time.monotonic()
+        assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.02)
+    t.join()
+    r = result["r"]
+    assert r.status_code == 400 and "256" in r.json()["error"]["message"], r.text
+    assert worst < 5.0, worst
+    wait_idle(server)

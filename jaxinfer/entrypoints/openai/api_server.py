@@ -13,9 +13,11 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer.engine.async_engine import AsyncLLM
-from jaxinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from jaxinfer.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  UnsupportedField)
 from jaxinfer.metrics import EngineMetrics
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 
@@ -25,8 +27,10 @@ class APIError(Exception):
                  err_type: str | None = None):
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
-        self.err_type = err_type or {400: "BadRequestError", 401: "AuthenticationError",
-                                     404: "NotFoundError"}.get(status, "InternalServerError")
+        self.err_type = err_type or {
+            400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+            405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+            422: "UnprocessableEntityError"}.get(status, "InternalServerError")
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -41,11 +45,16 @@ def _held_back(text: str, finished: bool, stop: list[str]) -> int:
     return max(len(text) - (max(len(s) for s in stop) - 1), 0)
 
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+
+
 class OpenAIServer:
-    def __init__(self, llm: AsyncLLM, model_name: str, api_key: str | None = None):
+    def __init__(self, llm: AsyncLLM, model_name: str, api_key: str | None = None,
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES):
         self.llm = llm
         self.model_name = model_name
         self.api_key = api_key
+        self.max_request_body_bytes = max_request_body_bytes
         self.metrics = EngineMetrics(model_name)
         llm.on_step = self.metrics.on_step
         llm.on_abort = self.metrics.on_abort
@@ -121,19 +130,50 @@ class OpenAIServer:
                 t.cancel()
 
     # -- completions ----------------------------------------------------------------------------
-    def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
-        tok = self.llm.tokenizer
+    async def _encode(self, text: str) -> list[int]:
+        """Tokenize off the event loop (the Rust tokenizer releases the GIL): a huge prompt
+        does not hold up /health or other requests. A text too long for the context whatever
+        its tokens are is refused without tokenizing it."""
+        tok, limit = self.llm.tokenizer, self.llm.max_model_len
+        at_least = len(text) // tok.max_token_chars
+        if at_least > limit:
+            raise APIError(f"The prompt has at least {at_least} tokens ({len(text)} characters), "
+                           f"longer than the model's maximum context length of {limit} tokens.",
+                           400, "prompt")
+        return await asyncio.to_thread(tok.encode, text)
+
+    async def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
-            return [(prompt, tok.encode(prompt))]
+            return [(prompt, await self._encode(prompt))]
         if not prompt:
             raise APIError("prompt must not be empty", 400, "prompt")
         if all(isinstance(p, int) for p in prompt):
             return [(None, list(prompt))]
         if all(isinstance(p, str) for p in prompt):
-            return [(p, tok.encode(p)) for p in prompt]
+            return [(p, await self._encode(p)) for p in prompt]
         if all(isinstance(p, list) for p in prompt):
             return [(None, list(p)) for p in prompt]
         raise APIError("prompt must be a string, a list of strings, or token ids", 400, "prompt")
+
+    def _prompt_logprobs(self, out: RequestOutput) -> dict:
+        """echo + logprobs: the prompt's tokens with their logprobs (the first has none), in
+        the completions logprobs shape, as vLLM returns them."""
+        tok = self.llm.tokenizer
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = 0
+        for tid, d in zip(out.prompt_token_ids, out.prompt_logprobs or []):
+            text = tok.decode([tid])
+            tokens.append(text)
+            offsets.append(off)
+            off += len(text)
+            if d is None:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            token_lps.append(d[tid].logprob)
+            tops.append({p.decoded_token: p.logprob for p in d.values()})
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
 
     def _completion_logprobs(self, c: CompletionOutput, start: int, text_offset: int):
         if c.logprobs is None:
@@ -154,9 +194,12 @@ class OpenAIServer:
     async def completions(self, req: CompletionRequest, raw: Request):
         self._check_model(req.model)
         params = self._params(req)
-        prompts = self._prompts(req.prompt)
+        if req.stream and req.echo and (req.logprobs is not None or req.prompt_only):
+            raise APIError("echo with logprobs or max_tokens=0 is only supported with "
+                           "stream=false", 400, "echo")
+        prompts = await self._prompts(req.prompt)
         for _, ids in prompts:
-            self._check_length(len(ids), req.max_tokens)
+            self._check_length(len(ids), params.max_tokens)
         base = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gens = [self._run(ids, params, f"{base}-{i}") for i, (_, ids) in enumerate(prompts)]
@@ -169,11 +212,22 @@ class OpenAIServer:
                 echo = (prompts[i][0] or self.llm.tokenizer.decode(prompts[i][1])) \
                     if req.echo else ""
                 for c in out.outputs:
-                    choices.append({"index": i * n + c.index, "text": echo + c.text,
-                                    "logprobs": self._completion_logprobs(c, 0, len(echo)),
-                                    "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason})
-            completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+                    text = echo if req.prompt_only else echo + c.text
+                    lps = None
+                    if req.logprobs is not None:
+                        lps = self._completion_logprobs(c, 0, len(echo))
+                        if req.echo:
+                            lps_p = self._prompt_logprobs(out)
+                            if not req.prompt_only:
+                                for key in lps_p:
+                                    lps_p[key] += lps[key]
+                            lps = lps_p
+                    choices.append({"index": i * n + c.index, "text": text, "logprobs": lps,
+                                    "finish_reason": "length" if req.prompt_only
+                                    else c.finish_reason,
+                                    "stop_reason": None if req.prompt_only else c.stop_reason})
+            completion = 0 if req.prompt_only else sum(
+                len(c.token_ids) for o in outs for c in o.outputs)
             return {"id": base, "object": "text_completion", "created": created,
                     "model": self.model_name, "choices": choices,
                     "usage": {"prompt_tokens": usage_prompt, "completion_tokens": completion,
@@ -240,10 +294,17 @@ class OpenAIServer:
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self._check_model(req.model)
         params = self._params(req)
+        conversation = req.conversation()
+        chars = sum(len(m["content"]) for m in conversation)
+        at_least, limit = chars // self.llm.tokenizer.max_token_chars, self.llm.max_model_len
+        if at_least > limit:  # refused without rendering or tokenizing it
+            raise APIError(f"The messages have at least {at_least} tokens ({chars} characters), "
+                           f"longer than the model's maximum context length of {limit} tokens.",
+                           400, "messages")
         try:
-            ids = self.llm.tokenizer.apply_chat_template(
-                req.conversation(), chat_template=req.chat_template,
-                add_generation_prompt=req.add_generation_prompt)
+            ids = await asyncio.to_thread(
+                self.llm.tokenizer.apply_chat_template, conversation,
+                chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt)
         except Exception as e:  # template errors are the request's fault
             raise APIError(f"could not render the chat template: {e}", 400, "messages") from None
         self._check_length(len(ids), params.max_tokens if (req.max_tokens or
@@ -322,6 +383,9 @@ class OpenAIServer:
         @app.exception_handler(RequestValidationError)
         async def _validation_error(request, exc: RequestValidationError):
             err = exc.errors()[0] if exc.errors() else {}
+            cause = (err.get("ctx") or {}).get("error")
+            if isinstance(cause, UnsupportedField):  # a field we cannot honour: say which
+                return _error_response(APIError(str(cause), 400, cause.field))
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
             param = ".".join(loc) or None
             msg = err.get("msg", "invalid request")
@@ -329,11 +393,34 @@ class OpenAIServer:
                 msg = f"malformed JSON body: {msg}"
             return _error_response(APIError(f"{param}: {msg}" if param else msg, 400, param))
 
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request, exc: StarletteHTTPException):
+            # Unknown routes (404), wrong methods (405) and the like, in OpenAI's error shape.
+            msg = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+            if exc.status_code == 404:
+                msg = f"no route {request.method} {request.url.path}"
+            return _error_response(APIError(msg, exc.status_code))
+
         @app.middleware("http")
-        async def _auth(request: Request, call_next):
+        async def _auth_and_size(request: Request, call_next):
             if server.api_key and request.url.path.startswith("/v1"):
                 if request.headers.get("authorization") != f"Bearer {server.api_key}":
                     return _error_response(APIError("invalid or missing API key", 401))
+            limit = server.max_request_body_bytes
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > limit:
+                return _error_response(APIError(
+                    f"request body of {int(length)} bytes exceeds the limit of {limit} bytes "
+                    "(--max-request-body-bytes)", 413, "body"))
+            if length is None and request.method == "POST":  # chunked: count as it arrives
+                body = b""
+                async for part in request.stream():
+                    body += part
+                    if len(body) > limit:
+                        return _error_response(APIError(
+                            f"request body exceeds the limit of {limit} bytes "
+                            "(--max-request-body-bytes)", 413, "body"))
+                request._body = body
             return await call_next(request)
 
         @app.get("/health")
@@ -396,7 +483,8 @@ def run_server(args) -> int:
     llm = AsyncLLM(config)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if args.model else "SmolLM2-135M-Instruct")
-    server = OpenAIServer(llm, name, api_key=args.api_key or os.environ.get("JAXINFER_API_KEY"))
+    server = OpenAIServer(llm, name, api_key=args.api_key or os.environ.get("JAXINFER_API_KEY"),
+                          max_request_body_bytes=args.max_request_body_bytes)
     llm.start()
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="info")
     return 0

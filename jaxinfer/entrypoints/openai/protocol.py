@@ -4,17 +4,31 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxinfer.sampling_params import SamplingParams
+
+# Fields OpenAI clients send routinely that change nothing about the generated text: accepted
+# and ignored. Any other field the models below do not declare is refused with a 400 naming it.
+IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
+                  "safety_identifier", "parallel_tool_calls")
+
+
+class UnsupportedField(ValueError):
+    """A request field jaxinfer cannot honour (yet); the server answers 400 naming it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -35,7 +49,29 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    # Accepted only at their no-op values (None, empty, "text"): a request that needs them
+    # gets a 400 naming the field instead of unconstrained output.
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _refuse_what_is_not_honoured(self):
+        extra = sorted(set(self.model_extra or {}) - set(IGNORED_FIELDS))
+        if extra:
+            raise UnsupportedField(extra[0], f"{extra[0]}: unsupported request field (jaxinfer "
+                                   f"ignores only {', '.join(IGNORED_FIELDS)})")
+        rf = self.response_format
+        if rf is not None and rf.get("type", "text") != "text":
+            raise UnsupportedField("response_format", f"response_format type "
+                                   f"{rf.get('type')!r} is not supported yet (structured "
+                                   "outputs): only 'text'")
+        if self.logit_bias:
+            raise UnsupportedField("logit_bias", "logit_bias is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedField("best_of", f"best_of={self.best_of} is not supported "
+                                   "(as in vLLM V1): leave it unset or equal to n")
+        return self
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -57,9 +93,30 @@ class CompletionRequest(_Common):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _completion_fields(self):
+        if self.suffix:
+            raise UnsupportedField("suffix", "suffix (insertion) is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedField("max_tokens", "max_tokens=0 needs echo=true (prompt "
+                                   "logprobs only)")
+        return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens=0 (lm-eval's loglikelihood): score the prompt, generate
+        nothing."""
+        return self.echo and self.max_tokens == 0
 
     def sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        # max_tokens=0 (echo): one token is generated and dropped, as vLLM does.
+        params = self._sampling_params(1 if self.prompt_only else self.max_tokens,
+                                       self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params = params.clone(prompt_logprobs=self.logprobs)
+        return params
 
 
 class ChatMessage(BaseModel):
@@ -76,6 +133,22 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_fields(self):
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise UnsupportedField(name, f"{name}: tool calling is not supported yet")
+        for name in ("tool_choice", "function_call"):
+            value = getattr(self, name)
+            if value not in (None, "none", "auto"):
+                raise UnsupportedField(name, f"{name}={value!r}: tool calling is not "
+                                       "supported yet")
+        return self
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
