@@ -76,7 +76,8 @@ def main():
     for backend in args.backends.split(","):
         llm = LLM(None, dtype="float32", max_model_len=args.max_model_len, max_num_seqs=64,
                   max_num_batched_tokens=2048, attention_backend=backend, warmup=False,
-                  num_kv_blocks=64 * (args.max_model_len // 16) + 2)
+                  num_kv_blocks=64 * (args.max_model_len // 16) + 2,
+                  enable_multiprocessing=False)  # times the runner in this process
         runner = llm.llm_engine.runner
         for name in args.cases.split(","):
             seqs = CASES[name]
