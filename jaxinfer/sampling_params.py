@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
 _MAX_LOGPROBS = 20
+
+
+def max_n_sequences() -> int:
+    """The largest n a request may ask for: JAXINFER_MAX_N_SEQUENCES (default 16384, vLLM's
+    VLLM_MAX_N_SEQUENCES default)."""
+    return int(os.environ.get("JAXINFER_MAX_N_SEQUENCES", "16384"))
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,9 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", "must be an integer >= 1")
+        max_n = max_n_sequences()
+        if self.n > max_n:
+            fail("n", f"must be at most {max_n} (raise JAXINFER_MAX_N_SEQUENCES to allow more)")
         if not -2.0 <= self.presence_penalty <= 2.0:
             fail("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:

@@ -331,3 +331,14 @@ def test_health_answers_while_a_huge_prompt_is_refused(server):
     assert r.status_code == 400 and "256" in r.json()["error"]["message"], r.text
     assert worst < 5.0, worst
     wait_idle(server)
+
+
+def test_n_is_capped_by_name(server, monkeypatch):
+    monkeypatch.setenv("JAXINFER_MAX_N_SEQUENCES", "4")
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "n": 5,
+                                          "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert "at most 4" in r.json()["error"]["message"]
+    assert _post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "n": 4,
+                                             "max_tokens": 1}).status_code == 200
+    wait_idle(server)
