@@ -242,6 +242,11 @@ def test_fields_are_honoured_ignored_by_list_or_refused_by_name(server):
         ("/v1/completions", base | {"suffix": "end"}, "suffix"),
         ("/v1/completions", base | {"frobnicate": 1}, "frobnicate"),
         ("/v1/completions", base | {"max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", base | {"stream": True,
+                                    "stream_options": {"continuous_usage_stats": True}},
+         "stream_options.continuous_usage_stats"),
+        ("/v1/completions", base | {"stream": True, "stream_options": {"bogus": 1}},
+         "stream_options.bogus"),
     ]
     for path, body, field in refused:
         r = _post(server, path, body)

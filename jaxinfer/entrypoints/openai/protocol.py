@@ -23,8 +23,17 @@ class UnsupportedField(ValueError):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (not supported)
+
+    @model_validator(mode="after")
+    def _refuse_continuous_usage(self):
+        if self.continuous_usage_stats:
+            raise UnsupportedField("stream_options.continuous_usage_stats",
+                                   "stream_options.continuous_usage_stats is not supported")
+        return self
 
 
 class _Common(BaseModel):
