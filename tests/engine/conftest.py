@@ -82,3 +82,4 @@ def smol(smollm2_dir):
               max_num_batched_tokens=128, warmup=False, num_kv_blocks=200)
     yield llm
     assert_no_leaks(llm)
+    llm.shutdown()  # its engine-core process

@@ -19,6 +19,7 @@ def tiny(tmp_path_factory, smollm2_dir):
               max_num_batched_tokens=256, warmup=False, num_kv_blocks=600)
     yield llm, hf
     assert_no_leaks(llm)
+    llm.shutdown()  # its engine-core process
 
 
 def test_seeded_sampling_is_independent_of_batch_companions(tiny):
