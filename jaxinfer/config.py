@@ -209,6 +209,41 @@ class SchedulerConfig:
             )
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "xgrammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Engine-wide structured-output settings (vLLM's `structured_outputs_config`).
+
+    backend: "guidance" (llguidance, the default under "auto"), "xgrammar" (optional extra;
+    imports torch) or "auto" (llguidance, falling back to xgrammar for what llguidance refuses
+    when xgrammar is installed). "llguidance" is accepted as another name for "guidance".
+    disable_any_whitespace / disable_additional_properties: defaults for every request's JSON.
+    compile_timeout_s: a grammar still compiling after this long fails its request."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    compile_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        if self.backend == "llguidance":
+            object.__setattr__(self, "backend", "guidance")
+        if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            hint = (" (outlines and lm-format-enforcer are not available in jaxinfer)"
+                    if self.backend in ("outlines", "lm-format-enforcer") else "")
+            raise ValueError(f"structured_outputs_config.backend={self.backend!r} is not "
+                             f"supported{hint}; use one of "
+                             f"{', '.join(STRUCTURED_OUTPUT_BACKENDS)}")
+        if self.disable_additional_properties and self.backend == "xgrammar":
+            raise ValueError("structured_outputs_config.disable_additional_properties is only "
+                             "supported by the guidance backend")
+        if not self.compile_timeout_s > 0:
+            raise ValueError("structured_outputs_config.compile_timeout_s must be > 0, got "
+                             f"{self.compile_timeout_s}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything LLMEngine is built from (the user-facing options of LLM(...))."""
@@ -243,8 +278,25 @@ class EngineConfig:
     # Overlap the host's scheduling with the device's step: step N+1 is dispatched before step
     # N's sampled ids are read back (they are patched into N+1's inputs on the device).
     async_scheduling: bool = False
+    # Structured outputs (JSON schema, regex, choice, grammar): a StructuredOutputsConfig or a
+    # dict of its fields, e.g. {"backend": "xgrammar"}.
+    structured_outputs_config: StructuredOutputsConfig | dict | None = None
 
     def __post_init__(self):
+        soc = self.structured_outputs_config
+        if soc is None:
+            soc = StructuredOutputsConfig()
+        elif isinstance(soc, dict):
+            known = {f.name for f in dataclasses.fields(StructuredOutputsConfig)}
+            unknown = sorted(set(soc) - known)
+            if unknown:
+                raise ValueError(f"structured_outputs_config: unknown option(s) {unknown}; "
+                                 f"known: {sorted(known)}")
+            soc = StructuredOutputsConfig(**soc)
+        elif not isinstance(soc, StructuredOutputsConfig):
+            raise ValueError("structured_outputs_config must be a StructuredOutputsConfig or a "
+                             f"dict, got {type(soc).__name__}")
+        object.__setattr__(self, "structured_outputs_config", soc)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

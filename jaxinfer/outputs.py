@@ -77,6 +77,8 @@ class EngineCoreOutput:
     new_prompt_logprobs: tuple[Logprobs | None, ...] | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None  # from the KV connector, when the request finished
+    # Finished ("stop") because its grammar is complete: the last token is output, not EOS.
+    grammar_terminated: bool = False
 
     @property
     def finished(self) -> bool:

@@ -60,6 +60,7 @@ class Request:
         cache_salt: str | None = None,
         max_tokens: int | None = None,
         sampling_seed: int = 0,
+        structured_backend: str | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -85,11 +86,21 @@ class Request:
         # Draft tokens proposed for the next step (speculative decoding); scheduled on top of
         # all_token_ids, verified by the step, never part of all_token_ids until accepted.
         self.spec_token_ids: list[int] = []
+        # Structured outputs: the backend the front end chose, the compile in progress and the
+        # request's matcher (StructuredOutputManager).
+        self.structured_backend = structured_backend
+        self.grammar = None
+        self.grammar_future = None
+        self.grammar_deadline = 0.0
         # Skip prefix-cache hits when every prompt position's logits are needed, or when
         # penalties need every token to pass through the step (cached tokens do not).
         p = sampling_params
         self.skip_prefix_cache = (p.prompt_logprobs is not None or p.repetition_penalty != 1.0
                                   or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
 
     @property
     def num_tokens(self) -> int:

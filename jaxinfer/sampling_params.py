@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json as _json
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 _MAX_LOGPROBS = 20
 
@@ -14,6 +15,75 @@ def max_n_sequences() -> int:
     """The largest n a request may ask for: JAXINFER_MAX_N_SEQUENCES (default 16384, vLLM's
     VLLM_MAX_N_SEQUENCES default)."""
     return int(os.environ.get("JAXINFER_MAX_N_SEQUENCES", "16384"))
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's field names): exactly one of `json` (a JSON schema,
+    dict or string), `regex`, `choice` (the output is one of the strings), `grammar` (Lark, or
+    GBNF/EBNF as llama.cpp writes it), `json_object=True` (any JSON object) or `structural_tag`.
+    The rest tune JSON output: `disable_any_whitespace` (compact JSON), `whitespace_pattern`
+    (a regex for the whitespace between tokens), `disable_additional_properties` (objects
+    whose schema lists properties get no others unless it says so)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self):
+        def fail(msg):
+            raise ValueError(f"structured_outputs: {msg}")
+
+        kinds = [k for k in _CONSTRAINTS if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            fail(f"exactly one of {', '.join(_CONSTRAINTS)} must be set, got "
+                 f"{kinds or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                obj = _json.loads(self.json)
+            except ValueError as e:
+                fail(f"json is not valid JSON: {e}")
+            object.__setattr__(self, "json", obj)
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            fail(f"json must be a JSON schema (an object), got {type(self.json).__name__}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                fail("choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", list(self.choice))
+        if self.json_object is not None and self.json_object is not True:
+            fail("json_object must be true when set")
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                fail(f"{name} must be a string")
+        if isinstance(self.grammar, str) and not self.grammar.strip():
+            fail("grammar must not be empty")
+        if isinstance(self.structural_tag, str) and not self.structural_tag.strip():
+            fail("structural_tag must not be empty")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _CONSTRAINTS if getattr(self, k) is not None)
+
+    @property
+    def spec(self) -> Any:
+        return getattr(self, self.kind)
+
+    def key(self) -> str:
+        """A string that identifies the compiled grammar (the compile cache's key)."""
+        return _json.dumps([self.kind, self.spec, self.disable_any_whitespace,
+                            self.disable_additional_properties, self.whitespace_pattern],
+                           sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -45,6 +115,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         def fail(field, msg):
@@ -95,6 +166,15 @@ class SamplingParams:
         if any(not isinstance(i, int) or i < 0 for i in ids):
             fail("stop_token_ids", "must be non-negative integers")
         object.__setattr__(self, "stop_token_ids", ids)
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            unknown = sorted(set(so) - {f.name for f in dataclasses.fields(
+                StructuredOutputsParams)})
+            if unknown:
+                raise ValueError(f"SamplingParams.structured_outputs: unknown field(s) {unknown}")
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**so))
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            fail("structured_outputs", "must be StructuredOutputsParams or None")
         if self.temperature < 1e-5:
             # Greedy: the other sampling knobs do not apply (as in vLLM).
             object.__setattr__(self, "temperature", 0.0)

@@ -49,6 +49,10 @@ class Tokenizer:
     def from_pretrained(model_dir: str) -> "Tokenizer":
         return Tokenizer(model_dir)
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizer.json text (for grammar backends)."""
+        return self._tk.to_str()
+
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._tk.token_to_id(token)
 

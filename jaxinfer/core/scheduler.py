@@ -16,7 +16,7 @@ from jaxinfer.core.kv_cache_manager import KVCacheManager
 from jaxinfer.core.request_queue import make_queue
 from jaxinfer.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput,
                               SchedulerOutput)
-from jaxinfer.request import Request, RequestStatus
+from jaxinfer.request import FinishReason, Request, RequestStatus
 
 
 _BLOCKED = (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING_FOR_REMOTE_KVS)
@@ -24,8 +24,15 @@ _BLOCKED = (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING_FOR_REMOTE_KVS)
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 kv_connector=None):
+                 kv_connector=None, structured_output_manager=None):
         self.config = config
+        # Grammars of structured-output requests (None: structured outputs are refused).
+        self.structured_output_manager = structured_output_manager
+        # Requests with a grammar that sample a token in the step just scheduled, in order.
+        self._structured_rows: list[Request] = []
+        # Outputs of requests finished outside a step (a grammar that failed to compile).
+        self.extra_outputs: list[EngineCoreOutput] = []
+        self.num_grammar_rejections = 0
         self.kv = kv_cache_manager
         # Scheduler side of a KV connector (None: none). Its request_finished(request,
         # block_ids) -> (delay_free, kv_transfer_params) may keep a finished request's blocks
@@ -63,8 +70,13 @@ class Scheduler:
                 f"the request needs {need} KV blocks, more than the whole cache "
                 f"({self.kv.num_usable_blocks} blocks)"
             )
+        if request.use_structured_output and self.structured_output_manager is None:
+            raise ValueError("structured_outputs need the tokenizer, but the engine was started "
+                             "with skip_tokenizer_init=True")
         if request.max_tokens is None:
             request.max_tokens = self.max_model_len - request.num_prompt_tokens
+        if request.use_structured_output:
+            self.structured_output_manager.grammar_init(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -208,6 +220,14 @@ class Scheduler:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             request = self.waiting.peek()
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                err = self.structured_output_manager.check_ready(request)
+                if err:
+                    self.waiting.pop()
+                    self._fail_request(request, err)
+                    continue
+                if err == "":
+                    request.status = RequestStatus.WAITING
             if request.status in _BLOCKED or request.num_output_placeholders:
                 # (a request preempted with a token in flight resumes once the token is in)
                 skipped.append(self.waiting.pop())
@@ -259,12 +279,52 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         requests = self.requests
+        structured = self._structured_rows = []
         for rid, n in num_scheduled.items():
             request = requests[rid]
             request.num_computed_tokens += n
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples a real token
+                if request.grammar is not None:
+                    structured.append(request)
         return out
+
+    def _fail_request(self, request: Request, error: str) -> None:
+        """Finish a waiting request with an error the client sees (its stop_reason)."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._free_request(request)
+        self.extra_outputs.append(EngineCoreOutput(request.request_id, (), FinishReason.ABORT,
+                                                   stop_reason=error))
+
+    def take_extra_outputs(self) -> list[EngineCoreOutput]:
+        outs, self.extra_outputs = self.extra_outputs, []
+        return outs
+
+    def get_grammar_bitmask(self) -> tuple[list[str], "object"] | None:
+        """For the step just scheduled: (request ids, int32 bitmask [n, ceil(V/32)]) of the
+        requests with a grammar that sample in it, or None when there are none."""
+        rows = self._structured_rows
+        if not rows:
+            return None
+        bitmask = self.structured_output_manager.grammar_bitmask(rows)
+        return [r.request_id for r in rows], bitmask
+
+    def has_structured_requests(self) -> bool:
+        return self.structured_output_manager is not None and any(
+            r.grammar is not None for r in self.running)
+
+    def _advance_grammar(self, request: Request, token: int) -> bool:
+        """Feed a sampled token to the request's grammar; True when that ends the request."""
+        if not request.grammar.accept_tokens([token]):
+            self.num_grammar_rejections += 1
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.stop_reason = (f"structured output: the grammar rejected token {token} "
+                                   f"(output token {request.num_output_tokens})")
+            return True
+        if request.grammar.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
 
     # -- after the step -------------------------------------------------------------------------
     def update_from_output(self, so: SchedulerOutput, ro: RunnerOutput) -> list[EngineCoreOutput]:
@@ -292,19 +352,23 @@ class Scheduler:
                 continue
             request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
             new_ids = sampled
+            grammar = request.grammar
             for i, tok in enumerate(sampled):
                 request.output_token_ids.append(tok)
                 request.all_token_ids.append(tok)
-                if self._check_stop(request):
+                if self._check_stop(request) or (grammar is not None
+                                                 and self._advance_grammar(request, tok)):
                     new_ids = sampled[: i + 1]
                     break
             lps = logprobs.get(rid, ())[: len(new_ids)] if logprobs else ()
             status = request.status
             reason = RequestStatus.finish_reason(status) if status > RequestStatus.PREEMPTED \
                 else None
-            outputs.append(EngineCoreOutput(rid, tuple(new_ids), reason, request.stop_reason,
-                                            tuple(lps), prompt_lps,
-                                            max(request.num_cached_tokens, 0)))
+            outputs.append(EngineCoreOutput(
+                rid, tuple(new_ids), reason, request.stop_reason, tuple(lps), prompt_lps,
+                max(request.num_cached_tokens, 0),
+                grammar_terminated=grammar is not None and reason == FinishReason.STOP
+                and grammar.is_terminated() and new_ids[-1] != request.eos_token_id))
             if reason is not None:
                 finished.append((request, len(outputs) - 1))
         for request, k in finished:

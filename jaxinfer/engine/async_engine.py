@@ -113,6 +113,10 @@ class AsyncLLM:
         request_id = request_id or self.new_request_id()
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params is not None and params.structured_outputs is not None:
+            # Grammar validation (and the backend's first tokenizer build) off the event loop.
+            await asyncio.to_thread(self.processor.validate_structured_outputs,
+                                    params.structured_outputs)
         text, ids, children = self.processor.make_requests(request_id, prompt, params, **kwargs)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q

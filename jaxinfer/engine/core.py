@@ -59,6 +59,17 @@ def jnp_dtype(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
+def _tokenizer_source(tokenizer_dir: str):
+    """(tokenizer.json text, EOS id) of the model's tokenizer, read when a grammar first needs
+    it (the core has no tokenizer otherwise)."""
+    def load():
+        from jaxinfer.tokenizer import Tokenizer
+
+        tok = Tokenizer(tokenizer_dir)
+        return tok.backend_json(), tok.eos_token_id
+    return load
+
+
 class EngineCore:
     """Scheduler + runner over `devices` (default: all of this process's JAX devices; a data-
     parallel rank passes its own subset)."""
@@ -93,7 +104,14 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, cache.block_size, rc.max_model_len,
                             enable_caching=cache.enable_prefix_caching,
                             hash_algo=cache.prefix_caching_hash_algo, hash_seed=cache.hash_seed)
-        self.scheduler = Scheduler(sched, kv)
+        self.structured_output_manager = None
+        if rc.tokenizer_dir is not None:
+            from jaxinfer.structured_output import StructuredOutputManager
+
+            self.structured_output_manager = StructuredOutputManager(
+                cfg.structured_outputs_config, _tokenizer_source(rc.tokenizer_dir),
+                self.model_config.vocab_size)
+        self.scheduler = Scheduler(sched, kv, structured_output_manager=self.structured_output_manager)
         buckets = BucketTable.build(sched.max_num_batched_tokens, sched.max_num_seqs,
                                     min_tokens=cfg.min_token_bucket, growth=cfg.bucket_growth)
         self.runner = ModelRunner(model, num_kv_blocks=num_blocks, block_size=cache.block_size,
@@ -158,7 +176,8 @@ class EngineCore:
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
-            priority=req.priority, cache_salt=req.cache_salt, sampling_seed=req.sampling_seed))
+            priority=req.priority, cache_salt=req.cache_salt, sampling_seed=req.sampling_seed,
+            structured_backend=req.structured_backend))
 
     def abort_requests(self, request_ids, status=RequestStatus.FINISHED_ABORTED) -> None:
         self.scheduler.finish_requests(request_ids, status)
@@ -173,28 +192,39 @@ class EngineCore:
             return self.step_async()
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
-        handle = self.runner.dispatch(so)
+        handle = self.runner.dispatch(so, self.scheduler.get_grammar_bitmask())
         t1 = time.perf_counter()
         ro = self.runner.collect(handle)
         t2 = time.perf_counter()
         outs = self.scheduler.update_from_output(so, ro)
         if self.step_timings is not None and handle is not None:
             self.step_timings.append(((t1 - t0) + (time.perf_counter() - t2), t2 - t1))
+        return self._finish_step(outs, handle is not None)
+
+    def _finish_step(self, outs: list[EngineCoreOutput], ran: bool) -> list[EngineCoreOutput]:
+        extra = self.scheduler.take_extra_outputs()
+        if extra:
+            outs = outs + extra
+        elif not ran and not outs and self.scheduler.has_unfinished_requests():
+            # Nothing could be scheduled (grammars still compiling): do not spin hot.
+            time.sleep(0.0005)
         return outs
 
     def step_async(self) -> list[EngineCoreOutput]:
         """Pipelined: dispatch the next step, then collect the oldest one in flight (while the
         device already runs the next). Outputs lag one step behind dispatch."""
+        if self._in_flight and self.scheduler.has_structured_requests():
+            return self._step_async_structured()
         t0 = time.perf_counter()
         dispatched = False
         if self.scheduler.has_unfinished_requests() and len(self._in_flight) < 2:
             so = self.scheduler.schedule()
-            handle = self.runner.dispatch(so)
+            handle = self.runner.dispatch(so, self.scheduler.get_grammar_bitmask())
             if handle is not None:
                 self._in_flight.append((so, handle))
                 dispatched = True
         if not self._in_flight or (dispatched and len(self._in_flight) < 2):
-            return []
+            return self._finish_step([], dispatched)
         so, handle = self._in_flight.popleft()
         t1 = time.perf_counter()
         ro = self.runner.collect(handle)
@@ -202,7 +232,22 @@ class EngineCore:
         outs = self.scheduler.update_from_output(so, ro)
         if self.step_timings is not None:
             self.step_timings.append(((t1 - t0) + (time.perf_counter() - t2), t2 - t1))
-        return outs
+        return self._finish_step(outs, True)
+
+    def _step_async_structured(self) -> list[EngineCoreOutput]:
+        """A grammar's next mask needs the tokens still in flight: collect every step in
+        flight first, then fill the masks and dispatch the next step (it runs while the
+        caller processes these outputs)."""
+        outs: list[EngineCoreOutput] = []
+        while self._in_flight:
+            so, handle = self._in_flight.popleft()
+            outs += self.scheduler.update_from_output(so, self.runner.collect(handle))
+        if self.scheduler.has_unfinished_requests():
+            so = self.scheduler.schedule()
+            handle = self.runner.dispatch(so, self.scheduler.get_grammar_bitmask())
+            if handle is not None:
+                self._in_flight.append((so, handle))
+        return self._finish_step(outs, True)
 
     # -- utilities (callable from clients by name) ----------------------------------------------
     def get_stats(self) -> dict:
@@ -211,6 +256,11 @@ class EngineCore:
         stats["num_kv_blocks"] = self.runner.num_kv_blocks
         stats["num_compilations"] = self.runner.num_compilations
         stats["compile_seconds"] = self.runner.compile_seconds
+        som = self.structured_output_manager
+        if som is not None:
+            stats["num_grammar_compiles"] = som.num_compiles
+            stats["grammar_compile_seconds"] = som.compile_seconds
+            stats["num_grammar_rejections"] = self.scheduler.num_grammar_rejections
         stats["time"] = time.time()
         return stats
 
@@ -241,6 +291,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.runner.stop_remote_steps()
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()
 
     # -- the busy loop (engine-core process, or a background thread) ----------------------------
     def run_busy_loop(self, inputs: "queue.Queue", outputs: "queue.Queue") -> None:

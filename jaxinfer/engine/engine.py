@@ -26,7 +26,8 @@ def make_processor(rc, tokenizer, info: dict) -> Processor:
     return Processor(tokenizer, vocab_size=mcfg.vocab_size, max_model_len=rc.max_model_len,
                      eos_token_id=eos, extra_eos_token_ids=rc.eos_token_ids,
                      seed=rc.engine.seed, num_usable_kv_blocks=info["num_usable_kv_blocks"],
-                     block_size=info["block_size"])
+                     block_size=info["block_size"],
+                     structured_outputs_config=rc.engine.structured_outputs_config)
 
 
 def in_process_only() -> bool:

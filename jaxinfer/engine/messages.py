@@ -26,6 +26,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_seed: int  # the seed of the request's RNG stream (uint32)
     priority: int = 0
     cache_salt: str | None = None
+    structured_backend: str | None = None  # the backend the front end validated it with
 
 
 class RequestType(bytes, enum.Enum):

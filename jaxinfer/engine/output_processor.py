@@ -119,7 +119,8 @@ class OutputProcessor:
                     sample.cumulative_logprob += lp.logprob
             finish, stop_reason = out.finish_reason, out.stop_reason
             if sample.detok is not None:
-                stop_terminated = finish == FinishReason.STOP
+                # EOS / a stop token id ended it: that token is not rendered.
+                stop_terminated = finish == FinishReason.STOP and not out.grammar_terminated
                 hit = sample.detok.update(out.new_token_ids, stop_terminated)
                 if hit is not None:
                     if finish is None:

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from jaxinfer.engine.messages import EngineCoreRequest
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -19,8 +19,12 @@ PromptType = str | dict[str, Any] | list[int]
 class Processor:
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int,
                  eos_token_id: int | None, extra_eos_token_ids: tuple[int, ...] = (),
-                 seed: int = 0, num_usable_kv_blocks: int | None = None, block_size: int = 16):
+                 seed: int = 0, num_usable_kv_blocks: int | None = None, block_size: int = 16,
+                 structured_outputs_config=None):
         self.tokenizer = tokenizer
+        self.structured_outputs_config = structured_outputs_config
+        self._so_validator = None
+        self._so_checked: dict[str, str] = {}  # spec key -> backend (validated specs)
         self.num_usable_kv_blocks = num_usable_kv_blocks  # None: not checked
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -66,6 +70,31 @@ class Processor:
             raise ValueError(f"prompt token id {bad} is out of vocabulary "
                              f"[0, {self.vocab_size})")
 
+    def validate_structured_outputs(self, so: StructuredOutputsParams) -> str:
+        """The backend that will run `so`; ValueError naming the problem otherwise. Builds the
+        grammar backend's tokenizer on first use (about half a second): async callers run it
+        in a thread."""
+        key = so.key()
+        backend = self._so_checked.get(key)
+        if backend is not None:
+            return backend
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs need the tokenizer, but the engine was started "
+                             "with skip_tokenizer_init=True")
+        if self._so_validator is None:
+            from jaxinfer.config import StructuredOutputsConfig
+            from jaxinfer.structured_output import StructuredOutputValidator
+
+            tok = self.tokenizer
+            self._so_validator = StructuredOutputValidator(
+                self.structured_outputs_config or StructuredOutputsConfig(),
+                lambda: (tok.backend_json(), self.eos_token_id), self.vocab_size)
+        backend = self._so_validator.validate(so)
+        if len(self._so_checked) >= 1024:
+            self._so_checked.pop(next(iter(self._so_checked)))
+        self._so_checked[key] = backend
+        return backend
+
     def make_requests(self, request_id: str, prompt: PromptType,
                       params: SamplingParams | None, *, arrival_time: float | None = None,
                       priority: int = 0, cache_salt: str | None = None
@@ -77,6 +106,9 @@ class Processor:
         if self.tokenizer is None and params.stop:
             raise ValueError("stop: stop strings need the tokenizer, but the engine was started "
                              "with skip_tokenizer_init=True; use stop_token_ids")
+        backend = None
+        if params.structured_outputs is not None:
+            backend = self.validate_structured_outputs(params.structured_outputs)
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt(ids)
         if not params.ignore_eos and self.extra_eos_token_ids:
@@ -94,5 +126,5 @@ class Processor:
                 request_id=rid, prompt_token_ids=ids, sampling_params=params,
                 eos_token_id=self.eos_token_id, arrival_time=arrival_time,
                 sampling_seed=(base_seed + i) & 0xFFFFFFFF, priority=priority,
-                cache_salt=cache_salt))
+                cache_salt=cache_salt, structured_backend=backend))
         return text, ids, reqs

@@ -41,6 +41,7 @@ class StepFeatures:
     logprobs: bool = False  # some request wants the sampled tokens' logprobs
     penalties: bool = False  # some request uses repetition / frequency / presence penalties
     prompt_logprobs: bool = False  # some request wants prompt logprobs from this step
+    structured: bool = False  # some request samples under a grammar (a token bitmask)
 
     def __str__(self) -> str:
         on = [f.name for f in dataclasses.fields(self) if getattr(self, f.name)]
@@ -68,6 +69,9 @@ class StepBatch:
     # device (async scheduling): the step reads it from its slot's last sampled id.
     from_last_sampled: np.ndarray
     next_token_ids: np.ndarray | None = None  # int32 [T]: next prompt token (prompt_logprobs)
+    # int32 [R, ceil(V/32)]: bit j of word i set = token 32*i+j allowed (structured outputs;
+    # rows without a grammar are all ones).
+    bitmask: np.ndarray | None = None
 
 
 def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
@@ -81,6 +85,10 @@ def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
     hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attn)
     # The LM head and the sampler run on the R sampling rows only, never on all T tokens.
     raw_logits = model.compute_logits(hidden[batch.logits_indices])  # [R, V] float32
+    if features.structured:
+        # Disallowed tokens are -inf before penalties and sampling; logprobs then describe
+        # the masked distribution (as vLLM's do).
+        raw_logits = apply_token_bitmask(raw_logits, batch.bitmask)
     logits = raw_logits
     if features.penalties:
         counts = counts.at[batch.reset_slots].set(0, mode="drop")
@@ -114,8 +122,16 @@ def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
     return out, kv_caches, sampler_state
 
 
+def apply_token_bitmask(logits, bitmask):
+    """logits [R, V]; bitmask int32 [R, W >= ceil(V/32)] -> logits with disallowed tokens -inf."""
+    r, v = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [R, W, 32]
+    allowed = bits.reshape(r, -1)[:, :v] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
-                     prompt_logprobs: bool = False) -> StepBatch:
+                     prompt_logprobs: bool = False, bitmask_width: int = 0) -> StepBatch:
     """Host buffers of an all-padding (T=t, R=r) step."""
     zi = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     return StepBatch(
@@ -134,6 +150,7 @@ def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
             output_index=zi(r)),
         from_last_sampled=np.zeros(t, bool),
         next_token_ids=zi(t) if prompt_logprobs else None,
+        bitmask=np.full((r, bitmask_width), -1, np.int32) if bitmask_width else None,
     )
 
 
@@ -203,10 +220,11 @@ class ModelRunner:
             jnp.zeros((max_num_seqs, cfg.vocab_size), bool, device=self._replicated),
             jnp.zeros((max_num_seqs,), jnp.int32, device=self._replicated))
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks)
+        self.bitmask_width = (cfg.vocab_size + 31) // 32
         self._compiled: dict[tuple[int, int, StepFeatures], object] = {}
-        # Host step buffers per (T, R, prompt_logprobs), two of each used in turn: a buffer is
-        # refilled only after the step that read it has finished.
-        self._host_buffers: dict[tuple[int, int, bool], list] = {}
+        # Host step buffers per (T, R, prompt_logprobs, structured), two of each used in turn:
+        # a buffer is refilled only after the step that read it has finished.
+        self._host_buffers: dict[tuple[int, int, bool, bool], list] = {}
         self.num_compilations = 0
         self.compile_seconds = 0.0
 
@@ -226,11 +244,11 @@ class ModelRunner:
         from jax.experimental import multihost_utils
 
         if batch is None:  # stop
-            header = np.array([0, 0, 0, 0, 0, 1], np.int32)
+            header = np.array([0, 0, 0, 0, 0, 0, 1], np.int32)
         else:
             header = np.array([batch.input_ids.shape[0], batch.req_slots.shape[0],
                                features.logprobs, features.penalties,
-                               features.prompt_logprobs, 0], np.int32)
+                               features.prompt_logprobs, features.structured, 0], np.int32)
         multihost_utils.broadcast_one_to_all(header)
         if batch is not None:
             multihost_utils.broadcast_one_to_all(batch)
@@ -240,12 +258,13 @@ class ModelRunner:
         from jax.experimental import multihost_utils
 
         while True:
-            t, r, lp, pen, plp, stop = (int(x) for x in multihost_utils.broadcast_one_to_all(
-                np.zeros(6, np.int32)))
+            t, r, lp, pen, plp, st, stop = (
+                int(x) for x in multihost_utils.broadcast_one_to_all(np.zeros(7, np.int32)))
             if stop:
                 return
-            features = StepFeatures(bool(lp), bool(pen), bool(plp))
-            batch = multihost_utils.broadcast_one_to_all(self._new_buffers(t, r, bool(plp)))
+            features = StepFeatures(bool(lp), bool(pen), bool(plp), bool(st))
+            batch = multihost_utils.broadcast_one_to_all(
+                self._new_buffers(t, r, bool(plp), bool(st)))
             compiled = self._get_compiled(t, r, features)
             _, self.kv_caches, self.sampler_state = compiled(
                 self.state, self.kv_caches, self.sampler_state, self._to_device(batch))
@@ -255,11 +274,14 @@ class ModelRunner:
             self._broadcast_step(None)
 
     # -- compilation ----------------------------------------------------------------------------
-    def _new_buffers(self, t: int, r: int, prompt_logprobs: bool) -> StepBatch:
-        return empty_step_batch(t, r, self.max_blocks, self.max_num_seqs, prompt_logprobs)
+    def _new_buffers(self, t: int, r: int, prompt_logprobs: bool,
+                     structured: bool = False) -> StepBatch:
+        return empty_step_batch(t, r, self.max_blocks, self.max_num_seqs, prompt_logprobs,
+                                self.bitmask_width if structured else 0)
 
     def _lower(self, t: int, r: int, features: StepFeatures):
-        example = self._to_device(self._new_buffers(t, r, features.prompt_logprobs))
+        example = self._to_device(self._new_buffers(t, r, features.prompt_logprobs,
+                                                    features.structured))
         jitted = jax.jit(partial(_step, self.graphdef, features=features),
                          donate_argnums=(1, 2))
         return jitted.lower(self.state, self.kv_caches, self.sampler_state, example)
@@ -327,18 +349,17 @@ class ModelRunner:
             if c.new_block_ids:
                 b.append_blocks(b.req_id_to_slot[c.req_id], c.new_block_ids)
 
-    def _buffers(self, t: int, r: int, prompt_logprobs: bool) -> StepBatch:
-        key = (t, r, prompt_logprobs)
+    def _buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool) -> StepBatch:
+        key = (t, r, prompt_logprobs, structured)
         pair = self._host_buffers.get(key)
         if pair is None:
-            pair = self._host_buffers[key] = [self._new_buffers(t, r, prompt_logprobs),
-                                              self._new_buffers(t, r, prompt_logprobs)]
+            pair = self._host_buffers[key] = [self._new_buffers(*key), self._new_buffers(*key)]
         pair.reverse()
         batch = pair[0]
         reset_step_batch(batch, self.max_num_seqs)
         return batch
 
-    def _build(self, so: SchedulerOutput):
+    def _build(self, so: SchedulerOutput, grammar=None):
         b = self.batch
         sched = so.num_scheduled_tokens
         n_req = len(sched)
@@ -359,9 +380,16 @@ class ModelRunner:
         penalties = bool(np.any((b.repetition_penalty[slots] != 1.0)
                                 | (b.frequency_penalty[slots] != 0.0)
                                 | (b.presence_penalty[slots] != 0.0)))
+        structured = grammar is not None
         features = StepFeatures(logprobs=bool(np.any(b.num_logprobs[slots] >= 0)),
-                                penalties=penalties, prompt_logprobs=wants_pl)
-        batch = self._buffers(t, r, wants_pl)
+                                penalties=penalties, prompt_logprobs=wants_pl,
+                                structured=structured)
+        batch = self._buffers(t, r, wants_pl, structured)
+        if structured:
+            grammar_ids, grammar_bitmask = grammar
+            row_of = {rid: i for i, rid in enumerate(req_ids)}
+            batch.bitmask.fill(-1)
+            batch.bitmask[[row_of[rid] for rid in grammar_ids]] = grammar_bitmask
         pos = fill_step_inputs(batch, b.token_ids, b.block_table, slots, computed, q_lens,
                                self.block_size)
         tok_slot = batch.token_slots[:n_tok]
@@ -386,7 +414,7 @@ class ModelRunner:
         b.num_computed[slots] = computed + q_lens
         return batch, features, req_ids, slots, computed
 
-    def dispatch(self, so: SchedulerOutput) -> "_InFlightStep | None":
+    def dispatch(self, so: SchedulerOutput, grammar=None) -> "_InFlightStep | None":
         """Apply the diff, build the inputs and launch the step; does not wait for it. The
         rows that sample a real token count it at once (InputBatch.num_tokens / pending), so
         the next step can be built before this one is collected. None: nothing to run."""
@@ -396,7 +424,7 @@ class ModelRunner:
         self._apply_diff(so)
         if not so.num_scheduled_tokens:
             return None
-        batch, features, req_ids, slots, computed = self._build(so)
+        batch, features, req_ids, slots, computed = self._build(so, grammar)
         t, r = batch.input_ids.shape[0], batch.req_slots.shape[0]
         compiled = self._get_compiled(t, r, features)
         if self._multiprocess:
@@ -432,8 +460,10 @@ class ModelRunner:
             prompt_lps = self._prompt_logprobs(out["prompt_logprobs"], step)
         return self._to_runner_output(out, step, prompt_lps)
 
-    def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        return self.collect(self.dispatch(so))
+    def execute(self, so: SchedulerOutput, grammar=None) -> RunnerOutput:
+        """grammar: (request ids, int32 bitmask [n, ceil(V/32)]) of the rows sampling under a
+        grammar (Scheduler.get_grammar_bitmask), or None."""
+        return self.collect(self.dispatch(so, grammar))
 
     def _prompt_logprobs(self, pl_out, step: "_InFlightStep") -> dict:
         """Per request: Logprobs of the prompt tokens this step predicted (None for token 0)."""
