@@ -36,6 +36,18 @@ def _cmd_serve(args) -> int:
     return run_server(args)
 
 
+def _json_arg(text: str):
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxinfer", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -91,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
     v.add_argument("--async-scheduling", action="store_true",
                     help="dispatch step N+1 before reading step N's tokens (host/device overlap)")
+    v.add_argument("--structured-outputs-config", type=_json_arg, default=None,
+                   help='structured outputs, as JSON: {"backend": "auto" | "guidance" | '
+                        '"xgrammar", "disable_any_whitespace": bool, '
+                        '"disable_additional_properties": bool, "compile_timeout_s": float}')
     v.set_defaults(func=_cmd_serve)
 
     c = sub.add_parser("convert-gguf", help="convert a Llama-family GGUF into an HF folder")

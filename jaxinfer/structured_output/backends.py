@@ -188,14 +188,23 @@ class GuidanceBackend(Backend):
         self.vocab_size = self.tokenizer.vocab_size
         self._executor = None
 
-    def _json_grammar(self, schema, params: StructuredOutputsParams) -> str:
+    def _json_schema(self, schema, params: StructuredOutputsParams):
+        """The schema as llguidance compiles it: closed objects if asked, and the whitespace
+        options as its "x-guidance" defaults."""
         if params.disable_additional_properties or self.config.disable_additional_properties:
             schema = close_objects(schema)
         options: dict[str, Any] = {"whitespace_flexible": not (
             params.disable_any_whitespace or self.config.disable_any_whitespace)}
         if params.whitespace_pattern is not None:
             options["whitespace_pattern"] = params.whitespace_pattern
-        return self.llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        if isinstance(schema, bool):
+            schema = {} if schema else {"not": {}}
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be an object")
+        return {**schema, "x-guidance": {**options, **schema.get("x-guidance", {})}}
+
+    def _json_grammar(self, schema, params: StructuredOutputsParams) -> str:
+        return self.llg.LLMatcher.grammar_from_json_schema(self._json_schema(schema, params))
 
     def serialize(self, params: StructuredOutputsParams) -> str:
         kind = params.kind
@@ -203,14 +212,22 @@ class GuidanceBackend(Backend):
             if kind in ("json", "json_object"):
                 return self._json_grammar(_schema_of(params), params)
             if kind == "structural_tag":
+                structures = parse_structural_tag(params)
                 tags = [self.llg.StructTag(trigger=s["trigger"], begin=s["begin"],
-                                           grammar=self._json_grammar(s["schema"], params),
+                                           grammar=self._json_schema(s["schema"], params),
                                            end=s["end"])
-                        for s in parse_structural_tag(params)]
-                return self.llg.StructTag.to_grammar(tags)
+                        for s in structures]
+                # Triggers like <tool_call> are matched as special tokens only when the
+                # tokenizer has them as such; otherwise as text.
+                special = all(self._is_special(s["trigger"]) for s in structures)
+                return self.llg.StructTag.to_grammar(tags, assume_special=special)
             return self.llg.grammar_from(kind, params.spec)
         except (ValueError, TypeError, KeyError, AssertionError) as e:
             raise _field_error(params, f"invalid specification: {e}") from None
+
+    def _is_special(self, text: str) -> bool:
+        ids = self.tokenizer.tokenize_str(text, parse_special=True)
+        return len(ids) == 1 and self.tokenizer.is_special_token(ids[0])
 
     def validate(self, params):
         err = self.llg.LLMatcher.validate_grammar(self.serialize(params), self.tokenizer)

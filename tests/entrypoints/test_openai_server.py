@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import pytest
@@ -232,8 +233,19 @@ def test_fields_are_honoured_ignored_by_list_or_refused_by_name(server):
         ("/v1/chat/completions", chat | {"response_format": {"type": "json_schema",
                                                              "json_schema": {"name": "x"}}},
          "response_format"),
-        ("/v1/chat/completions", chat | {"response_format": {"type": "json_object"}},
+        ("/v1/chat/completions", chat | {"response_format": {"type": "json_schema", "json_schema":
+                                                             {"name": "x",
+                                                              "schema": {"type": "foo"}}}},
          "response_format"),
+        ("/v1/chat/completions", chat | {"response_format": {"type": "yaml"}}, "response_format"),
+        ("/v1/completions", base | {"guided_regex": "a(b"}, "guided_regex"),
+        ("/v1/completions", base | {"guided_choice": []}, "guided_choice"),
+        ("/v1/completions", base | {"structured_outputs": {"regexp": "a"}},
+         "structured_outputs"),
+        ("/v1/completions", base | {"guided_regex": "a", "guided_choice": ["a"]},
+         "guided_choice"),
+        ("/v1/completions", base | {"guided_regex": "a", "guided_decoding_backend": "outlines"},
+         "guided_decoding_backend"),
         ("/v1/chat/completions", chat | {"tools": [{"type": "function",
                                                     "function": {"name": "f"}}]}, "tools"),
         ("/v1/chat/completions", chat | {"tool_choice": "required"}, "tool_choice"),
@@ -346,4 +358,38 @@ def test_n_is_capped_by_name(server, monkeypatch):
     assert "at most 4" in r.json()["error"]["message"]
     assert _post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "n": 4,
                                              "max_tokens": 1}).status_code == 200
+    wait_idle(server)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "age": {"type": "integer", "minimum": 0}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_structured_outputs_through_the_openai_client(server, client):
+    jsonschema = pytest.importorskip("jsonschema")
+    msgs = [{"role": "user", "content": "Describe a person called Ann, aged 31, as JSON."}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=msgs, temperature=0, max_tokens=60,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    c = r.choices[0]
+    assert c.finish_reason == "stop", c
+    jsonschema.validate(json.loads(c.message.content), PERSON)
+    # Streaming: the chunks add up to the same JSON.
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=msgs, temperature=0, max_tokens=60, stream=True,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": PERSON}})
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == c.message.content
+    # vLLM's request extras: guided_choice, structured_outputs, guided_regex.
+    r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, n=3,
+                                  temperature=1.0, seed=1,
+                                  extra_body={"guided_choice": ["blue", "green"]})
+    assert all(ch.text in ("blue", "green") and ch.finish_reason == "stop" for ch in r.choices)
+    r = client.completions.create(model=MODEL, prompt="Today's date:", max_tokens=12,
+                                  temperature=0, extra_body={"structured_outputs": {
+                                      "regex": "20[0-9][0-9]-[01][0-9]-[0-3][0-9]"}})
+    assert re.fullmatch("20[0-9][0-9]-[01][0-9]-[0-3][0-9]", r.choices[0].text)
     wait_idle(server)

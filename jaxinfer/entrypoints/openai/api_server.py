@@ -83,6 +83,17 @@ class OpenAIServer:
             field = str(e).split(" ")[0].removeprefix("SamplingParams.")
             raise APIError(str(e), 400, field) from None
 
+    async def _check_structured(self, req, params) -> None:
+        """A bad grammar / schema is a 400 naming the request field it came from (checked in
+        a thread: the first check builds the grammar backend's tokenizer)."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.llm.processor.validate_structured_outputs,
+                                    params.structured_outputs)
+        except ValueError as e:
+            raise APIError(f"{req.structured_field}: {e}", 400, req.structured_field) from None
+
     async def _run(self, prompt_ids: list[int], params, request_id: str
                    ) -> AsyncIterator[RequestOutput]:
         try:
@@ -194,6 +205,7 @@ class OpenAIServer:
     async def completions(self, req: CompletionRequest, raw: Request):
         self._check_model(req.model)
         params = self._params(req)
+        await self._check_structured(req, params)
         if req.stream and req.echo and (req.logprobs is not None or req.prompt_only):
             raise APIError("echo with logprobs or max_tokens=0 is only supported with "
                            "stream=false", 400, "echo")
@@ -294,6 +306,7 @@ class OpenAIServer:
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self._check_model(req.model)
         params = self._params(req)
+        await self._check_structured(req, params)
         conversation = req.conversation()
         chars = sum(len(m["content"]) for m in conversation)
         at_least, limit = chars // self.llm.tokenizer.max_token_chars, self.llm.max_model_len
@@ -479,7 +492,8 @@ def run_server(args) -> int:
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           attention_backend=args.attention_backend, seed=args.seed,
-                          warmup=not args.no_warmup, async_scheduling=args.async_scheduling)
+                          warmup=not args.no_warmup, async_scheduling=args.async_scheduling,
+                          structured_outputs_config=args.structured_outputs_config)
     llm = AsyncLLM(config)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if args.model else "SmolLM2-135M-Instruct")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Fields OpenAI clients send routinely that change nothing about the generated text: accepted
 # and ignored. Any other field the models below do not declare is refused with a 400 naming it.
@@ -38,6 +38,7 @@ class StreamOptions(BaseModel):
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
+    _structured: Any = PrivateAttr(default=None)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -58,9 +59,18 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted only at their no-op values (None, empty, "text"): a request that needs them
-    # gets a 400 naming the field instead of unconstrained output.
+    # Structured outputs: OpenAI's response_format (text, json_object, json_schema; vLLM's
+    # structural_tag), vLLM's structured_outputs, and vLLM's older guided_* fields.
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    # Accepted only at their no-op values (None, empty): a request that needs them gets a 400
+    # naming the field instead of output that ignores them.
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
 
@@ -70,17 +80,68 @@ class _Common(BaseModel):
         if extra:
             raise UnsupportedField(extra[0], f"{extra[0]}: unsupported request field (jaxinfer "
                                    f"ignores only {', '.join(IGNORED_FIELDS)})")
-        rf = self.response_format
-        if rf is not None and rf.get("type", "text") != "text":
-            raise UnsupportedField("response_format", f"response_format type "
-                                   f"{rf.get('type')!r} is not supported yet (structured "
-                                   "outputs): only 'text'")
+        if self.guided_decoding_backend is not None:
+            raise UnsupportedField("guided_decoding_backend", "guided_decoding_backend: the "
+                                   "backend is chosen per server (--structured-outputs-config "
+                                   "'{\"backend\": ...}')")
+        self._structured = self._structured_outputs()
         if self.logit_bias:
             raise UnsupportedField("logit_bias", "logit_bias is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedField("best_of", f"best_of={self.best_of} is not supported "
                                    "(as in vLLM V1): leave it unset or equal to n")
         return self
+
+    def _structured_outputs(self) -> tuple[str, dict] | None:
+        """(the request field it came from, StructuredOutputsParams fields) or None."""
+        found = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                found.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or not isinstance(js.get("schema"), (dict, bool)):
+                    raise UnsupportedField("response_format", "response_format.json_schema."
+                                           "schema is required (a JSON schema object)")
+                found.append(("response_format", {"json": js["schema"]}))
+            elif kind == "structural_tag":
+                import json
+
+                found.append(("response_format", {"structural_tag": json.dumps(rf)}))
+            elif kind != "text":
+                raise UnsupportedField("response_format", f"response_format type {kind!r} is "
+                                       "not supported: use text, json_object, json_schema or "
+                                       "structural_tag")
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found.append((name, {key: getattr(self, name)}))
+        if len(found) > 1:
+            names = [f for f, _ in found]
+            raise UnsupportedField(names[1], f"only one structured-output constraint per "
+                                   f"request, got {', '.join(names)}")
+        if self.guided_whitespace_pattern is not None:
+            if not found:
+                raise UnsupportedField("guided_whitespace_pattern", "guided_whitespace_pattern "
+                                       "needs a JSON constraint")
+            found[0][1].setdefault("whitespace_pattern", self.guided_whitespace_pattern)
+        if not found:
+            return None
+        field, spec = found[0]
+        try:
+            StructuredOutputsParams(**spec)
+        except (TypeError, ValueError) as e:
+            raise UnsupportedField(field, f"{field}: {e}") from None
+        return field, spec
+
+    @property
+    def structured_field(self) -> str | None:
+        """The request field the structured-output constraint came from (for error params)."""
+        return self._structured[0] if self._structured else None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -94,7 +155,9 @@ class _Common(BaseModel):
             else self.repetition_penalty,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=StructuredOutputsParams(**self._structured[1])
+            if self._structured else None)
 
 
 class CompletionRequest(_Common):
