@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
     v.add_argument("--async-scheduling", action="store_true",
                     help="dispatch step N+1 before reading step N's tokens (host/device overlap)")
+    v.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model call tools on its own (tool_choice="auto"); needs '
+                        "--tool-call-parser")
+    v.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how tool calls look in the model's text (tool_choice=auto)")
     v.add_argument("--structured-outputs-config", type=_json_arg, default=None,
                    help='structured outputs, as JSON: {"backend": "auto" | "guidance" | '
                         '"xgrammar", "disable_any_whitespace": bool, '

@@ -246,8 +246,26 @@ def test_fields_are_honoured_ignored_by_list_or_refused_by_name(server):
          "guided_choice"),
         ("/v1/completions", base | {"guided_regex": "a", "guided_decoding_backend": "outlines"},
          "guided_decoding_backend"),
+        # tools default to tool_choice="auto", which needs --enable-auto-tool-choice
         ("/v1/chat/completions", chat | {"tools": [{"type": "function",
-                                                    "function": {"name": "f"}}]}, "tools"),
+                                                    "function": {"name": "f"}}]},
+         "tool_choice"),
+        ("/v1/chat/completions", chat | {"tools": []}, "tools"),
+        ("/v1/chat/completions", chat | {"tools": [{"type": "function", "function": {}}]},
+         "tools[0].function.name"),
+        ("/v1/chat/completions", chat | {"tools": [{"type": "function",
+                                                    "function": {"name": "f"}}],
+                                         "tool_choice": {"type": "function",
+                                                         "function": {"name": "g"}}},
+         "tool_choice"),
+        ("/v1/chat/completions", chat | {"tools": [{"type": "function",
+                                                    "function": {"name": "f"}}],
+                                         "tool_choice": "required",
+                                         "response_format": {"type": "json_object"}},
+         "response_format"),
+        ("/v1/chat/completions", chat | {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", chat | {"messages": [{"role": "user", "content": "x",
+                                                       "colour": "red"}]}, "messages.colour"),
         ("/v1/chat/completions", chat | {"tool_choice": "required"}, "tool_choice"),
         ("/v1/completions", base | {"logit_bias": {"50": 5}}, "logit_bias"),
         ("/v1/completions", base | {"best_of": 3}, "best_of"),
@@ -393,3 +411,131 @@ def test_structured_outputs_through_the_openai_client(server, client):
                                       "regex": "20[0-9][0-9]-[01][0-9]-[0-3][0-9]"}})
     assert re.fullmatch("20[0-9][0-9]-[01][0-9]-[0-3][0-9]", r.choices[0].text)
     wait_idle(server)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "maxLength": 10}}, "required": ["zone"],
+        "additionalProperties": False}}}
+# A Hermes-style template that shows the tools to the model (SmolLM2's own does not).
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools, one per <tool_call></tool_call>"
+    " block:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}"
+    "{% for c in m.tool_calls %}<tool_call>{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _stream_calls(chunks):
+    """Tool calls and content put together from streamed deltas, as OpenAI clients do."""
+    calls, content, finish = {}, "", None
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = tc.id or call["id"]
+            if tc.function:
+                call["name"] += tc.function.name or ""
+                call["arguments"] += tc.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    return [calls[i] for i in sorted(calls)], content, finish
+
+
+def test_tool_calls_named_and_required(server, client):
+    jsonschema = pytest.importorskip("jsonschema")
+    msgs = [{"role": "user", "content": "What's the weather in Paris?"}]
+    common = dict(model=MODEL, messages=msgs, temperature=0, max_tokens=60,
+                  tools=[WEATHER, TIME], extra_body={"chat_template": TOOL_TEMPLATE})
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(tool_choice=named, **common)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and not c.message.content  # named: "stop", as OpenAI
+    (call,) = c.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    calls, content, finish = _stream_calls(client.chat.completions.create(
+        tool_choice=named, stream=True, **common))
+    assert [(x["name"], x["arguments"]) for x in calls] == [("get_weather",
+                                                             call.function.arguments)]
+    assert finish == "stop" and not content
+
+    # required: a JSON array of calls (one at most with parallel_tool_calls=False).
+    one = dict(common, parallel_tool_calls=False)
+    r = client.chat.completions.create(tool_choice="required", **one)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c.message.content
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for tc in c.message.tool_calls:
+        jsonschema.validate(json.loads(tc.function.arguments), params[tc.function.name])
+    calls, content, finish = _stream_calls(client.chat.completions.create(
+        tool_choice="required", stream=True, **one))
+    assert [(x["name"], x["arguments"]) for x in calls] == [
+        (tc.function.name, tc.function.arguments) for tc in c.message.tool_calls]
+    assert finish == "tool_calls" and all(x["id"] for x in calls) and not content
+    # Unlimited, this model keeps adding calls: cut short, the text comes back as content.
+    r = client.chat.completions.create(tool_choice="required", **common)
+    c = r.choices[0]
+    if c.finish_reason == "length":
+        assert not c.message.tool_calls and c.message.content.lstrip().startswith("[")
+    else:
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls
+
+    # The calls and their results go back into the conversation (rendered by the template).
+    follow = msgs + [{"role": "assistant", "content": None, "refusal": None,
+                      "tool_calls": [{"id": call.id, "type": "function", "function": {
+                          "name": "get_weather", "arguments": call.function.arguments}}]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]
+    r = client.chat.completions.create(model=MODEL, messages=follow, temperature=0,
+                                       max_tokens=5, tools=[WEATHER], tool_choice="none",
+                                       extra_body={"chat_template": TOOL_TEMPLATE})
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    wait_idle(server)
+
+
+def test_tool_choice_auto_with_a_parser(server, client, monkeypatch):
+    from jaxinfer.entrypoints.openai.tools import HermesToolParser
+    from jaxinfer.outputs import CompletionOutput
+
+    msgs = [{"role": "user", "content": "Hi! How are you?"}]
+    common = dict(model=MODEL, messages=msgs, temperature=0, max_tokens=12, tools=[WEATHER])
+    with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
+        client.chat.completions.create(**common)  # auto is the default with tools
+    monkeypatch.setattr(server, "tool_parser", HermesToolParser())
+    with pytest.raises(openai.BadRequestError, match="does not render tools"):
+        client.chat.completions.create(**common)  # SmolLM2's template ignores tools
+    common["extra_body"] = {"chat_template": TOOL_TEMPLATE}
+    r = client.chat.completions.create(**common)
+    chunks = client.chat.completions.create(stream=True, **common)
+    calls, content, finish = _stream_calls(chunks)
+    m = r.choices[0].message
+    assert calls == [] if not m.tool_calls else [c["name"] for c in calls] == [
+        t.function.name for t in m.tool_calls]
+    assert content == (m.content or "") and finish == r.choices[0].finish_reason
+    # What the parser makes of a text with calls (the model above may not call any).
+    req = openai_request(common)
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": ' \
+           '{"city": "Oslo", "unit": "C"}}\n</tool_call>'
+    msg, fin = server._chat_message(req, "auto", CompletionOutput(
+        index=0, text=text, token_ids=[1], cumulative_logprob=None, logprobs=None,
+        finish_reason="stop"))
+    assert fin == "tool_calls" and msg["content"] == "Let me check."
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                "arguments": '{"city": "Oslo", "unit": "C"}'}
+    wait_idle(server)
+
+
+def openai_request(kwargs):
+    from jaxinfer.entrypoints.openai.protocol import ChatCompletionRequest
+
+    body = {k: v for k, v in kwargs.items() if k != "extra_body"} | kwargs.get("extra_body", {})
+    return ChatCompletionRequest(**body)

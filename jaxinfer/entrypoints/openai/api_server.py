@@ -18,6 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxinfer.engine.async_engine import AsyncLLM
 from jaxinfer.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   UnsupportedField)
+from jaxinfer.entrypoints.openai.tools import (TOOL_PARSERS, forced_tool_calls,
+                                               make_tool_call_id, messages_for_template,
+                                               named_tool, template_renders_tools)
 from jaxinfer.metrics import EngineMetrics
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 
@@ -50,8 +53,14 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 
 class OpenAIServer:
     def __init__(self, llm: AsyncLLM, model_name: str, api_key: str | None = None,
-                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES):
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
         self.llm = llm
+        if enable_auto_tool_choice and tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser, one of "
+                             f"{', '.join(TOOL_PARSERS)} (got {tool_call_parser!r})")
+        # tool_choice="auto": the parser that finds calls in the text (None: refused).
+        self.tool_parser = TOOL_PARSERS[tool_call_parser]() if enable_auto_tool_choice else None
         self.model_name = model_name
         self.api_key = api_key
         self.max_request_body_bytes = max_request_body_bytes
@@ -303,11 +312,53 @@ class OpenAIServer:
                                              for _, p in tops]})
         return {"content": content}
 
+    def _tool_mode(self, req: ChatCompletionRequest) -> str:
+        """ "none" (plain text), "forced" (named / required: the output is the calls) or
+        "auto" (a parser looks for calls in the text)."""
+        if req.forced_tool_choice:
+            return "forced"
+        if req.tool_choice == "auto" and req.tools:
+            if self.tool_parser is None:
+                raise APIError('tool_choice="auto" (the default when tools are given) requires '
+                               "--enable-auto-tool-choice and --tool-call-parser to be set",
+                               400, "tool_choice")
+            template = req.chat_template or self.llm.tokenizer.chat_template
+            if not template_renders_tools(template):
+                raise APIError("tool_choice='auto': the chat template does not render tools, "
+                               "so the model would never see them; pass a chat_template that "
+                               "does, or use tool_choice='required' / a named function", 400,
+                               "tools")
+            return "auto"
+        return "none"
+
+    def _chat_message(self, req, mode: str, c: CompletionOutput) -> tuple[dict, str | None]:
+        """The assistant message and finish_reason of one finished choice."""
+        text, finish = c.text, c.finish_reason
+        calls: list[dict] = []
+        content: str | None = text
+        if mode == "forced":
+            try:
+                calls = forced_tool_calls(text, req.tool_choice)
+                content = None
+            except (ValueError, KeyError, TypeError):  # cut short (length): not a whole call
+                calls = []
+        elif mode == "auto":
+            content, calls = self.tool_parser.parse(text)
+        if calls and req.parallel_tool_calls is False:
+            calls = calls[:1]
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+            if finish == "stop" and (mode == "auto" or req.tool_choice == "required"):
+                finish = "tool_calls"
+        return message, finish
+
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self._check_model(req.model)
         params = self._params(req)
         await self._check_structured(req, params)
-        conversation = req.conversation()
+        mode = self._tool_mode(req)
+        conversation = messages_for_template(req.conversation())
         chars = sum(len(m["content"]) for m in conversation)
         at_least, limit = chars // self.llm.tokenizer.max_token_chars, self.llm.max_model_len
         if at_least > limit:  # refused without rendering or tokenizing it
@@ -315,9 +366,11 @@ class OpenAIServer:
                            f"longer than the model's maximum context length of {limit} tokens.",
                            400, "messages")
         try:
+            extra = {"tools": req.tools} if req.tools else {}
             ids = await asyncio.to_thread(
                 self.llm.tokenizer.apply_chat_template, conversation,
-                chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt)
+                chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
+                **extra)
         except Exception as e:  # template errors are the request's fault
             raise APIError(f"could not render the chat template: {e}", 400, "messages") from None
         self._check_length(len(ids), params.max_tokens if (req.max_tokens or
@@ -329,13 +382,14 @@ class OpenAIServer:
         if not req.stream:
             (out,) = await self._with_disconnect(raw, self._collect([gen]))
             completion = sum(len(c.token_ids) for c in out.outputs)
+            choices = []
+            for c in out.outputs:
+                message, finish = self._chat_message(req, mode, c)
+                choices.append({"index": c.index, "message": message,
+                                "logprobs": self._chat_logprobs(c, 0, top_n),
+                                "finish_reason": finish, "stop_reason": c.stop_reason})
             return {"id": base, "object": "chat.completion", "created": created,
-                    "model": self.model_name,
-                    "choices": [{"index": c.index,
-                                 "message": {"role": "assistant", "content": c.text},
-                                 "logprobs": self._chat_logprobs(c, 0, top_n),
-                                 "finish_reason": c.finish_reason,
-                                 "stop_reason": c.stop_reason} for c in out.outputs],
+                    "model": self.model_name, "choices": choices,
                     "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
                               "total_tokens": len(ids) + completion}}
 
@@ -346,26 +400,55 @@ class OpenAIServer:
         async def events():
             sent_text: dict[int, int] = {}
             sent_toks: dict[int, int] = {}
+            call_ids: dict[int, str] = {}
             completion = 0
             for k in range(params.n):
                 yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
+            named = named_tool(req.tool_choice) if mode == "forced" else None
             async for _, out in self._merge([gen]):
                 for c in out.outputs:
                     done = c.finish_reason is not None
                     upto = _held_back(c.text, done, params.stop)
+                    if mode == "auto" and not done:  # a call may be starting: hold it back
+                        upto = min(upto, self.tool_parser.safe_prefix(c.text))
+                    elif mode == "forced" and named is None:  # required: the calls at the end
+                        upto = 0
                     t0, k0 = sent_text.get(c.index, 0), sent_toks.get(c.index, 0)
-                    delta = c.text[t0:upto] if upto > t0 else ""
-                    if not delta and not done and len(c.token_ids) == k0:
+                    piece = c.text[t0:upto] if upto > t0 else ""
+                    if not piece and not done and len(c.token_ids) == k0:
                         continue
                     sent_text[c.index] = max(t0, upto)
                     sent_toks[c.index] = len(c.token_ids)
+                    finish = c.finish_reason
+                    delta: dict[str, Any] = {}
+                    if named is not None:  # the arguments, as they come
+                        if t0 == 0 and (piece or done):
+                            call_ids[c.index] = make_tool_call_id()
+                            delta["tool_calls"] = [{"index": 0, "id": call_ids[c.index],
+                                                    "type": "function", "function": {
+                                                        "name": named, "arguments": piece}}]
+                        elif piece:
+                            delta["tool_calls"] = [{"index": 0,
+                                                    "function": {"arguments": piece}}]
+                    elif piece:
+                        delta["content"] = piece
+                    if done and mode != "none" and named is None:
+                        message, finish = self._chat_message(req, mode, c)
+                        calls = message.get("tool_calls")
+                        if calls:
+                            delta["tool_calls"] = [{"index": i, **call}
+                                                   for i, call in enumerate(calls)]
+                            rest = (message["content"] or "")[sent_text[c.index]:]
+                        else:
+                            rest = c.text[sent_text[c.index]:]
+                        if rest:
+                            delta["content"] = delta.get("content", "") + rest
                     if done:
                         completion += len(c.token_ids)
-                    yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
+                    yield chunk([{"index": c.index, "delta": delta,
                                   "logprobs": self._chat_logprobs(c, k0, top_n),
-                                  "finish_reason": c.finish_reason,
-                                  "stop_reason": c.stop_reason}])
+                                  "finish_reason": finish, "stop_reason": c.stop_reason}])
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk([], usage={"prompt_tokens": len(ids), "completion_tokens": completion,
                                        "total_tokens": len(ids) + completion})
@@ -498,7 +581,9 @@ def run_server(args) -> int:
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if args.model else "SmolLM2-135M-Instruct")
     server = OpenAIServer(llm, name, api_key=args.api_key or os.environ.get("JAXINFER_API_KEY"),
-                          max_request_body_bytes=args.max_request_body_bytes)
+                          max_request_body_bytes=args.max_request_body_bytes,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          tool_call_parser=args.tool_call_parser)
     llm.start()
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="info")
     return 0

@@ -6,12 +6,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from jaxinfer.entrypoints.openai.tools import (ToolError, named_tool, tool_choice_schema,
+                                               validate_tools)
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Fields OpenAI clients send routinely that change nothing about the generated text: accepted
 # and ignored. Any other field the models below do not declare is refused with a 400 naming it.
 IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
-                  "safety_identifier", "parallel_tool_calls")
+                  "safety_identifier")
 
 
 class UnsupportedField(ValueError):
@@ -191,11 +193,29 @@ class CompletionRequest(_Common):
         return params
 
 
+# Message fields OpenAI clients echo back from a response (assistant messages) that carry
+# nothing for the prompt: accepted while empty.
+_EMPTY_MESSAGE_FIELDS = ("refusal", "audio", "function_call", "annotations", "reasoning_content",
+                         "reasoning")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
+
+    @model_validator(mode="after")
+    def _refuse_unknown(self):
+        for key, value in (self.model_extra or {}).items():
+            if key not in _EMPTY_MESSAGE_FIELDS or value:
+                raise UnsupportedField(f"messages.{key}", f"messages.{key}: unsupported message "
+                                       "field" + (" (only accepted empty)"
+                                                  if key in _EMPTY_MESSAGE_FIELDS else ""))
+        return self
 
 
 class ChatCompletionRequest(_Common):
@@ -207,20 +227,43 @@ class ChatCompletionRequest(_Common):
     chat_template: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    _tools: dict = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _chat_fields(self):
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise UnsupportedField(name, f"{name}: tool calling is not supported yet")
-        for name in ("tool_choice", "function_call"):
-            value = getattr(self, name)
-            if value not in (None, "none", "auto"):
-                raise UnsupportedField(name, f"{name}={value!r}: tool calling is not "
-                                       "supported yet")
+        if self.functions:
+            raise UnsupportedField("functions", "functions (deprecated by OpenAI) is not "
+                                   "supported: use tools")
+        if self.function_call not in (None, "none", "auto"):
+            raise UnsupportedField("function_call", "function_call (deprecated by OpenAI) is "
+                                   "not supported: use tool_choice")
+        try:
+            self._tools = validate_tools(self.tools)
+            choice = self.tool_choice
+            if choice is None:
+                choice = self.tool_choice = "auto" if self._tools else "none"
+            if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+                raise ToolError("tool_choice", f"tool_choice={choice!r}: use 'none', 'auto', "
+                                               "'required' or a named function")
+            if choice != "none" and not self._tools:
+                raise ToolError("tool_choice", "tool_choice needs tools")
+            schema = tool_choice_schema(choice, self._tools, self.parallel_tool_calls)
+        except ToolError as e:
+            raise UnsupportedField(e.field, str(e)) from None
+        if schema is not None:
+            if self._structured:
+                raise UnsupportedField(self._structured[0], f"{self._structured[0]} cannot be "
+                                       f"combined with tool_choice={choice!r}")
+            self._structured = ("tool_choice", {"json": schema})
         return self
+
+    @property
+    def forced_tool_choice(self) -> bool:
+        """The output is the tool call(s): a named function or "required"."""
+        return self.tool_choice == "required" or named_tool(self.tool_choice) is not None
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
@@ -234,7 +277,11 @@ class ChatCompletionRequest(_Common):
             if isinstance(content, list):  # OpenAI content parts: keep the text ones
                 content = "".join(p.get("text", "") for p in content
                                   if p.get("type") == "text")
-            conv.append({"role": m.role, "content": content or ""})
+            msg = {"role": m.role, "content": content or ""}
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    msg[key] = getattr(m, key)
+            conv.append(msg)
         return conv
 
 
