@@ -539,3 +539,48 @@ def openai_request(kwargs):
 
     body = {k: v for k, v in kwargs.items() if k != "extra_body"} | kwargs.get("extra_body", {})
     return ChatCompletionRequest(**body)
+
+
+def test_200_streams_with_10_percent_disconnecting(server):
+    """200 concurrent streams; every tenth client hangs up after its first chunk. The others
+    complete with their token counts; the aborted ones free their blocks; the gauges go back
+    to 0."""
+    n, max_tokens = 200, 4
+    url = server.base_url + "/v1/completions"
+
+    async def one(h, i):
+        body = {"model": MODEL, "prompt": f"Story {i}: once upon a time", "stream": True,
+                "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+                "stream_options": {"include_usage": True}}
+        leave = i % 10 == 0
+        text, usage = "", None
+        async with h.stream("POST", url, json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("usage"):
+                    usage = ev["usage"]
+                if ev["choices"]:
+                    text += ev["choices"][0]["text"]
+                    if leave:
+                        return "left", None
+        return text, usage
+
+    async def run_all():
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as h:
+            return await asyncio.gather(*(one(h, i) for i in range(n)))
+
+    results = asyncio.run(run_all())
+    done = [(t, u) for t, u in results if t != "left"]
+    assert len(done) == n - n // 10
+    assert all(u and u["completion_tokens"] == max_tokens and t for t, u in done)
+    wait_idle(server, timeout=120)
+    gauges = {line.split("{")[0]: float(line.split()[-1])
+              for line in httpx.get(server.base_url + "/metrics").text.splitlines()
+              if line.startswith(("jaxinfer:num_requests_running",
+                                  "jaxinfer:num_requests_waiting"))}
+    assert gauges == {"jaxinfer:num_requests_running": 0.0,
+                      "jaxinfer:num_requests_waiting": 0.0}, gauges
