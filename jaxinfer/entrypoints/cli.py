@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
     v.add_argument("--async-scheduling", action="store_true",
                     help="dispatch step N+1 before reading step N's tokens (host/device overlap)")
+    v.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="at most this many sequences waiting for their first token; more get "
+                        "429 with Retry-After (default: no limit)")
+    v.add_argument("--queue-timeout", type=float, default=None,
+                   help="seconds a request may wait for its first token before it is aborted "
+                        "with 503 (default: no limit)")
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model call tools on its own (tool_choice="auto"); needs '
                         "--tool-call-parser")

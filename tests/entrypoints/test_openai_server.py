@@ -584,3 +584,35 @@ def test_200_streams_with_10_percent_disconnecting(server):
                                   "jaxinfer:num_requests_waiting"))}
     assert gauges == {"jaxinfer:num_requests_running": 0.0,
                       "jaxinfer:num_requests_waiting": 0.0}, gauges
+
+
+def test_max_waiting_requests_and_queue_timeout(server, monkeypatch):
+    body = {"model": MODEL, "prompt": "Count to ten:", "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    url = server.base_url + "/v1/completions"
+    monkeypatch.setattr(server, "max_waiting_requests", 2)
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as h:
+            return await asyncio.gather(*(h.post(url, json=body) for _ in range(8)))
+
+    responses = asyncio.run(burst())
+    codes = sorted(r.status_code for r in responses)
+    assert codes[0] == 200 and codes[-1] == 429, codes
+    limited = next(r for r in responses if r.status_code == 429)
+    assert limited.headers["retry-after"] == "1"
+    err = limited.json()["error"]
+    assert err["type"] == "RateLimitError" and "--max-waiting-requests" in err["message"]
+    assert all(len(r.json()["choices"][0]["text"]) > 0 for r in responses
+               if r.status_code == 200)
+    assert server.num_waiting == 0  # every admitted sequence got its first token
+    monkeypatch.setattr(server, "max_waiting_requests", None)
+
+    monkeypatch.setattr(server, "queue_timeout", 0.001)  # no first token comes that fast
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 503 and "--queue-timeout" in r.json()["error"]["message"]
+    assert r.headers["retry-after"] == "1"
+    wait_idle(server)  # the timed-out request was aborted, its blocks freed
+    monkeypatch.setattr(server, "queue_timeout", 30.0)
+    assert _post(server, "/v1/completions", body).status_code == 200
+    assert server.num_waiting == 0

@@ -27,17 +27,19 @@ from jaxinfer.outputs import CompletionOutput, RequestOutput
 
 class APIError(Exception):
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 err_type: str | None = None):
+                 err_type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
+        self.headers = headers
         self.err_type = err_type or {
             400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
             405: "MethodNotAllowedError", 413: "RequestTooLargeError",
-            422: "UnprocessableEntityError"}.get(status, "InternalServerError")
+            422: "UnprocessableEntityError", 429: "RateLimitError",
+            503: "ServiceUnavailableError"}.get(status, "InternalServerError")
 
 
 def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(status_code=e.status, content={"error": {
+    return JSONResponse(status_code=e.status, headers=e.headers, content={"error": {
         "message": e.message, "type": e.err_type, "param": e.param, "code": e.status}})
 
 
@@ -54,8 +56,18 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
 class OpenAIServer:
     def __init__(self, llm: AsyncLLM, model_name: str, api_key: str | None = None,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 max_waiting_requests: int | None = None, queue_timeout: float | None = None):
         self.llm = llm
+        # Admission: at most this many sequences waiting for their first token (429 past it),
+        # and how long one may wait for it (then aborted, 503). None: no limit.
+        if max_waiting_requests is not None and max_waiting_requests < 1:
+            raise ValueError(f"--max-waiting-requests must be >= 1, got {max_waiting_requests}")
+        if queue_timeout is not None and not queue_timeout > 0:
+            raise ValueError(f"--queue-timeout must be > 0, got {queue_timeout}")
+        self.max_waiting_requests = max_waiting_requests
+        self.queue_timeout = queue_timeout
+        self.num_waiting = 0  # sequences admitted whose first token has not come yet
         if enable_auto_tool_choice and tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser, one of "
                              f"{', '.join(TOOL_PARSERS)} (got {tool_call_parser!r})")
@@ -103,14 +115,44 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(f"{req.structured_field}: {e}", 400, req.structured_field) from None
 
-    async def _run(self, prompt_ids: list[int], params, request_id: str
-                   ) -> AsyncIterator[RequestOutput]:
+    def _admit(self, num_prompts: int, params) -> list["_Ticket"]:
+        """One ticket per prompt: its sequences count as waiting until their first token.
+        Past --max-waiting-requests: 429 with Retry-After."""
+        n = num_prompts * params.n
+        limit = self.max_waiting_requests
+        if limit is not None and self.num_waiting + n > limit:
+            raise APIError(f"{self.num_waiting} sequences are waiting for their first token and "
+                           f"this request adds {n}: over the limit of {limit} "
+                           "(--max-waiting-requests); retry later", 429, None,
+                           headers={"Retry-After": "1"})
+        return [_Ticket(self, params.n) for _ in range(num_prompts)]
+
+    async def _run(self, prompt_ids: list[int], params, request_id: str,
+                   ticket: "_Ticket") -> AsyncIterator[RequestOutput]:
+        gen = self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id)
         try:
-            async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, params,
-                                               request_id):
+            try:
+                if self.queue_timeout is None:
+                    first = await anext(gen)
+                else:
+                    first = await asyncio.wait_for(anext(gen), self.queue_timeout)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                await gen.aclose()  # aborts the request
+                raise APIError(f"the request waited more than {self.queue_timeout:g} s for its "
+                               "first token (--queue-timeout); retry later", 503, None,
+                               headers={"Retry-After": "1"}) from None
+            finally:
+                ticket.release()
+            yield first
+            async for out in gen:
                 yield out
         except ValueError as e:
             raise APIError(str(e), 400, "prompt") from None
+        finally:
+            ticket.release()
+            await gen.aclose()
 
     async def _collect(self, gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
         async def last(gen):
@@ -223,7 +265,9 @@ class OpenAIServer:
             self._check_length(len(ids), params.max_tokens)
         base = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        gens = [self._run(ids, params, f"{base}-{i}") for i, (_, ids) in enumerate(prompts)]
+        tickets = self._admit(len(prompts), params)
+        gens = [self._run(ids, params, f"{base}-{i}", t)
+                for i, ((_, ids), t) in enumerate(zip(prompts, tickets))]
         n = params.n
         usage_prompt = sum(len(ids) for _, ids in prompts)
         if not req.stream:
@@ -377,7 +421,8 @@ class OpenAIServer:
                                                            req.max_completion_tokens) else None)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        gen = self._run(ids, params, base)
+        (ticket,) = self._admit(1, params)
+        gen = self._run(ids, params, base, ticket)
         top_n = req.top_logprobs or 0
         if not req.stream:
             (out,) = await self._with_disconnect(raw, self._collect([gen]))
@@ -554,6 +599,23 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+class _Ticket:
+    """Sequences counted as waiting for their first token; released once (also when the
+    response is dropped before its generator ever ran)."""
+
+    def __init__(self, server: OpenAIServer, n: int):
+        self.server, self.n = server, n
+        server.num_waiting += n
+
+    def release(self) -> None:
+        if self.n:
+            self.server.num_waiting -= self.n
+            self.n = 0
+
+    def __del__(self):
+        self.release()
+
+
 async def _guard(events):
     """Errors after the response started go out as an SSE error event."""
     try:
@@ -583,7 +645,9 @@ def run_server(args) -> int:
     server = OpenAIServer(llm, name, api_key=args.api_key or os.environ.get("JAXINFER_API_KEY"),
                           max_request_body_bytes=args.max_request_body_bytes,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          tool_call_parser=args.tool_call_parser)
+                          tool_call_parser=args.tool_call_parser,
+                          max_waiting_requests=args.max_waiting_requests,
+                          queue_timeout=args.queue_timeout)
     llm.start()
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="info")
     return 0
