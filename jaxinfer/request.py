@@ -61,6 +61,7 @@ class Request:
         max_tokens: int | None = None,
         sampling_seed: int = 0,
         structured_backend: str | None = None,
+        parent_id: str | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -89,6 +90,7 @@ class Request:
         # Structured outputs: the backend the front end chose, the compile in progress and the
         # request's matcher (StructuredOutputManager).
         self.structured_backend = structured_backend
+        self.parent_id = parent_id  # the n > 1 request this sample belongs to (fair admission)
         self.grammar = None
         self.grammar_future = None
         self.grammar_deadline = 0.0

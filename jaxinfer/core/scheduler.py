@@ -214,13 +214,20 @@ class Scheduler:
             i += 1
 
         # Then waiting requests, unless this step preempted. Requests still waiting for their
-        # grammar or their remote KV are passed over and keep their place.
+        # grammar or their remote KV are passed over and keep their place. The children of an
+        # n > 1 request take at most half the seats in the first pass, so that a request with
+        # a large n does not hold everyone behind it back; seats still free after the others
+        # go to the deferred children in a second pass.
         skipped: list[Request] = []
+        deferred: list[Request] = []
+        cap = max(1, cfg.max_num_seqs // 2)
+        children: dict[str, int] | None = None
         while not preempted and len(self.waiting) and budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             request = self.waiting.peek()
-            if request.status == RequestStatus.WAITING_FOR_FSM:
+            if (request.status == RequestStatus.WAITING_FOR_FSM
+                    and request.grammar_future is not None):  # (else: set_request_ready)
                 err = self.structured_output_manager.check_ready(request)
                 if err:
                     self.waiting.pop()
@@ -232,40 +239,36 @@ class Scheduler:
                 # (a request preempted with a token in flight resumes once the token is in)
                 skipped.append(self.waiting.pop())
                 continue
-            hit_blocks, num_hit = [], 0
-            if request.num_computed_tokens == 0:
-                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            n = request.num_tokens - num_hit
-            if 0 < threshold < n:
-                n = threshold
-            if not cfg.enable_chunked_prefill and n > budget:
-                break  # strict FCFS: the head is not skipped
-            n = min(n, budget)
-            new_blocks = self.kv.allocate_slots(
-                request, n, num_hit, hit_blocks,
-                full_sequence_must_fit=cfg.scheduler_reserve_full_isl)
-            if new_blocks is None:
+            parent = request.parent_id
+            if parent is not None:
+                if children is None:
+                    children = {}
+                    for r in self.running:
+                        if r.parent_id is not None:
+                            children[r.parent_id] = children.get(r.parent_id, 0) + 1
+                if children.get(parent, 0) >= cap:
+                    deferred.append(self.waiting.pop())
+                    skipped.append(request)
+                    continue
+            n = self._admit(request, budget, threshold, new_reqs, num_scheduled)
+            if n is None:
                 break
             self.waiting.pop()
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-            new_reqs.append(NewRequestData(
-                req_id=request.request_id,
-                token_ids=tuple(request.all_token_ids),
-                num_prompt_tokens=request.num_prompt_tokens,
-                sampling_params=request.sampling_params,
-                block_ids=tuple(self.kv.get_block_ids(request.request_id)),
-                num_computed_tokens=num_hit,
-                sampling_seed=request.sampling_seed,
-            ))
-            num_scheduled[request.request_id] = n
             budget -= n
-
+            if parent is not None:
+                children[parent] = children.get(parent, 0) + 1
+        admitted = set()
+        for request in deferred:
+            if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+                break
+            n = self._admit(request, budget, threshold, new_reqs, num_scheduled)
+            if n is None:
+                break
+            budget -= n
+            admitted.add(request.request_id)
         for request in reversed(skipped):
-            self.waiting.prepend(request)
+            if request.request_id not in admitted:
+                self.waiting.prepend(request)
 
         preempted_ids = frozenset(r.request_id for r in preempted)
         out = SchedulerOutput(
@@ -288,6 +291,41 @@ class Scheduler:
                 if request.grammar is not None:
                     structured.append(request)
         return out
+
+    def _admit(self, request: Request, budget: int, threshold: int, new_reqs: list,
+               num_scheduled: dict) -> int | None:
+        """Move a waiting request (already out of the queue, or at its head) to running with
+        its first chunk: the tokens scheduled, or None when it does not fit (stop admitting)."""
+        cfg = self.config
+        hit_blocks, num_hit = [], 0
+        if request.num_computed_tokens == 0:
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+        n = request.num_tokens - num_hit
+        if 0 < threshold < n:
+            n = threshold
+        if not cfg.enable_chunked_prefill and n > budget:
+            return None  # strict FCFS: the head is not skipped
+        n = min(n, budget)
+        new_blocks = self.kv.allocate_slots(request, n, num_hit, hit_blocks,
+                                            full_sequence_must_fit=cfg.scheduler_reserve_full_isl)
+        if new_blocks is None:
+            return None
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        new_reqs.append(NewRequestData(
+            req_id=request.request_id,
+            token_ids=tuple(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=tuple(self.kv.get_block_ids(request.request_id)),
+            num_computed_tokens=num_hit,
+            sampling_seed=request.sampling_seed,
+        ))
+        num_scheduled[request.request_id] = n
+        return n
 
     def _fail_request(self, request: Request, error: str) -> None:
         """Finish a waiting request with an error the client sees (its stop_reason)."""

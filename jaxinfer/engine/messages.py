@@ -27,6 +27,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     structured_backend: str | None = None  # the backend the front end validated it with
+    parent_id: str | None = None  # n > 1: the id its samples share (fair admission)
 
 
 class RequestType(bytes, enum.Enum):

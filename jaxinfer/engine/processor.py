@@ -117,6 +117,7 @@ class Processor:
         arrival_time = time.time() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         reqs = []
+        parent_id = f"{request_id}-{os.urandom(4).hex()}" if params.n > 1 else None
         for i in range(params.n):
             # The core's id: the caller's (per sample when n > 1) plus 8 random hex digits, so
             # that ids stay unique in a core that several front ends feed (as vLLM does).
@@ -126,5 +127,5 @@ class Processor:
                 request_id=rid, prompt_token_ids=ids, sampling_params=params,
                 eos_token_id=self.eos_token_id, arrival_time=arrival_time,
                 sampling_seed=(base_seed + i) & 0xFFFFFFFF, priority=priority,
-                cache_salt=cache_salt, structured_backend=backend))
+                cache_salt=cache_salt, structured_backend=backend, parent_id=parent_id))
         return text, ids, reqs

@@ -215,3 +215,29 @@ def test_same_step_prefix_sharing():
     so = s.schedule()
     assert so.num_scheduled_tokens == {"a": 13, "b": 1}
     assert so.scheduled_new_reqs[1].block_ids[:3] == so.scheduled_new_reqs[0].block_ids[:3]
+
+
+def test_children_of_a_large_n_request_do_not_hold_the_others_back():
+    """The samples of an n > 1 request take at most half the seats while others wait; seats
+    left over still go to them (a lone large-n request keeps the whole batch)."""
+    def child(i, parent="big", arrival=0.0):
+        r = make_request(f"{i}_{parent}", range(5), max_tokens=3, arrival=arrival)
+        r.parent_id = parent
+        return r
+
+    s = make_scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    for i in range(8):
+        s.add_request(child(i))
+    s.add_request(make_request("late", range(50, 55), max_tokens=3, arrival=1.0))
+    so = s.schedule()
+    # Two children (half the seats), then the later request, then a third child (a free seat).
+    assert list(so.num_scheduled_tokens) == ["0_big", "1_big", "late", "2_big"]
+    assert [r.request_id for r in s.waiting][:2] == ["3_big", "4_big"]  # order kept
+    r = FakeRunner()
+    s.update_from_output(so, r.execute(so))
+    run_to_completion(s, r)
+
+    s = make_scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    for i in range(8):
+        s.add_request(child(i))
+    assert list(s.schedule().num_scheduled_tokens) == ["0_big", "1_big", "2_big", "3_big"]
