@@ -12,6 +12,14 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_collection_modifyitems(config, items):
+    # Tests marked slow run with JAXINFER_SLOW_TESTS=1 (or `-m slow`); CI runs the rest, a
+    # representative subset that fits its time.
+    if os.environ.get("JAXINFER_SLOW_TESTS") != "1" and "slow" not in (config.option.markexpr
+                                                                        or ""):
+        skip_slow = pytest.mark.skip(reason="slow: set JAXINFER_SLOW_TESTS=1 to run it")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip_slow)
     has_gpu = any(d.platform == "gpu" for d in jax.devices())
     if has_gpu:
         return
