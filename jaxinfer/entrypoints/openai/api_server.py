@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer.engine.async_engine import AsyncLLM
@@ -51,6 +51,42 @@ def _held_back(text: str, finished: bool, stop: list[str]) -> int:
 
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+
+# What /openapi.json says the routes answer (schemathesis checks the server against it).
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
+_ERROR = {"content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+_GENERATE_RESPONSES = {
+    200: {"description": "The completion (application/json), or its server-sent events "
+                         "(text/event-stream) with stream=true",
+          "content": {"application/json": {"schema": {"type": "object",
+                                                      "required": ["id", "choices"]}},
+                      "text/event-stream": {"schema": {"type": "string"}}}},
+    400: {"description": "Bad request: the error names the field", **_ERROR},
+    401: {"description": "Missing or wrong API key", **_ERROR},
+    404: {"description": "Unknown model", **_ERROR},
+    413: {"description": "Body over --max-request-body-bytes", **_ERROR},
+    429: {"description": "Over --max-waiting-requests (Retry-After)", **_ERROR},
+    499: {"description": "The client went away", **_ERROR},
+    503: {"description": "No first token within --queue-timeout (Retry-After)", **_ERROR},
+}
+
+
+def _openapi_without_422(app: FastAPI) -> dict:
+    """FastAPI documents 422 for request bodies; this server answers 400 in OpenAI's shape."""
+    from fastapi.openapi.utils import get_openapi
+
+    if app.openapi_schema is None:
+        spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for ops in spec.get("paths", {}).values():
+            for op in ops.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            spec.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = spec
+    return app.openapi_schema
 
 
 class OpenAIServer:
@@ -564,29 +600,35 @@ class OpenAIServer:
                 request._body = body
             return await call_next(request)
 
-        @app.get("/health")
+        @app.get("/health", response_class=Response,
+                 responses={200: {"description": "The server is up (empty body)"}})
         async def health():
             return Response(status_code=200)
 
-        @app.get("/metrics")
+        @app.get("/metrics", response_class=PlainTextResponse,
+                 responses={200: {"description": "Prometheus text format",
+                                  "content": {"text/plain": {"schema": {"type": "string"}}}}})
         async def metrics():
             server.metrics.update_gauges(server.llm.stats)
             return Response(server.metrics.render(),
                             media_type="text/plain; version=0.0.4; charset=utf-8")
 
-        @app.get("/v1/models")
+        @app.get("/v1/models", responses={401: {"description": "Missing or wrong API key",
+                                                **_ERROR}})
         async def models():
             return {"object": "list", "data": [{
                 "id": server.model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "jaxinfer", "max_model_len": server.llm.max_model_len}]}
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
         async def completions(req: CompletionRequest, raw: Request):
             return await server.completions(req, raw)
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
         async def chat(req: ChatCompletionRequest, raw: Request):
             return await server.chat(req, raw)
+
+        app.openapi = lambda: _openapi_without_422(app)
 
         @app.on_event("shutdown")
         async def _shutdown():
