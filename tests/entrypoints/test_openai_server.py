@@ -616,3 +616,26 @@ def test_max_waiting_requests_and_queue_timeout(server, monkeypatch):
     monkeypatch.setattr(server, "queue_timeout", 30.0)
     assert _post(server, "/v1/completions", body).status_code == 200
     assert server.num_waiting == 0
+
+
+def test_streaming_echo_with_logprobs_equals_non_streaming(server):
+    for max_tokens in (3, 0):
+        body = {"model": MODEL, "prompt": "The capital of France is", "echo": True,
+                "logprobs": 2, "max_tokens": max_tokens, "temperature": 0}
+        full = _post(server, "/v1/completions", body).json()["choices"][0]
+        text, lps, finish = "", {"tokens": [], "token_logprobs": [], "text_offset": []}, None
+        with httpx.stream("POST", server.base_url + "/v1/completions", timeout=60,
+                          json=body | {"stream": True}) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ch = json.loads(line[6:])["choices"][0]
+                text += ch["text"]
+                for key in lps:
+                    lps[key] += ch["logprobs"][key]
+                finish = ch["finish_reason"] or finish
+        assert text == full["text"] and finish == full["finish_reason"]
+        for key in lps:
+            assert lps[key] == pytest.approx(full["logprobs"][key]), key
+    wait_idle(server)

@@ -293,9 +293,6 @@ class OpenAIServer:
         self._check_model(req.model)
         params = self._params(req)
         await self._check_structured(req, params)
-        if req.stream and req.echo and (req.logprobs is not None or req.prompt_only):
-            raise APIError("echo with logprobs or max_tokens=0 is only supported with "
-                           "stream=false", 400, "echo")
         prompts = await self._prompts(req.prompt)
         for _, ids in prompts:
             self._check_length(len(ids), params.max_tokens)
@@ -338,15 +335,24 @@ class OpenAIServer:
             sent_text: dict[tuple[int, int], int] = {}
             sent_toks: dict[tuple[int, int], int] = {}
             completion = 0
-            if req.echo:
-                for i, (text, ids) in enumerate(prompts):
+            echo_len: dict[int, int] = {}  # prompt -> length of its echoed text
+            async for i, out in self._merge(gens):
+                if req.echo and i not in echo_len:
+                    # The prompt goes first, once its prefill is done (its logprobs then
+                    # complete); with max_tokens=0 it is all there is.
+                    if not any(c.token_ids or c.finish_reason for c in out.outputs):
+                        continue
+                    text = prompts[i][0] or self.llm.tokenizer.decode(prompts[i][1])
+                    echo_len[i] = len(text)
+                    lps = self._prompt_logprobs(out) if req.logprobs is not None else None
                     for k in range(n):
                         yield _sse({"id": base, "object": "text_completion", "created": created,
                                     "model": self.model_name, "choices": [{
-                                        "index": i * n + k,
-                                        "text": text or self.llm.tokenizer.decode(ids),
-                                        "logprobs": None, "finish_reason": None}]})
-            async for i, out in self._merge(gens):
+                                        "index": i * n + k, "text": text, "logprobs": lps,
+                                        "finish_reason": "length" if req.prompt_only else None,
+                                        "stop_reason": None}]})
+                if req.prompt_only:
+                    continue  # the one token generated to get there is not part of it
                 for c in out.outputs:
                     key = (i, c.index)
                     done = c.finish_reason is not None
@@ -362,7 +368,8 @@ class OpenAIServer:
                     yield _sse({"id": base, "object": "text_completion", "created": created,
                                 "model": self.model_name, "choices": [{
                                     "index": i * n + c.index, "text": delta,
-                                    "logprobs": self._completion_logprobs(c, k0, t0),
+                                    "logprobs": self._completion_logprobs(
+                                        c, k0, t0 + echo_len.get(i, 0)),
                                     "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason}]})
             if req.stream_options and req.stream_options.include_usage:
