@@ -639,3 +639,48 @@ def test_streaming_echo_with_logprobs_equals_non_streaming(server):
         for key in lps:
             assert lps[key] == pytest.approx(full["logprobs"][key]), key
     wait_idle(server)
+
+
+CAPITALS = [("The capital of France is", [" Paris", " Rome", " Berlin"], 0),
+            ("The capital of Italy is", [" Madrid", " Rome", " Oslo"], 1),
+            ("The capital of Germany is", [" Lisbon", " Vienna", " Berlin"], 2),
+            ("The capital of Spain is", [" Madrid", " Athens", " Dublin"], 0)]
+
+
+@pytest.mark.slow
+def test_lm_eval_harness_runs_unchanged(server, smollm2_dir, tmp_path):
+    """lm-evaluation-harness's local-completions (loglikelihood: multiple choice) and
+    local-chat-completions (generate_until) against the live server, with a local task.
+    Needs the eval extra (pip install -e '.[eval]') and JAXINFER_SLOW_TESTS=1."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    data = tmp_path / "capitals.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n"
+                            for q, c, a in CAPITALS))
+    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n" \
+             "test_split: test\n"
+    (tmp_path / "mc.yaml").write_text(
+        "task: jaxinfer_capitals\n" + common + "output_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: answer\n"
+        "metric_list:\n  - metric: acc\n")
+    (tmp_path / "gen.yaml").write_text(
+        "task: jaxinfer_capitals_gen\n" + common + "output_type: generate_until\n"
+        "doc_to_text: 'Complete: {{question}}'\ndoc_to_target: '{{choices[answer]}}'\n"
+        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n")
+    tasks = TaskManager(include_path=str(tmp_path))
+    url = server.base_url + "/v1"
+    res = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["jaxinfer_capitals"], task_manager=tasks,
+        model_args=f"base_url={url}/completions,model={MODEL},tokenizer={smollm2_dir},"
+                   "num_concurrent=2,max_retries=1,tokenized_requests=True")
+    acc = res["results"]["jaxinfer_capitals"]["acc,none"]
+    assert acc >= 0.75, res["results"]  # a 135M model knows these capitals
+    res = lm_eval.simple_evaluate(
+        model="local-chat-completions", tasks=["jaxinfer_capitals_gen"], task_manager=tasks,
+        apply_chat_template=True,
+        model_args=f"base_url={url}/chat/completions,model={MODEL},max_retries=1")
+    assert "exact_match,none" in res["results"]["jaxinfer_capitals_gen"]
+    assert len(res["samples"]["jaxinfer_capitals_gen"]) == len(CAPITALS)
+    wait_idle(server)
