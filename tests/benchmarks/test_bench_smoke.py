@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENGINE = ["--max-model-len", "64", "--max-num-seqs", "4", "--no-warmup", "--dtype", "float32"]
 
 
+@pytest.mark.slow  # the same engine paths as the throughput smoke test, which CI runs
 def test_latency(tmp_path):
     out = tmp_path / "lat.json"
     assert cli(["bench", "latency", "--input-len", "8", "--output-len", "4", "--batch-size", "2",
