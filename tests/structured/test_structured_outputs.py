@@ -363,3 +363,31 @@ def test_async_scheduling_gives_the_same_structured_outputs(tmp_path, smollm2_di
         finally:
             llm.shutdown()
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+def test_padded_model_vocab_is_masked(backend, smollm2_dir):
+    """A model vocabulary larger than the tokenizer's (padded LM head): ids past the tokenizer
+    are never allowed, even where the grammar allows almost anything."""
+    if backend == "xgrammar":
+        pytest.importorskip("xgrammar")
+    from jaxinfer.config import StructuredOutputsConfig
+    from jaxinfer.structured_output import StructuredOutputManager
+    from jaxinfer.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_dir)
+    vocab = tok.vocab_size + 64
+    manager = StructuredOutputManager(StructuredOutputsConfig(backend=backend),
+                                      lambda: (tok.backend_json(), tok.eos_token_id), vocab)
+    assert manager.width == (vocab + 31) // 32
+
+    class Req:  # what the manager reads of a request
+        structured_backend, eos_token_id = backend, tok.eos_token_id
+
+    req = Req()
+    be = manager.get(backend)
+    req.grammar = be.new_grammar(be.compile(SO(regex="(.|\n)*")))
+    bits = np.unpackbits(manager.grammar_bitmask([req]).view(np.uint8), bitorder="little")
+    assert bits[: tok.vocab_size].sum() > tok.vocab_size // 2  # almost anything
+    assert not bits[tok.vocab_size:].any()  # but no padded id
+    manager.shutdown()
