@@ -124,12 +124,14 @@ def test_n_samples_and_logprobs(server, client):
 
 
 def test_concurrent_streams_equal_their_single_results(server, client):
-    # 20 here (each is also run alone, one after another); 200 streams below.
+    # 20 streams against the same 20 requests non-streamed (greedy: batch-invariant);
+    # 200 streams below.
     prompts = [f"Item {i}: the {w} is" for i, w in
                enumerate(["sky", "sea", "cat", "dog", "sun"] * 4)]
     kw = dict(temperature=0, max_tokens=4, extra_body={"ignore_eos": True})
-    singles = [client.completions.create(model=MODEL, prompt=p, **kw).choices[0].text
-               for p in prompts]
+
+    async def single(aclient, p):
+        return (await aclient.completions.create(model=MODEL, prompt=p, **kw)).choices[0].text
 
     async def one(aclient, p):
         text = ""
@@ -138,12 +140,13 @@ def test_concurrent_streams_equal_their_single_results(server, client):
             text += ch.choices[0].text
         return text
 
-    async def run_all():
+    async def run_all(fn):
         aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none",
                                      max_retries=0, timeout=300)
-        return await asyncio.gather(*(one(aclient, p) for p in prompts))
+        return await asyncio.gather(*(fn(aclient, p) for p in prompts))
 
-    results = asyncio.run(run_all())
+    singles = asyncio.run(run_all(single))  # non-streaming, all at once
+    results = asyncio.run(run_all(one))
     assert results == singles
     wait_idle(server)
 
