@@ -45,10 +45,14 @@ def test_tp_matches_single_device(tmp_path, smollm2_dir, arch, kv_heads):
             assert got["num_preemptions"] > 0  # the same tight cache, with replicated heads
 
 
-def test_smollm2_tp3_runs_and_tp2_is_a_clear_error(smollm2_dir):
+@pytest.mark.slow  # the real model at TP=3 (9 heads); CI covers TP parity on a tiny llama
+def test_smollm2_tp3_runs(smollm2_dir):
     base = run_tp(smollm2_dir, 1, "smollm2")
     three = run_tp(smollm2_dir, 3, "smollm2")
     assert three["tokens"] == base["tokens"] and three["kv_shards"] == 3
+
+
+def test_smollm2_tp2_and_too_many_devices_are_clear_errors(smollm2_dir):
     two = run_tp(smollm2_dir, 2, "smollm2")
     assert "tensor_parallel_size=2 must divide num_attention_heads=9" in two["error"]
     too_many = run_tp(smollm2_dir, 8, "smollm2")
