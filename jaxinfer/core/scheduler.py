@@ -347,9 +347,10 @@ class Scheduler:
         bitmask = self.structured_output_manager.grammar_bitmask(rows)
         return [r.request_id for r in rows], bitmask
 
-    def has_structured_requests(self) -> bool:
-        return self.structured_output_manager is not None and any(
-            r.grammar is not None for r in self.running)
+    def last_step_sampled_grammars(self) -> bool:
+        """Some request with a grammar samples in the step scheduled last: the next step's
+        masks need that step's tokens (async scheduling collects it first)."""
+        return bool(self._structured_rows)
 
     def _advance_grammar(self, request: Request, token: int) -> bool:
         """Feed a sampled token to the request's grammar; True when that ends the request."""

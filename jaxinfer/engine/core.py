@@ -213,7 +213,8 @@ class EngineCore:
     def step_async(self) -> list[EngineCoreOutput]:
         """Pipelined: dispatch the next step, then collect the oldest one in flight (while the
         device already runs the next). Outputs lag one step behind dispatch."""
-        if self._in_flight and self.scheduler.has_structured_requests():
+        # (Between calls at most one step is in flight: the one scheduled last.)
+        if self._in_flight and self.scheduler.last_step_sampled_grammars():
             return self._step_async_structured()
         t0 = time.perf_counter()
         dispatched = False
