@@ -70,6 +70,12 @@ class StructuredOutputsParams:
             fail("grammar must not be empty")
         if isinstance(self.structural_tag, str) and not self.structural_tag.strip():
             fail("structural_tag must not be empty")
+        if kinds[0] not in ("json", "json_object", "structural_tag"):
+            for name in ("disable_any_whitespace", "disable_additional_properties"):
+                if getattr(self, name):
+                    fail(f"{name} applies to JSON constraints only, not to {kinds[0]}")
+            if self.whitespace_pattern is not None:
+                fail(f"whitespace_pattern applies to JSON constraints only, not to {kinds[0]}")
 
     @property
     def kind(self) -> str:

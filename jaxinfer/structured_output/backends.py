@@ -347,6 +347,9 @@ class XgrammarBackend(Backend):
         if params.disable_additional_properties:
             raise _field_error(params, "disable_additional_properties is only supported by "
                                        "the guidance backend")
+        if params.whitespace_pattern is not None:
+            raise _field_error(params, "whitespace_pattern is only supported by the guidance "
+                                       "backend")
         try:
             if kind in ("json", "json_object"):
                 schema = _schema_of(params)

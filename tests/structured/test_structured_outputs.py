@@ -151,6 +151,10 @@ def test_params_and_config_are_validated_by_name():
     with pytest.raises(ValueError, match="choice must be a non-empty list of strings"):
         SO(choice=[])
     assert SO(json='{"type": "integer"}').json == {"type": "integer"}
+    with pytest.raises(ValueError, match="whitespace_pattern applies to JSON constraints only"):
+        SO(regex="a+", whitespace_pattern=" ")
+    with pytest.raises(ValueError, match="disable_any_whitespace applies to JSON constraints"):
+        SO(choice=["a"], disable_any_whitespace=True)
     p = SamplingParams(structured_outputs={"regex": "a+"})
     assert p.structured_outputs == SO(regex="a+")
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['regexp'\]"):
