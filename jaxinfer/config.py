@@ -244,6 +244,68 @@ class StructuredOutputsConfig:
                              f"{self.compile_timeout_s}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+MAX_SPEC_LEN = 32  # as vLLM's rejection sampler
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): a proposer drafts up to
+    `num_speculative_tokens` tokens per running request; the target verifies them all in one
+    step and keeps the longest prefix the rejection sampler accepts, plus one token of its own.
+
+    method "ngram": prompt lookup on the host: the longest suffix of n tokens
+    (prompt_lookup_min <= n <= prompt_lookup_max; both default to 5 as in vLLM, one given sets
+    the other) seen earlier in the request proposes the tokens that followed it."""
+
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+
+    def __post_init__(self):
+        method = self.method
+        if method is None and self.model in ("ngram", "[ngram]"):
+            method = "ngram"
+        if method == "[ngram]":
+            method = "ngram"
+        if method is None:
+            raise ValueError("speculative_config.method is required (one of "
+                             f"{', '.join(SPECULATIVE_METHODS)})")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method={method!r} is not supported; use one "
+                             f"of {', '.join(SPECULATIVE_METHODS)}")
+        if method in ("draft_model", "eagle", "eagle3"):
+            raise ValueError(f"speculative_config.method={method!r} is not implemented in "
+                             "jaxinfer yet (only 'ngram' is)")
+        object.__setattr__(self, "method", method)
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPEC_LEN:
+            raise ValueError("speculative_config.num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPEC_LEN}], got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min={lo} must be <= "
+                             f"prompt_lookup_max={hi}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        if self.model not in (None, "ngram", "[ngram]"):
+            raise ValueError("speculative_config.model is not used by method 'ngram'")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots past the verified tokens the proposer writes (0: n-gram writes none)."""
+        return 0
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything LLMEngine is built from (the user-facing options of LLM(...))."""
@@ -281,8 +343,26 @@ class EngineConfig:
     # Structured outputs (JSON schema, regex, choice, grammar): a StructuredOutputsConfig or a
     # dict of its fields, e.g. {"backend": "xgrammar"}.
     structured_outputs_config: StructuredOutputsConfig | dict | None = None
+    # Speculative decoding: a SpeculativeConfig or a dict of its fields, e.g.
+    # {"method": "ngram", "num_speculative_tokens": 4}. None: off.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
+        spec = self.speculative_config
+        if isinstance(spec, dict):
+            known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+            unknown = sorted(set(spec) - known)
+            if unknown:
+                raise ValueError(f"speculative_config: unknown option(s) {unknown}; "
+                                 f"known: {sorted(known)}")
+            spec = SpeculativeConfig(**spec)
+        elif spec is not None and not isinstance(spec, SpeculativeConfig):
+            raise ValueError("speculative_config must be a SpeculativeConfig or a dict, got "
+                             f"{type(spec).__name__}")
+        object.__setattr__(self, "speculative_config", spec)
+        if spec is not None and self.async_scheduling:
+            raise ValueError("speculative_config cannot be combined with async_scheduling yet: "
+                             "the drafts of a step depend on the tokens it accepts")
         soc = self.structured_outputs_config
         if soc is None:
             soc = StructuredOutputsConfig()

@@ -24,8 +24,17 @@ _BLOCKED = (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING_FOR_REMOTE_KVS)
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 kv_connector=None, structured_output_manager=None):
+                 kv_connector=None, structured_output_manager=None, speculative_config=None):
         self.config = config
+        # Speculative decoding (None: off): drafts arrive via update_draft_token_ids.
+        self.speculative_config = speculative_config
+        self.num_lookahead_tokens = (speculative_config.num_lookahead_tokens
+                                     if speculative_config else 0)
+        k = speculative_config.num_speculative_tokens if speculative_config else 0
+        self.spec_num_drafts = 0  # verify runs (requests with >= 1 draft in a step)
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * k
         # Grammars of structured-output requests (None: structured outputs are refused).
         self.structured_output_manager = structured_output_manager
         # Requests with a grammar that sample a token in the step just scheduled, in order.
@@ -186,7 +195,8 @@ class Scheduler:
                 i += 1
                 continue
             while True:
-                new_blocks = self.kv.allocate_slots(request, n)
+                new_blocks = self.kv.allocate_slots(
+                    request, n, num_lookahead_tokens=self.num_lookahead_tokens)
                 if new_blocks is not None:
                     break
                 victim = self._preempt_one()
@@ -381,9 +391,16 @@ class Scheduler:
             if spec and rid in spec:
                 # The step verified the drafts: it returns the accepted ones plus one token.
                 # Rejected drafts' KV is not computed; the next step recomputes from there.
-                num_rejected = len(spec[rid]) + 1 - len(sampled)
-                request.num_computed_tokens -= num_rejected
+                num_draft = len(spec[rid])
+                num_accepted = len(sampled) - 1
+                request.num_computed_tokens -= num_draft - num_accepted
                 request.spec_token_ids = []
+                self.spec_num_drafts += 1
+                self.spec_num_draft_tokens += num_draft
+                self.spec_num_accepted_tokens += num_accepted
+                per_pos = self.spec_accepted_per_pos
+                for j in range(num_accepted):
+                    per_pos[j] += 1
             if not sampled:
                 # A partial prefill: no output token.
                 if prompt_lps:
@@ -420,6 +437,27 @@ class Scheduler:
                 outputs[k] = dataclasses.replace(outputs[k], kv_transfer_params=params)
         return outputs
 
+    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
+        """Drafts from the proposer for the next step. Only running requests whose tokens are
+        all computed (decoding, not mid-prefill) take them; requests that sample under a
+        grammar or with penalties get none (the verify path does not filter drafts by grammar
+        or count drafts in penalties yet). Drafts are capped so that accepting them all plus
+        the bonus token stays within max_tokens and max_model_len."""
+        requests = self.requests
+        for rid, tokens in drafts.items():
+            request = requests.get(rid)
+            if (request is None or request.status != RequestStatus.RUNNING
+                    or request.grammar is not None
+                    or request.num_computed_tokens != request.num_tokens - 1):
+                continue
+            p = request.sampling_params
+            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+                continue
+            room = min(request.max_tokens - request.num_output_tokens,
+                       self.max_model_len - request.num_tokens) - 1
+            if room > 0:
+                request.spec_token_ids = list(tokens[:room])
+
     def _check_stop(self, request: Request) -> bool:
         """vLLM's order: EOS and stop token ids (past min_tokens) before the length caps, so
         a token that is both the last allowed one and EOS / a stop id finishes with "stop"."""
@@ -451,6 +489,12 @@ class Scheduler:
             "prefix_cache_hits": st.hits,
             "prefix_cache_hit_rate": st.hit_rate,
             "num_preemptions": self.num_preemptions,
+            **({} if self.speculative_config is None else {
+                "spec_decode_num_drafts": self.spec_num_drafts,
+                "spec_decode_num_draft_tokens": self.spec_num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
+            }),
         }
 
     def reset_prefix_cache(self) -> bool:

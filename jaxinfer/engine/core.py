@@ -111,14 +111,18 @@ class EngineCore:
             self.structured_output_manager = StructuredOutputManager(
                 cfg.structured_outputs_config, _tokenizer_source(rc.tokenizer_dir),
                 self.model_config.vocab_size)
-        self.scheduler = Scheduler(sched, kv, structured_output_manager=self.structured_output_manager)
+        spec = cfg.speculative_config
+        self.scheduler = Scheduler(sched, kv, structured_output_manager=self.structured_output_manager,
+                                   speculative_config=spec)
         buckets = BucketTable.build(sched.max_num_batched_tokens, sched.max_num_seqs,
                                     min_tokens=cfg.min_token_bucket, growth=cfg.bucket_growth)
         self.runner = ModelRunner(model, num_kv_blocks=num_blocks, block_size=cache.block_size,
                                   max_model_len=rc.max_model_len,
                                   max_num_seqs=sched.max_num_seqs,
                                   max_num_batched_tokens=sched.max_num_batched_tokens,
-                                  kv_dtype=self.kv_dtype, buckets=buckets)
+                                  kv_dtype=self.kv_dtype, buckets=buckets,
+                                  speculative_config=spec)
+        self.speculative = spec is not None
         if cfg.warmup:
             self.runner.warmup()
         self.async_scheduling = cfg.async_scheduling
@@ -197,6 +201,8 @@ class EngineCore:
         ro = self.runner.collect(handle)
         t2 = time.perf_counter()
         outs = self.scheduler.update_from_output(so, ro)
+        if self.speculative:
+            self.scheduler.update_draft_token_ids(self.runner.take_draft_token_ids())
         if self.step_timings is not None and handle is not None:
             self.step_timings.append(((t1 - t0) + (time.perf_counter() - t2), t2 - t1))
         return self._finish_step(outs, handle is not None)

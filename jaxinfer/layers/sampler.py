@@ -115,3 +115,69 @@ def compute_logprobs(raw_logits, token_ids, num_logprobs: int) -> SamplerOutput:
     top_lp, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
     return SamplerOutput(token_ids=token_ids, logprob=chosen, rank=rank,
                          top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
+
+
+def _expand(md: SamplingMetadata, rows, offsets) -> SamplingMetadata:
+    """Per-request metadata [R] -> per verify position [N]: row rows[f], token index + offsets[f]."""
+    taken = jax.tree.map(lambda x: x[rows], md)
+    return dataclasses.replace(taken, output_index=taken.output_index + offsets)
+
+
+def rejection_sample(logits, drafts, md: SamplingMetadata, verify_req, verify_pos, row_map,
+                     num_drafts):
+    """Speculative decoding's verification, on the flat verify positions of a step.
+
+    logits float32 [N, V]: the target's logits (penalties and grammar mask applied) at each
+      request's 1 + d_i verify positions; position j of request i predicts output token
+      output_index[i] + j and checks draft j (j < d_i).
+    drafts int32 [N]: the draft checked at each position (-1: none, the bonus position).
+    md: per-request metadata [R]; verify_req / verify_pos int32 [N]: each position's request
+      row and j. row_map int32 [R, K+1]: flat index of (i, j) (any index where j > d_i).
+    num_drafts int32 [R].
+
+    Greedy rows accept a draft while it equals the target's argmax. Random rows accept draft d
+    with probability p(d) (the proposer's q is one-hot: min(1, p/q) = p) and on rejection draw
+    from p with d removed (normalised max(p - q, 0)); p is exactly sample_tokens' distribution
+    (temperature, min_p, top_k, top_p). Every draw is keyed by (seed, output index) only, so a
+    seeded request's tokens do not depend on its batch companions, and the token drawn where all
+    drafts pass (the bonus) is the one sample_tokens would draw there.
+
+    Returns (tokens int32 [R, K+1], num_emitted int32 [R]): request i emits
+    tokens[i, :num_emitted[i]] = its accepted drafts, then the target's own token."""
+    fmd = _expand(md, verify_req, verify_pos)
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def random_path(logits, fmd):
+        needs_filter = jnp.any((fmd.temperature > 0) & ((fmd.top_k > 0) | (fmd.top_p < 1.0)
+                                                        | (fmd.min_p > 0.0)))
+
+        def unfiltered(logits, fmd):
+            temp = jnp.where(fmd.temperature > 0, fmd.temperature, 1.0)[:, None]
+            iota = jnp.broadcast_to(jnp.arange(logits.shape[-1], dtype=jnp.int32), logits.shape)
+            return logits / temp, iota
+
+        filtered, order = jax.lax.cond(needs_filter, _filtered_logits, unfiltered, logits, fmd)
+        is_draft = order == drafts[:, None]  # [N, V] (no position when drafts = -1)
+        p_draft = jnp.sum(jnp.where(is_draft, jax.nn.softmax(filtered, axis=-1), 0.0), axis=-1)
+
+        def draws(seed, index):
+            key = jax.random.fold_in(jax.random.key(seed), index)
+            return (jax.random.gumbel(key, (logits.shape[-1],), jnp.float32),
+                    jax.random.uniform(jax.random.fold_in(key, 1), (), jnp.float32))
+
+        noise, u = jax.vmap(draws)(fmd.seeds, fmd.output_index)
+        pick = jnp.argmax(jnp.where(is_draft, _NEG_INF, filtered) + noise, axis=-1)
+        random_ids = jnp.take_along_axis(order, pick[:, None], axis=1)[:, 0]
+        rand = fmd.temperature > 0
+        return (jnp.where(rand, random_ids, greedy_ids),
+                jnp.where(rand, u < p_draft, drafts == greedy_ids))
+
+    tokens, accept = jax.lax.cond(
+        jnp.any(fmd.temperature > 0), random_path,
+        lambda logits, fmd: (greedy_ids, drafts == greedy_ids), logits, fmd)
+    k1 = row_map.shape[1]
+    j = jnp.arange(k1)[None, :]
+    accepted = accept[row_map] & (j < num_drafts[:, None])  # [R, K+1]
+    num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)
+    out = jnp.where(j < num_accepted[:, None], drafts[row_map], tokens[row_map])
+    return out.astype(jnp.int32), (num_accepted + 1).astype(jnp.int32)

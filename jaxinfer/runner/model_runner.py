@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.layers.sampler import (SamplingMetadata, apply_penalties, compute_logprobs,
-                                     sample_tokens)
+                                     rejection_sample, sample_tokens)
 from jaxinfer.outputs import Logprobs, RunnerOutput, SchedulerOutput
 from jaxinfer.runner.buckets import BucketTable
 from jaxinfer.runner.input_batch import InputBatch
@@ -42,6 +42,9 @@ class StepFeatures:
     penalties: bool = False  # some request uses repetition / frequency / presence penalties
     prompt_logprobs: bool = False  # some request wants prompt logprobs from this step
     structured: bool = False  # some request samples under a grammar (a token bitmask)
+    # Speculative decoding is on: the step verifies drafts (rejection sampling over each
+    # request's 1 + d_i verify positions; every step of such an engine uses this variant).
+    spec: bool = False
 
     def __str__(self) -> str:
         on = [f.name for f in dataclasses.fields(self) if getattr(self, f.name)]
@@ -72,6 +75,41 @@ class StepBatch:
     # int32 [R, ceil(V/32)]: bit j of word i set = token 32*i+j allowed (structured outputs;
     # rows without a grammar are all ones).
     bitmask: np.ndarray | None = None
+    # Speculative decoding (StepFeatures.spec), N = min(T, R * (K+1)) verify positions:
+    verify_indices: np.ndarray | None = None  # int32 [N]: token index of each position
+    verify_req: np.ndarray | None = None  # int32 [N]: its sequence row
+    verify_pos: np.ndarray | None = None  # int32 [N]: j, its place in the row's verify run
+    verify_drafts: np.ndarray | None = None  # int32 [N]: the draft it checks (-1: none)
+    row_map: np.ndarray | None = None  # int32 [R, K+1]: flat position of (row, j)
+    num_drafts: np.ndarray | None = None  # int32 [R]
+
+
+def _spec_step(model, hidden, input_ids, counts, prompt_mask, batch: StepBatch,
+               features: StepFeatures):
+    """Logits at every verify position, then rejection sampling. Returns (tokens [R, K+1],
+    num_emitted [R], raw logits [N, V], counts, prompt_mask)."""
+    rows = batch.verify_req
+    raw_logits = model.compute_logits(hidden[batch.verify_indices])  # [N, V] float32
+    if features.structured:
+        raw_logits = apply_token_bitmask(raw_logits, batch.bitmask[rows])
+    logits = raw_logits
+    if features.penalties:  # (requests with penalties get no drafts: only j = 0 is theirs)
+        counts, prompt_mask = _update_penalty_state(counts, prompt_mask, input_ids, batch)
+        slots = batch.req_slots[rows]
+        logits = apply_penalties(logits, counts[slots], prompt_mask[slots],
+                                 jax.tree.map(lambda x: x[rows], batch.sampling))
+    tokens, num_emitted = rejection_sample(logits, batch.verify_drafts, batch.sampling, rows,
+                                           batch.verify_pos, batch.row_map, batch.num_drafts)
+    return tokens, num_emitted, raw_logits, counts, prompt_mask
+
+
+def _update_penalty_state(counts, prompt_mask, input_ids, batch: StepBatch):
+    counts = counts.at[batch.reset_slots].set(0, mode="drop")
+    prompt_mask = prompt_mask.at[batch.reset_slots].set(False, mode="drop")
+    is_out = batch.token_is_output
+    counts = counts.at[batch.token_slots, input_ids].add(is_out.astype(jnp.int32), mode="drop")
+    prompt_mask = prompt_mask.at[batch.token_slots, input_ids].max(~is_out, mode="drop")
+    return counts, prompt_mask
 
 
 def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
@@ -83,6 +121,23 @@ def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
                           jnp.take(last_sampled, batch.token_slots, mode="clip"),
                           batch.input_ids)
     hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attn)
+    if features.spec:
+        tokens, num_emitted, raw_logits, counts, prompt_mask = _spec_step(
+            model, hidden, input_ids, counts, prompt_mask, batch, features)
+        last = jnp.take_along_axis(tokens, (num_emitted - 1)[:, None], axis=1)[:, 0]
+        num_slots = last_sampled.shape[0]
+        rows = jnp.arange(last.shape[0])
+        write_slots = jnp.where(rows < batch.attn.num_seqs[0], batch.req_slots, num_slots)
+        last_sampled = last_sampled.at[write_slots].set(last, mode="drop")
+        out = {"token_ids": tokens, "num_emitted": num_emitted}
+        if features.logprobs:
+            flat = tokens[batch.verify_req, batch.verify_pos]
+            out["logprobs"] = compute_logprobs(raw_logits, flat, MAX_LOGPROBS)
+        if features.prompt_logprobs:
+            out["prompt_logprobs"] = _prompt_logprobs(model, hidden, batch)
+        if model.mesh is not None:
+            out = jax.lax.with_sharding_constraint(out, NamedSharding(model.mesh, P()))
+        return out, kv_caches, (counts, prompt_mask, last_sampled)
     # The LM head and the sampler run on the R sampling rows only, never on all T tokens.
     raw_logits = model.compute_logits(hidden[batch.logits_indices])  # [R, V] float32
     if features.structured:
@@ -91,12 +146,7 @@ def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
         raw_logits = apply_token_bitmask(raw_logits, batch.bitmask)
     logits = raw_logits
     if features.penalties:
-        counts = counts.at[batch.reset_slots].set(0, mode="drop")
-        prompt_mask = prompt_mask.at[batch.reset_slots].set(False, mode="drop")
-        is_out = batch.token_is_output
-        counts = counts.at[batch.token_slots, input_ids].add(is_out.astype(jnp.int32),
-                                                             mode="drop")
-        prompt_mask = prompt_mask.at[batch.token_slots, input_ids].max(~is_out, mode="drop")
+        counts, prompt_mask = _update_penalty_state(counts, prompt_mask, input_ids, batch)
         logits = apply_penalties(logits, counts[batch.req_slots], prompt_mask[batch.req_slots],
                                  batch.sampling)
     token_ids = sample_tokens(logits, batch.sampling)
@@ -111,15 +161,19 @@ def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
     if features.logprobs:
         out["logprobs"] = compute_logprobs(raw_logits, token_ids, MAX_LOGPROBS)
     if features.prompt_logprobs:
-        # Every token's distribution over the next prompt token. [T, V]
-        prompt_lp = jax.nn.log_softmax(model.compute_logits(hidden), axis=-1)
-        chosen = jnp.take_along_axis(prompt_lp, batch.next_token_ids[:, None], axis=1)[:, 0]
-        rank = 1 + jnp.sum(prompt_lp > chosen[:, None], axis=-1).astype(jnp.int32)
-        top_lp, top_ids = jax.lax.top_k(prompt_lp, MAX_LOGPROBS)
-        out["prompt_logprobs"] = (chosen, rank, top_ids.astype(jnp.int32), top_lp)
+        out["prompt_logprobs"] = _prompt_logprobs(model, hidden, batch)
     if model.mesh is not None:  # every process can read the (small) results back
         out = jax.lax.with_sharding_constraint(out, NamedSharding(model.mesh, P()))
     return out, kv_caches, sampler_state
+
+
+def _prompt_logprobs(model, hidden, batch: StepBatch):
+    """Every token's distribution over the next prompt token [T, V] -> chosen, rank, top-k."""
+    prompt_lp = jax.nn.log_softmax(model.compute_logits(hidden), axis=-1)
+    chosen = jnp.take_along_axis(prompt_lp, batch.next_token_ids[:, None], axis=1)[:, 0]
+    rank = 1 + jnp.sum(prompt_lp > chosen[:, None], axis=-1).astype(jnp.int32)
+    top_lp, top_ids = jax.lax.top_k(prompt_lp, MAX_LOGPROBS)
+    return chosen, rank, top_ids.astype(jnp.int32), top_lp
 
 
 def apply_token_bitmask(logits, bitmask):
@@ -131,9 +185,12 @@ def apply_token_bitmask(logits, bitmask):
 
 
 def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
-                     prompt_logprobs: bool = False, bitmask_width: int = 0) -> StepBatch:
-    """Host buffers of an all-padding (T=t, R=r) step."""
+                     prompt_logprobs: bool = False, bitmask_width: int = 0,
+                     num_spec: int = 0) -> StepBatch:
+    """Host buffers of an all-padding (T=t, R=r) step (num_spec: K of speculative decoding,
+    0 = off)."""
     zi = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    n = min(t, r * (num_spec + 1))
     return StepBatch(
         input_ids=zi(t), positions=zi(t),
         attn=AttentionMetadata(slot_mapping=zi(t), block_tables=zi(r, max_blocks),
@@ -151,6 +208,12 @@ def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
         from_last_sampled=np.zeros(t, bool),
         next_token_ids=zi(t) if prompt_logprobs else None,
         bitmask=np.full((r, bitmask_width), -1, np.int32) if bitmask_width else None,
+        verify_indices=zi(n) if num_spec else None,
+        verify_req=zi(n) if num_spec else None,
+        verify_pos=zi(n) if num_spec else None,
+        verify_drafts=np.full(n, -1, np.int32) if num_spec else None,
+        row_map=zi(r, num_spec + 1) if num_spec else None,
+        num_drafts=zi(r) if num_spec else None,
     )
 
 
@@ -162,6 +225,8 @@ def reset_step_batch(batch: StepBatch, num_slots: int) -> None:
     batch.reset_slots.fill(num_slots)
     batch.sampling.top_p.fill(1.0)
     batch.sampling.repetition_penalty.fill(1.0)
+    if batch.verify_drafts is not None:
+        batch.verify_drafts.fill(-1)
 
 
 def fill_step_inputs(batch: StepBatch, token_ids: np.ndarray, block_table: np.ndarray,
@@ -199,10 +264,37 @@ def fill_step_inputs(batch: StepBatch, token_ids: np.ndarray, block_table: np.nd
     return pos
 
 
+def fill_verify_inputs(batch: StepBatch, num_drafts: np.ndarray) -> None:
+    """Speculative steps: the 1 + d_i verify positions of every sequence (the last 1 + d_i
+    tokens of its query: the token sampled last, then its drafts), laid out flat; rows that
+    verify nothing (a prefill chunk) still get one position. Call after fill_step_inputs (it
+    reads the query layout and the input ids, where the drafts are)."""
+    n_req = len(num_drafts)
+    runs = num_drafts + 1
+    n_flat = int(runs.sum())
+    qsl = batch.attn.query_start_loc
+    offsets = np.zeros(n_req + 1, np.int32)
+    np.cumsum(runs, out=offsets[1:])
+    req = np.repeat(np.arange(n_req, dtype=np.int32), runs)
+    j = np.arange(n_flat, dtype=np.int32) - offsets[req]
+    tok = qsl[req + 1] - runs[req] + j  # token index of (row, j)
+    batch.verify_indices[:n_flat] = tok
+    batch.verify_req[:n_flat] = req
+    batch.verify_pos[:n_flat] = j
+    is_draft = j < num_drafts[req]
+    # Position j checks the draft at token j + 1 of the run.
+    batch.verify_drafts[:n_flat] = np.where(is_draft, batch.input_ids[np.minimum(
+        tok + 1, batch.input_ids.shape[0] - 1)], -1)
+    k1 = batch.row_map.shape[1]
+    cols = np.arange(k1)[None, :]
+    batch.row_map[:n_req] = offsets[:n_req, None] + np.minimum(cols, num_drafts[:, None])
+    batch.num_drafts[:n_req] = num_drafts
+
+
 class ModelRunner:
     def __init__(self, model, *, num_kv_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, kv_dtype,
-                 buckets: BucketTable | None = None):
+                 buckets: BucketTable | None = None, speculative_config=None):
         self.model_config = cfg = model.config
         self.mesh = model.mesh
         # Step inputs and sampler state are replicated over the mesh (None: default device).
@@ -221,6 +313,17 @@ class ModelRunner:
             jnp.zeros((max_num_seqs,), jnp.int32, device=self._replicated))
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks)
         self.bitmask_width = (cfg.vocab_size + 31) // 32
+        # Speculative decoding: K drafts at most per request; every step verifies (the spec
+        # variant), and a proposer drafts from the tokens each step leaves.
+        self.num_spec = speculative_config.num_speculative_tokens if speculative_config else 0
+        self.base_features = StepFeatures(spec=self.num_spec > 0)
+        self.proposer = None
+        if speculative_config is not None:
+            from jaxinfer.spec_decode.ngram import NgramProposer
+
+            self.proposer = NgramProposer(speculative_config.prompt_lookup_min,
+                                          speculative_config.prompt_lookup_max, self.num_spec)
+        self._last_sampled_rows: tuple[list[str], np.ndarray] = ([], np.zeros(0, np.int32))
         self._compiled: dict[tuple[int, int, StepFeatures], object] = {}
         # Host step buffers per (T, R, prompt_logprobs, structured), two of each used in turn:
         # a buffer is refilled only after the step that read it has finished.
@@ -244,11 +347,12 @@ class ModelRunner:
         from jax.experimental import multihost_utils
 
         if batch is None:  # stop
-            header = np.array([0, 0, 0, 0, 0, 0, 1], np.int32)
+            header = np.array([0, 0, 0, 0, 0, 0, 0, 1], np.int32)
         else:
             header = np.array([batch.input_ids.shape[0], batch.req_slots.shape[0],
                                features.logprobs, features.penalties,
-                               features.prompt_logprobs, features.structured, 0], np.int32)
+                               features.prompt_logprobs, features.structured, features.spec,
+                               0], np.int32)
         multihost_utils.broadcast_one_to_all(header)
         if batch is not None:
             multihost_utils.broadcast_one_to_all(batch)
@@ -258,11 +362,11 @@ class ModelRunner:
         from jax.experimental import multihost_utils
 
         while True:
-            t, r, lp, pen, plp, st, stop = (
-                int(x) for x in multihost_utils.broadcast_one_to_all(np.zeros(7, np.int32)))
+            t, r, lp, pen, plp, st, sp, stop = (
+                int(x) for x in multihost_utils.broadcast_one_to_all(np.zeros(8, np.int32)))
             if stop:
                 return
-            features = StepFeatures(bool(lp), bool(pen), bool(plp), bool(st))
+            features = StepFeatures(bool(lp), bool(pen), bool(plp), bool(st), bool(sp))
             batch = multihost_utils.broadcast_one_to_all(
                 self._new_buffers(t, r, bool(plp), bool(st)))
             compiled = self._get_compiled(t, r, features)
@@ -277,7 +381,7 @@ class ModelRunner:
     def _new_buffers(self, t: int, r: int, prompt_logprobs: bool,
                      structured: bool = False) -> StepBatch:
         return empty_step_batch(t, r, self.max_blocks, self.max_num_seqs, prompt_logprobs,
-                                self.bitmask_width if structured else 0)
+                                self.bitmask_width if structured else 0, self.num_spec)
 
     def _lower(self, t: int, r: int, features: StepFeatures):
         example = self._to_device(self._new_buffers(t, r, features.prompt_logprobs,
@@ -300,7 +404,7 @@ class ModelRunner:
     def _get_compiled(self, t: int, r: int, features: StepFeatures):
         compiled = self._compiled.get((t, r, features))
         if compiled is None:
-            if features != PLAIN:
+            if features != self.base_features:
                 logger.info("compiling step variant T=%d R=%d %s on first use", t, r, features)
             compiled = self._compile(t, r, features)
         return compiled
@@ -315,11 +419,12 @@ class ModelRunner:
         GIL, so on a 2-core machine start-up takes about half the time."""
         from concurrent.futures import ThreadPoolExecutor
 
-        todo = [(t, r) for t, r in self.buckets.all_pairs() if (t, r, PLAIN) not in self._compiled]
+        base = self.base_features
+        todo = [(t, r) for t, r in self.buckets.all_pairs() if (t, r, base) not in self._compiled]
         n = num_threads or min(os.cpu_count() or 1, 4)
         if n <= 1 or self._multiprocess:
             for t, r in todo:
-                self._compile(t, r)
+                self._compile(t, r, base)
                 if progress:
                     progress(t, r)
             return
@@ -329,11 +434,11 @@ class ModelRunner:
             return lowered.compile(), time.perf_counter() - t0
 
         with ThreadPoolExecutor(n, thread_name_prefix="jaxinfer-compile") as pool:
-            futures = [((t, r), pool.submit(compile_one, self._lower(t, r, PLAIN)))
+            futures = [((t, r), pool.submit(compile_one, self._lower(t, r, base)))
                        for t, r in todo]
             for (t, r), fut in futures:
                 compiled, seconds = fut.result()
-                self._add_compiled((t, r, PLAIN), compiled, seconds)
+                self._add_compiled((t, r, base), compiled, seconds)
                 if progress:
                     progress(t, r)
 
@@ -383,8 +488,19 @@ class ModelRunner:
         structured = grammar is not None
         features = StepFeatures(logprobs=bool(np.any(b.num_logprobs[slots] >= 0)),
                                 penalties=penalties, prompt_logprobs=wants_pl,
-                                structured=structured)
+                                structured=structured, spec=self.num_spec > 0)
         batch = self._buffers(t, r, wants_pl, structured)
+        num_drafts = None
+        if self.num_spec:
+            spec = so.scheduled_spec_decode_tokens
+            num_drafts = np.zeros(n_req, np.int32)
+            if spec:
+                for i, rid in enumerate(req_ids):
+                    drafts = spec.get(rid)
+                    if drafts:
+                        s, n0 = slots[i], b.num_tokens[slots[i]]
+                        b.token_ids[s, n0 : n0 + len(drafts)] = drafts  # tokens to verify
+                        num_drafts[i] = len(drafts)
         if structured:
             grammar_ids, grammar_bitmask = grammar
             row_of = {rid: i for i, rid in enumerate(req_ids)}
@@ -392,6 +508,8 @@ class ModelRunner:
             batch.bitmask[[row_of[rid] for rid in grammar_ids]] = grammar_bitmask
         pos = fill_step_inputs(batch, b.token_ids, b.block_table, slots, computed, q_lens,
                                self.block_size)
+        if num_drafts is not None:
+            fill_verify_inputs(batch, num_drafts)
         tok_slot = batch.token_slots[:n_tok]
         if wants_pl:
             has_next = pos + 1 < b.num_prompt_tokens[tok_slot]
@@ -412,19 +530,18 @@ class ModelRunner:
         batch.from_last_sampled[:n_tok] = ((b.pending[tok_slot] > 0)
                                            & (pos == b.num_tokens[tok_slot] - 1))
         b.num_computed[slots] = computed + q_lens
-        return batch, features, req_ids, slots, computed
+        return batch, features, req_ids, slots, computed, num_drafts
 
     def dispatch(self, so: SchedulerOutput, grammar=None) -> "_InFlightStep | None":
         """Apply the diff, build the inputs and launch the step; does not wait for it. The
         rows that sample a real token count it at once (InputBatch.num_tokens / pending), so
         the next step can be built before this one is collected. None: nothing to run."""
-        if so.scheduled_spec_decode_tokens:
-            raise NotImplementedError("speculative decoding: this runner cannot verify draft "
-                                      "tokens yet")
+        if so.scheduled_spec_decode_tokens and not self.num_spec:
+            raise ValueError("draft tokens were scheduled, but speculative decoding is off")
         self._apply_diff(so)
         if not so.num_scheduled_tokens:
             return None
-        batch, features, req_ids, slots, computed = self._build(so, grammar)
+        batch, features, req_ids, slots, computed, num_drafts = self._build(so, grammar)
         t, r = batch.input_ids.shape[0], batch.req_slots.shape[0]
         compiled = self._get_compiled(t, r, features)
         if self._multiprocess:
@@ -439,7 +556,7 @@ class ModelRunner:
         b.pending[slots] += samples
         return _InFlightStep(out, batch, req_ids, slots, computed, samples, positions,
                              b.num_logprobs[slots], b.num_prompt_logprobs[slots],
-                             b.num_prompt_tokens[slots])
+                             b.num_prompt_tokens[slots], num_drafts)
 
     def collect(self, step: "_InFlightStep | None") -> RunnerOutput:
         """Wait for a dispatched step and read its results back (the one transfer out)."""
@@ -448,17 +565,58 @@ class ModelRunner:
         out = jax.device_get(step.out)
         b = self.batch
         tokens = out["token_ids"]
-        for i, (rid, s) in enumerate(zip(step.req_ids, step.slots)):
-            # The slot may have been freed (finished) or re-used since the dispatch.
-            if step.samples[i] and b.req_id_to_slot.get(rid) == s:
-                n = step.positions[i]
-                if n < b.token_ids.shape[1]:
-                    b.token_ids[s, n] = tokens[i]
-                b.pending[s] -= 1
+        if "num_emitted" in out:
+            self._collect_spec(out, step)
+        else:
+            for i, (rid, s) in enumerate(zip(step.req_ids, step.slots)):
+                # The slot may have been freed (finished) or re-used since the dispatch.
+                if step.samples[i] and b.req_id_to_slot.get(rid) == s:
+                    n = step.positions[i]
+                    if n < b.token_ids.shape[1]:
+                        b.token_ids[s, n] = tokens[i]
+                    b.pending[s] -= 1
         prompt_lps = {}
         if "prompt_logprobs" in out:
             prompt_lps = self._prompt_logprobs(out["prompt_logprobs"], step)
         return self._to_runner_output(out, step, prompt_lps)
+
+    def _collect_spec(self, out, step: "_InFlightStep") -> None:
+        """Write each row's emitted tokens (accepted drafts + one) and roll its computed
+        tokens back by the rejected drafts (their KV is garbage, recomputed later)."""
+        b = self.batch
+        tokens, emitted = out["token_ids"], out["num_emitted"]
+        rows, slots = [], []
+        for i, (rid, s) in enumerate(zip(step.req_ids, step.slots)):
+            if not step.samples[i] or b.req_id_to_slot.get(rid) != s:
+                continue
+            e = int(emitted[i])
+            n = step.positions[i]
+            m = min(e, b.token_ids.shape[1] - n)
+            b.token_ids[s, n : n + m] = tokens[i, :m]
+            b.num_tokens[s] += e - 1
+            b.num_computed[s] -= int(step.num_drafts[i]) - (e - 1)
+            b.pending[s] -= 1
+            rows.append(rid)
+            slots.append(s)
+        self._last_sampled_rows = (rows, np.array(slots, np.int32))
+
+    def take_draft_token_ids(self) -> dict[str, list[int]]:
+        """Drafts for the requests that sampled in the step collected last (speculative
+        decoding; empty when off). The scheduler filters and caps them."""
+        rows, slots = self._last_sampled_rows
+        self._last_sampled_rows = ([], np.zeros(0, np.int32))
+        if self.proposer is None or not rows:
+            return {}
+        b = self.batch
+        # Requests with penalties get no drafts (their counts would have to follow the
+        # drafts); skip the lookup for them.
+        plain = ((b.repetition_penalty[slots] == 1.0) & (b.frequency_penalty[slots] == 0.0)
+                 & (b.presence_penalty[slots] == 0.0))
+        if not plain.all():
+            rows = [r for r, ok in zip(rows, plain) if ok]
+            slots = slots[plain]
+        drafts = self.proposer.propose(b.token_ids, slots, b.num_tokens[slots])
+        return {rid: d for rid, d in zip(rows, drafts) if d}
 
     def execute(self, so: SchedulerOutput, grammar=None) -> RunnerOutput:
         """grammar: (request ids, int32 bitmask [n, ceil(V/32)]) of the rows sampling under a
@@ -491,19 +649,26 @@ class ModelRunner:
     def _to_runner_output(self, out, step: "_InFlightStep", prompt_lps) -> RunnerOutput:
         sampled, logprobs = [], {}
         token_ids = out["token_ids"].tolist()
+        emitted = out.get("num_emitted")
+        row_map = step.batch.row_map
         lp = out.get("logprobs")
         for i, rid in enumerate(step.req_ids):
             if not step.samples[i]:
                 sampled.append(())  # partial prefill: no token
                 continue
-            tok = token_ids[i]
-            sampled.append((tok,))
+            if emitted is None:
+                toks, flat = (token_ids[i],), (i,)
+            else:
+                e = int(emitted[i])
+                toks, flat = tuple(token_ids[i][:e]), row_map[i, :e]
+            sampled.append(toks)
             k = step.num_logprobs[i]
             if k >= 0:
-                logprobs[rid] = (Logprobs(
-                    token_id=tok, logprob=float(lp.logprob[i]), rank=int(lp.rank[i]),
-                    top_ids=tuple(int(x) for x in lp.top_ids[i, :k]),
-                    top_logprobs=tuple(float(x) for x in lp.top_logprobs[i, :k])),)
+                logprobs[rid] = tuple(Logprobs(
+                    token_id=tok, logprob=float(lp.logprob[f]), rank=int(lp.rank[f]),
+                    top_ids=tuple(int(x) for x in lp.top_ids[f, :k]),
+                    top_logprobs=tuple(float(x) for x in lp.top_logprobs[f, :k]))
+                    for tok, f in zip(toks, flat))
         return RunnerOutput(req_ids=tuple(step.req_ids), sampled_token_ids=tuple(sampled),
                             logprobs=logprobs, prompt_logprobs=prompt_lps)
 
@@ -523,3 +688,4 @@ class _InFlightStep:
     num_logprobs: np.ndarray  # int32 [n_req] -1: none wanted
     num_prompt_logprobs: np.ndarray  # int32 [n_req] -1: none wanted
     num_prompt_tokens: np.ndarray  # int32 [n_req]
+    num_drafts: np.ndarray | None = None  # int32 [n_req] drafts verified (spec decoding)
