@@ -55,6 +55,18 @@ class EngineMetrics:
         self.req_gen = Histogram(p + "request_generation_tokens",
                                  "Generated tokens per request.", names, buckets=_TOKEN_BUCKETS,
                                  registry=self.registry).labels(**lbl)
+        # Speculative decoding (vLLM's spec_decode_* names; zero when it is off).
+        self.spec_drafts = Counter(p + "spec_decode_num_drafts", "Verify runs with drafts.",
+                                   names, registry=self.registry).labels(**lbl)
+        self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens",
+                                         "Draft tokens proposed and verified.", names,
+                                         registry=self.registry).labels(**lbl)
+        self.spec_accepted = Counter(p + "spec_decode_num_accepted_tokens",
+                                     "Draft tokens accepted.", names,
+                                     registry=self.registry).labels(**lbl)
+        self.spec_accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted tokens per draft position.",
+                                             names + ["position"], registry=self.registry)
         self._seen: dict[str, tuple[int, float]] = {}  # request -> (tokens so far, last time)
         self._last_stats: dict = {}
 
@@ -98,6 +110,19 @@ class EngineMetrics:
             delta = stats.get(key, 0) - last.get(key, 0)
             if delta > 0:
                 counter.inc(delta)
+        for key, counter in (("spec_decode_num_drafts", self.spec_drafts),
+                             ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
+                             ("spec_decode_num_accepted_tokens", self.spec_accepted)):
+            delta = stats.get(key, 0) - last.get(key, 0)
+            if delta > 0:
+                counter.inc(delta)
+        per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos")
+        if per_pos:
+            before = last.get("spec_decode_num_accepted_tokens_per_pos") or [0] * len(per_pos)
+            for pos, (now, was) in enumerate(zip(per_pos, before)):
+                if now > was:
+                    self.spec_accepted_per_pos.labels(position=str(pos), **self._lbl).inc(
+                        now - was)
         self._last_stats = dict(stats)
 
     def render(self) -> bytes:

@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
     g.add_argument("--async-scheduling", action="store_true",
                     help="dispatch step N+1 before reading step N's tokens (host/device overlap)")
+    g.add_argument("--speculative-config", type=_json_arg, default=None,
+                   help='speculative decoding, as JSON (vLLM\'s names): {"method": "ngram", '
+                        '"num_speculative_tokens": K, "prompt_lookup_min": N, '
+                        '"prompt_lookup_max": N}')
     g.set_defaults(func=_cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks: latency | throughput | serve | roofline")
@@ -118,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help='structured outputs, as JSON: {"backend": "auto" | "guidance" | '
                         '"xgrammar", "disable_any_whitespace": bool, '
                         '"disable_additional_properties": bool, "compile_timeout_s": float}')
+    v.add_argument("--speculative-config", type=_json_arg, default=None,
+                   help='speculative decoding, as JSON (vLLM\'s names): {"method": "ngram", '
+                        '"num_speculative_tokens": K, "prompt_lookup_min": N, '
+                        '"prompt_lookup_max": N}')
     v.set_defaults(func=_cmd_serve)
 
     c = sub.add_parser("convert-gguf", help="convert a Llama-family GGUF into an HF folder")

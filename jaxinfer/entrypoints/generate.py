@@ -22,7 +22,8 @@ def run_generate(args) -> int:
               max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
               seed=args.seed or 0, warmup=not args.no_warmup,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling,
+              speculative_config=args.speculative_config)
     eng = llm.llm_engine
     stats = eng.get_stats()
     print(f"loaded {eng.model_dir} ({eng.model_config.architecture}, {eng.dtype}, attention "

@@ -9,6 +9,8 @@ closely enough for exact greedy identity here)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -238,3 +240,49 @@ def test_ngram_proposer_finds_the_longest_most_recent_match():
     assert out == [[9, 9, 1, 2], [4, 4, 5, 6], [], [8, 7]]
     assert NgramProposer(2, 2, 2).propose(rows, np.array([3, 0]), lengths[[3, 0]]) == \
         [[8, 7], [9, 9]]
+
+
+def test_server_reports_spec_decode_metrics(tiny_dir):
+    """Through the OpenAI server (engine-core process): greedy completions with n-gram
+    speculation equal a plain LLM's, and /metrics carries vLLM's spec_decode_* counters."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from jaxinfer.engine.async_engine import AsyncLLM
+    from tests.helpers import LiveServer
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2}
+    opts = {**OPTS, "enable_multiprocessing": True}
+    live = LiveServer(AsyncLLM(EngineConfig(model=tiny_dir, num_kv_blocks=64,
+                                            speculative_config=spec, **opts)), "tiny")
+    try:
+        prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 85, "temperature": 0,
+                "ignore_eos": True}
+        r = httpx.post(live.base_url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        metrics = httpx.get(live.base_url + "/metrics").text
+        values = {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^jaxinfer:(spec_decode_\w+?)_total\{model_name="tiny"\} (\S+)$', metrics, re.M)}
+        assert values["spec_decode_num_draft_tokens"] > 0
+        assert values["spec_decode_num_drafts"] > 0
+        assert "spec_decode_num_accepted_tokens" in values
+        assert "jaxinfer:spec_decode_num_accepted_tokens_per_pos_total" in metrics
+    finally:
+        live.close()
+    plain = LLM(tiny_dir, num_kv_blocks=64, **OPTS)
+    ref = plain.generate([{"prompt_token_ids": prompt}],
+                         SamplingParams(temperature=0, max_tokens=85, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].text
+    plain.shutdown()
+    assert r.json()["choices"][0]["text"] == ref
+
+
+def test_cli_takes_speculative_config():
+    from jaxinfer.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 4}
+    assert EngineConfig(speculative_config=args.speculative_config).speculative_config.method \
+        == "ngram"

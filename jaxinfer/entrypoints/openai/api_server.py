@@ -687,7 +687,8 @@ def run_server(args) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           attention_backend=args.attention_backend, seed=args.seed,
                           warmup=not args.no_warmup, async_scheduling=args.async_scheduling,
-                          structured_outputs_config=args.structured_outputs_config)
+                          structured_outputs_config=args.structured_outputs_config,
+                          speculative_config=args.speculative_config)
     llm = AsyncLLM(config)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if args.model else "SmolLM2-135M-Instruct")
