@@ -256,7 +256,10 @@ class SpeculativeConfig:
 
     method "ngram": prompt lookup on the host: the longest suffix of n tokens
     (prompt_lookup_min <= n <= prompt_lookup_max; both default to 5 as in vLLM, one given sets
-    the other) seen earlier in the request proposes the tokens that followed it."""
+    the other) seen earlier in the request proposes the tokens that followed it.
+    method "draft_model": `model` is a smaller HF model folder with the target's vocabulary;
+    it runs inside the target's compiled step (its own paged KV cache, the same block ids) and
+    drafts greedily, k single-token steps per step."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
@@ -276,9 +279,9 @@ class SpeculativeConfig:
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method={method!r} is not supported; use one "
                              f"of {', '.join(SPECULATIVE_METHODS)}")
-        if method in ("draft_model", "eagle", "eagle3"):
+        if method in ("eagle", "eagle3"):
             raise ValueError(f"speculative_config.method={method!r} is not implemented in "
-                             "jaxinfer yet (only 'ngram' is)")
+                             "jaxinfer yet (use 'ngram' or 'draft_model')")
         object.__setattr__(self, "method", method)
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPEC_LEN:
@@ -297,13 +300,18 @@ class SpeculativeConfig:
                              f"prompt_lookup_max={hi}")
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
-        if self.model not in (None, "ngram", "[ngram]"):
+        if method == "ngram" and self.model not in (None, "ngram", "[ngram]"):
             raise ValueError("speculative_config.model is not used by method 'ngram'")
+        if method == "draft_model":
+            if not self.model or not os.path.isfile(os.path.join(self.model, "config.json")):
+                raise ValueError("speculative_config.model must be a model folder (with "
+                                 f"config.json) for method 'draft_model', got {self.model!r}")
 
     @property
     def num_lookahead_tokens(self) -> int:
-        """KV slots past the verified tokens the proposer writes (0: n-gram writes none)."""
-        return 0
+        """KV slots past the verified tokens the proposer writes: a draft model writes its KV
+        at the k draft positions; n-gram lookup writes none."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
 @dataclass(frozen=True)
@@ -469,6 +477,15 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
                             enable_chunked_prefill=config.enable_chunked_prefill,
                             long_prefill_token_threshold=config.long_prefill_token_threshold,
                             policy=config.scheduling_policy)
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        dcfg = ModelConfig.from_pretrained(spec.model)
+        if dcfg.vocab_size != mcfg.vocab_size:
+            raise ValueError(f"speculative_config.model has vocab_size={dcfg.vocab_size}, the "
+                             f"target {mcfg.vocab_size}: a draft model must share the vocabulary")
+        if dcfg.max_position_embeddings < max_model_len:
+            raise ValueError(f"speculative_config.model has max_position_embeddings="
+                             f"{dcfg.max_position_embeddings} < max_model_len={max_model_len}")
     tokenizer_dir = None if config.skip_tokenizer_init else (config.tokenizer or model_dir)
     eos = mcfg.eos_token_ids + tuple(t for t in _generation_eos_ids(model_dir)
                                      if t not in mcfg.eos_token_ids)

@@ -317,6 +317,7 @@ class Scheduler:
             return None  # strict FCFS: the head is not skipped
         n = min(n, budget)
         new_blocks = self.kv.allocate_slots(request, n, num_hit, hit_blocks,
+                                            num_lookahead_tokens=self.num_lookahead_tokens,
                                             full_sequence_must_fit=cfg.scheduler_reserve_full_isl)
         if new_blocks is None:
             return None

@@ -89,6 +89,13 @@ class EngineCore:
                                         model_config=rc.model_config, mesh=self.mesh)
         self.model_config = mcfg  # as built (KV heads replicated up to tp where needed)
         self.kv_dtype = jnp_dtype(rc.kv_cache_dtype)
+        spec = cfg.speculative_config
+        self.draft_model = None
+        if spec is not None and spec.method == "draft_model":
+            self.draft_model, _, _ = load_model(spec.model, dtype=rc.dtype,
+                                                load_format=cfg.load_format,
+                                                attention_backend=rc.attention_backend,
+                                                seed=cfg.seed, mesh=self.mesh)
         num_blocks = self._num_kv_blocks()
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
@@ -111,7 +118,6 @@ class EngineCore:
             self.structured_output_manager = StructuredOutputManager(
                 cfg.structured_outputs_config, _tokenizer_source(rc.tokenizer_dir),
                 self.model_config.vocab_size)
-        spec = cfg.speculative_config
         self.scheduler = Scheduler(sched, kv, structured_output_manager=self.structured_output_manager,
                                    speculative_config=spec)
         buckets = BucketTable.build(sched.max_num_batched_tokens, sched.max_num_seqs,
@@ -121,7 +127,7 @@ class EngineCore:
                                   max_num_seqs=sched.max_num_seqs,
                                   max_num_batched_tokens=sched.max_num_batched_tokens,
                                   kv_dtype=self.kv_dtype, buckets=buckets,
-                                  speculative_config=spec)
+                                  speculative_config=spec, draft_model=self.draft_model)
         self.speculative = spec is not None
         if cfg.warmup:
             self.runner.warmup()
@@ -144,6 +150,9 @@ class EngineCore:
     def _num_kv_blocks(self) -> int:
         rc, c = self.resolved, self.resolved.engine
         per_block = kv_cache_bytes_per_block(self.model_config, c.block_size, self.kv_dtype)
+        if self.draft_model is not None:  # its cache has as many blocks, with the same ids
+            per_block += kv_cache_bytes_per_block(self.draft_model.config, c.block_size,
+                                                  self.kv_dtype)
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if c.kv_cache_memory_bytes is not None:

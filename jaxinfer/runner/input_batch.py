@@ -48,6 +48,9 @@ class InputBatch:
         self.num_prompt_tokens[s] = new.num_prompt_tokens
         self.num_computed[s] = new.num_computed_tokens
         self.num_blocks[s] = 0
+        # Entries past the request's blocks point at the null block, never at a block of the
+        # slot's previous request (a draft model's lookahead writes may land there).
+        self.block_table[s] = 0
         self.append_blocks(s, new.block_ids)
         p = new.sampling_params
         self.temperature[s] = p.temperature

@@ -103,6 +103,41 @@ def _spec_step(model, hidden, input_ids, counts, prompt_mask, batch: StepBatch,
     return tokens, num_emitted, raw_logits, counts, prompt_mask
 
 
+def draft_propose(draft, draft_kv, input_ids, batch: StepBatch, last, num_emitted, k: int,
+                  max_model_len: int):
+    """The draft model's part of a speculative step: its KV for every token the target just
+    computed (one forward over the same ragged batch), then k greedy single-token steps from
+    each row's last emitted token, writing its KV at the k lookahead positions the scheduler
+    reserved. Returns (drafts int32 [R, k], draft_kv). Rows that sampled nothing (a prefill
+    chunk) draft garbage the host ignores; writes past max_model_len go to the null block."""
+    md = batch.attn
+    _, draft_kv = draft(input_ids, batch.positions, draft_kv, md)
+    r = last.shape[0]
+    block_size = draft_kv[0][0].shape[1]
+    max_blocks = md.block_tables.shape[1]
+    # Position of each row's last emitted token (its KV is not yet written).
+    pos0 = md.seq_lens - batch.num_drafts + num_emitted - 1
+    real = jnp.arange(r) < md.num_seqs[0]
+    step_md = dict(query_start_loc=jnp.arange(r + 1, dtype=jnp.int32), num_seqs=md.num_seqs,
+                   num_decodes=md.num_seqs, block_tables=md.block_tables)
+
+    def one(j, carry):
+        x, kv, drafts = carry
+        p = pos0 + j
+        ok = real & (p < max_model_len)
+        blk = jnp.take_along_axis(md.block_tables,
+                                  jnp.clip(p // block_size, 0, max_blocks - 1)[:, None], 1)[:, 0]
+        amd = AttentionMetadata(slot_mapping=jnp.where(ok, blk * block_size + p % block_size, 0),
+                                seq_lens=jnp.where(ok, p + 1, 1), **step_md)
+        hidden, kv = draft(x, jnp.where(ok, p, 0), kv, amd)
+        nxt = jnp.argmax(draft.compute_logits(hidden), axis=-1).astype(jnp.int32)
+        return nxt, kv, drafts.at[:, j].set(nxt)
+
+    drafts = jnp.zeros((r, k), jnp.int32)
+    _, draft_kv, drafts = jax.lax.fori_loop(0, k, one, (last, draft_kv, drafts))
+    return drafts, draft_kv
+
+
 def _update_penalty_state(counts, prompt_mask, input_ids, batch: StepBatch):
     counts = counts.at[batch.reset_slots].set(0, mode="drop")
     prompt_mask = prompt_mask.at[batch.reset_slots].set(False, mode="drop")
@@ -113,7 +148,11 @@ def _update_penalty_state(counts, prompt_mask, input_ids, batch: StepBatch):
 
 
 def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
-          features: StepFeatures):
+          features: StepFeatures, draft_graphdef=None, max_model_len: int = 0):
+    draft = None
+    if draft_graphdef is not None:  # state = (target, draft); kv_caches likewise
+        (state, draft_state), (kv_caches, draft_kv) = state, kv_caches
+        draft = nnx.merge(draft_graphdef, draft_state)
     model = nnx.merge(graphdef, state)
     counts, prompt_mask, last_sampled = sampler_state  # [S, V], [S, V], [S]
     # Tokens sampled by the previous step (not yet seen by the host) come from the device.
@@ -135,6 +174,11 @@ def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
             out["logprobs"] = compute_logprobs(raw_logits, flat, MAX_LOGPROBS)
         if features.prompt_logprobs:
             out["prompt_logprobs"] = _prompt_logprobs(model, hidden, batch)
+        if draft is not None:
+            out["drafts"], draft_kv = draft_propose(draft, draft_kv, input_ids, batch, last,
+                                                    num_emitted, tokens.shape[1] - 1,
+                                                    max_model_len)
+            kv_caches = (kv_caches, draft_kv)
         if model.mesh is not None:
             out = jax.lax.with_sharding_constraint(out, NamedSharding(model.mesh, P()))
         return out, kv_caches, (counts, prompt_mask, last_sampled)
@@ -294,7 +338,8 @@ def fill_verify_inputs(batch: StepBatch, num_drafts: np.ndarray) -> None:
 class ModelRunner:
     def __init__(self, model, *, num_kv_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, kv_dtype,
-                 buckets: BucketTable | None = None, speculative_config=None):
+                 buckets: BucketTable | None = None, speculative_config=None,
+                 draft_model=None):
         self.model_config = cfg = model.config
         self.mesh = model.mesh
         # Step inputs and sampler state are replicated over the mesh (None: default device).
@@ -318,7 +363,15 @@ class ModelRunner:
         self.num_spec = speculative_config.num_speculative_tokens if speculative_config else 0
         self.base_features = StepFeatures(spec=self.num_spec > 0)
         self.proposer = None
-        if speculative_config is not None:
+        # A draft model runs inside the step (its own KV cache, the same block ids); its
+        # drafts come back with the sampled tokens.
+        self.draft_graphdef = self.draft_state = self.draft_kv = None
+        self._drafts: np.ndarray | None = None  # [R, K] of the step collected last
+        if draft_model is not None:
+            self.draft_graphdef, self.draft_state = nnx.split(draft_model)
+            self.draft_kv = allocate_kv_caches(draft_model.config, num_kv_blocks, block_size,
+                                               kv_dtype, self.mesh)
+        elif speculative_config is not None:
             from jaxinfer.spec_decode.ngram import NgramProposer
 
             self.proposer = NgramProposer(speculative_config.prompt_lookup_min,
@@ -370,8 +423,9 @@ class ModelRunner:
             batch = multihost_utils.broadcast_one_to_all(
                 self._new_buffers(t, r, bool(plp), bool(st)))
             compiled = self._get_compiled(t, r, features)
-            _, self.kv_caches, self.sampler_state = compiled(
-                self.state, self.kv_caches, self.sampler_state, self._to_device(batch))
+            _, kv, self.sampler_state = compiled(
+                self._params(), self._kv(), self.sampler_state, self._to_device(batch))
+            self._set_kv(kv)
 
     def stop_remote_steps(self) -> None:
         if self._multiprocess and jax.process_index() == 0:
@@ -386,9 +440,23 @@ class ModelRunner:
     def _lower(self, t: int, r: int, features: StepFeatures):
         example = self._to_device(self._new_buffers(t, r, features.prompt_logprobs,
                                                     features.structured))
-        jitted = jax.jit(partial(_step, self.graphdef, features=features),
+        jitted = jax.jit(partial(_step, self.graphdef, features=features,
+                                 draft_graphdef=self.draft_graphdef,
+                                 max_model_len=self.max_model_len),
                          donate_argnums=(1, 2))
-        return jitted.lower(self.state, self.kv_caches, self.sampler_state, example)
+        return jitted.lower(self._params(), self._kv(), self.sampler_state, example)
+
+    def _params(self):
+        return self.state if self.draft_graphdef is None else (self.state, self.draft_state)
+
+    def _kv(self):
+        return self.kv_caches if self.draft_graphdef is None else (self.kv_caches, self.draft_kv)
+
+    def _set_kv(self, kv) -> None:
+        if self.draft_graphdef is None:
+            self.kv_caches = kv
+        else:
+            self.kv_caches, self.draft_kv = kv
 
     def _compile(self, t: int, r: int, features: StepFeatures = PLAIN):
         t0 = time.perf_counter()
@@ -547,8 +615,9 @@ class ModelRunner:
         if self._multiprocess:
             self._broadcast_step(batch, features)
         device_batch = self._to_device(batch)  # the one transfer in
-        out, self.kv_caches, self.sampler_state = compiled(self.state, self.kv_caches,
-                                                           self.sampler_state, device_batch)
+        out, kv, self.sampler_state = compiled(self._params(), self._kv(), self.sampler_state,
+                                               device_batch)
+        self._set_kv(kv)
         b = self.batch
         samples = b.num_computed[slots] >= b.num_tokens[slots]  # else a partial prefill
         positions = b.num_tokens[slots].copy()  # where each sampled token goes
@@ -599,12 +668,18 @@ class ModelRunner:
             rows.append(rid)
             slots.append(s)
         self._last_sampled_rows = (rows, np.array(slots, np.int32))
+        if "drafts" in out:
+            index = {rid: i for i, rid in enumerate(step.req_ids)}
+            self._drafts = out["drafts"][[index[r] for r in rows]]
 
     def take_draft_token_ids(self) -> dict[str, list[int]]:
         """Drafts for the requests that sampled in the step collected last (speculative
         decoding; empty when off). The scheduler filters and caps them."""
         rows, slots = self._last_sampled_rows
         self._last_sampled_rows = ([], np.zeros(0, np.int32))
+        if self._drafts is not None:  # from the draft model, in the step itself
+            drafts, self._drafts = self._drafts, None
+            return {rid: d.tolist() for rid, d in zip(rows, drafts)}
         if self.proposer is None or not rows:
             return {}
         b = self.batch

@@ -72,6 +72,15 @@ def _run(llm, prompts, params):
 
 
 @pytest.fixture(scope="module")
+def other_dir(tmp_path_factory, smollm2_dir):
+    """Another random model with the same vocabulary (a draft that is almost always wrong)."""
+    path = tmp_path_factory.mktemp("tiny-draft")
+    make_tiny_model_dir(path, "qwen2", smollm2_dir, sharpen=2.0, hidden_size=32,
+                        num_hidden_layers=1)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
 def reference(tiny_dir):
     prompts, params = _workload()
     llm = LLM(tiny_dir, num_kv_blocks=15, **OPTS)
@@ -85,15 +94,19 @@ def reference(tiny_dir):
     return ref, lps, sequences
 
 
-@pytest.mark.parametrize("proposer,k", [("oracle", 5), pytest.param("oracle", 1, marks=pytest.mark.slow),
-                                        ("wrong", 3), ("ngram", 2)])
-def test_greedy_is_token_identical(tiny_dir, reference, proposer, k):
+@pytest.mark.parametrize("proposer,k", [
+    ("oracle", 5), pytest.param("oracle", 1, marks=pytest.mark.slow), ("wrong", 3),
+    ("ngram", 2), ("draft-self", 3), ("draft-other", 2)])
+def test_greedy_is_token_identical(tiny_dir, other_dir, reference, proposer, k):
     ref, ref_lps, sequences = reference
     prompts, params = _workload()
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3}
+    if proposer.startswith("draft"):
+        spec = {"method": "draft_model", "num_speculative_tokens": k,
+                "model": tiny_dir if proposer == "draft-self" else other_dir}
     llm = LLM(tiny_dir, num_kv_blocks=15, speculative_config=spec, **OPTS)
-    if proposer != "ngram":
+    if proposer in ("oracle", "wrong"):
         _core(llm).runner.proposer = _Oracle(sequences, k, wrong=proposer == "wrong")
     outs = llm.generate(prompts, params, use_tqdm=False)
     got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
@@ -109,11 +122,13 @@ def test_greedy_is_token_identical(tiny_dir, reference, proposer, k):
     assert drafted > 0 and stats["num_preemptions"] > 0
     per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
     assert len(per_pos) == k and sum(per_pos) == accepted
-    if proposer == "oracle":
+    if proposer in ("oracle", "draft-self"):
         assert accepted == drafted  # every draft right
         assert stats["spec_decode_num_drafts"] < sum(len(r[0]) for r in ref)  # fewer steps
     elif proposer == "wrong":
         assert accepted == 0
+    elif proposer == "draft-other":
+        assert accepted < 0.2 * drafted
     else:  # (a random model's text gives n-gram lookup little to go on)
         assert accepted <= drafted
     assert_no_leaks(llm)
