@@ -259,7 +259,9 @@ class SpeculativeConfig:
     the other) seen earlier in the request proposes the tokens that followed it.
     method "draft_model": `model` is a smaller HF model folder with the target's vocabulary;
     it runs inside the target's compiled step (its own paged KV cache, the same block ids) and
-    drafts greedily, k single-token steps per step."""
+    drafts greedily, k single-token steps per step.
+    method "eagle" / "eagle3": `model` is an EAGLE / EAGLE-3 head (HF EAGLE checkpoint layout,
+    jaxinfer/spec_decode/eagle.py), run inside the target's step on its hidden states."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
@@ -279,9 +281,6 @@ class SpeculativeConfig:
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method={method!r} is not supported; use one "
                              f"of {', '.join(SPECULATIVE_METHODS)}")
-        if method in ("eagle", "eagle3"):
-            raise ValueError(f"speculative_config.method={method!r} is not implemented in "
-                             "jaxinfer yet (use 'ngram' or 'draft_model')")
         object.__setattr__(self, "method", method)
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPEC_LEN:
@@ -302,16 +301,16 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_max", hi)
         if method == "ngram" and self.model not in (None, "ngram", "[ngram]"):
             raise ValueError("speculative_config.model is not used by method 'ngram'")
-        if method == "draft_model":
+        if method in ("draft_model", "eagle", "eagle3"):
             if not self.model or not os.path.isfile(os.path.join(self.model, "config.json")):
                 raise ValueError("speculative_config.model must be a model folder (with "
-                                 f"config.json) for method 'draft_model', got {self.model!r}")
+                                 f"config.json) for method {method!r}, got {self.model!r}")
 
     @property
     def num_lookahead_tokens(self) -> int:
         """KV slots past the verified tokens the proposer writes: a draft model writes its KV
         at the k draft positions; n-gram lookup writes none."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
+        return 0 if self.method == "ngram" else self.num_speculative_tokens
 
 
 @dataclass(frozen=True)
@@ -478,6 +477,9 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
                             long_prefill_token_threshold=config.long_prefill_token_threshold,
                             policy=config.scheduling_policy)
     spec = config.speculative_config
+    if spec is not None and spec.method in ("eagle", "eagle3") and config.tensor_parallel_size > 1:
+        raise ValueError(f"speculative_config.method={spec.method!r} does not support "
+                         "tensor_parallel_size > 1 yet")
     if spec is not None and spec.method == "draft_model":
         dcfg = ModelConfig.from_pretrained(spec.model)
         if dcfg.vocab_size != mcfg.vocab_size:

@@ -31,6 +31,8 @@ class Scheduler:
         self.num_lookahead_tokens = (speculative_config.num_lookahead_tokens
                                      if speculative_config else 0)
         k = speculative_config.num_speculative_tokens if speculative_config else 0
+        self._eagle = speculative_config is not None and speculative_config.method in (
+            "eagle", "eagle3")
         self.spec_num_drafts = 0  # verify runs (requests with >= 1 draft in a step)
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
@@ -310,6 +312,12 @@ class Scheduler:
         hit_blocks, num_hit = [], 0
         if request.num_computed_tokens == 0:
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            if hit_blocks and self._eagle:
+                # An EAGLE head's KV at a block's last position read the token after it, which
+                # may differ for this request: recompute the last hit block (vLLM does too).
+                hit_blocks = hit_blocks[:-1]
+                num_hit = len(hit_blocks) * self.kv.block_size
+                self.kv.prefix_cache_stats.hits -= self.kv.block_size
         n = request.num_tokens - num_hit
         if 0 < threshold < n:
             n = threshold

@@ -90,12 +90,18 @@ class EngineCore:
         self.model_config = mcfg  # as built (KV heads replicated up to tp where needed)
         self.kv_dtype = jnp_dtype(rc.kv_cache_dtype)
         spec = cfg.speculative_config
-        self.draft_model = None
+        self.draft_model = eagle_head = None
+        if spec is not None and spec.method in ("eagle", "eagle3"):
+            from jaxinfer.spec_decode.eagle import load_eagle_head
+
+            eagle_head = load_eagle_head(spec.model, spec.method, mcfg, dtype=rc.dtype,
+                                         attention_backend=rc.attention_backend)
         if spec is not None and spec.method == "draft_model":
             self.draft_model, _, _ = load_model(spec.model, dtype=rc.dtype,
                                                 load_format=cfg.load_format,
                                                 attention_backend=rc.attention_backend,
                                                 seed=cfg.seed, mesh=self.mesh)
+        self._eagle_head = eagle_head
         num_blocks = self._num_kv_blocks()
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
@@ -127,7 +133,8 @@ class EngineCore:
                                   max_num_seqs=sched.max_num_seqs,
                                   max_num_batched_tokens=sched.max_num_batched_tokens,
                                   kv_dtype=self.kv_dtype, buckets=buckets,
-                                  speculative_config=spec, draft_model=self.draft_model)
+                                  speculative_config=spec, draft_model=self.draft_model,
+                                  eagle_head=eagle_head)
         self.speculative = spec is not None
         if cfg.warmup:
             self.runner.warmup()
@@ -153,6 +160,13 @@ class EngineCore:
         if self.draft_model is not None:  # its cache has as many blocks, with the same ids
             per_block += kv_cache_bytes_per_block(self.draft_model.config, c.block_size,
                                                   self.kv_dtype)
+        if self._eagle_head is not None:
+            import dataclasses
+
+            head = self._eagle_head
+            per_block += kv_cache_bytes_per_block(
+                dataclasses.replace(head.config, num_hidden_layers=head.num_kv_layers),
+                c.block_size, self.kv_dtype)
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if c.kv_cache_memory_bytes is not None:

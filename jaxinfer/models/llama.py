@@ -107,17 +107,24 @@ class LlamaForCausalLM(nnx.Module):
                                   rngs=rngs)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[KVCache],
-                 md: AttentionMetadata) -> tuple[jax.Array, list[KVCache]]:
-        """input_ids, positions: int32 [T] -> hidden states [T, H], updated kv_caches."""
+                 md: AttentionMetadata, aux_layers: tuple[int, ...] = ()):
+        """input_ids, positions: int32 [T] -> hidden states [T, H], updated kv_caches; with
+        aux_layers also the residual stream entering each of those layers, concatenated
+        [T, len(aux_layers) * H] (EAGLE-3 drafts from it)."""
         x = self.model.embed_tokens(input_ids)
         cfg = self.config
         # A trace-time numpy constant [D/2]: no state to load, folded into the compiled step.
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv_freq)
-        new_caches = []
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        new_caches, aux = [], {}
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            if i in aux_layers:
+                aux[i] = x
             x, kv_cache = layer(x, cos, sin, kv_cache, md)
             new_caches.append(kv_cache)
+        if aux_layers:
+            return (self.model.norm(x), new_caches,
+                    jnp.concatenate([aux[i] for i in aux_layers], axis=-1))
         return self.model.norm(x), new_caches
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:

@@ -45,6 +45,9 @@ class StepFeatures:
     # Speculative decoding is on: the step verifies drafts (rejection sampling over each
     # request's 1 + d_i verify positions; every step of such an engine uses this variant).
     spec: bool = False
+    # (spec) some row verifies drafts: N = min(T, R * (K+1)) verify positions; else N = R,
+    # so a step without drafts computes the LM head on R rows only, as a plain step does.
+    verify: bool = False
 
     def __str__(self) -> str:
         on = [f.name for f in dataclasses.fields(self) if getattr(self, f.name)]
@@ -82,6 +85,10 @@ class StepBatch:
     verify_drafts: np.ndarray | None = None  # int32 [N]: the draft it checks (-1: none)
     row_map: np.ndarray | None = None  # int32 [R, K+1]: flat position of (row, j)
     num_drafts: np.ndarray | None = None  # int32 [R]
+    # EAGLE: the token after each token where the host knows it (prompt, drafts; 0 else: the
+    # device patches in each sampling row's last emitted token), and which rows sample.
+    draft_input_ids: np.ndarray | None = None  # int32 [T]
+    sample_rows: np.ndarray | None = None  # bool [R]
 
 
 def _spec_step(model, hidden, input_ids, counts, prompt_mask, batch: StepBatch,
@@ -114,28 +121,69 @@ def draft_propose(draft, draft_kv, input_ids, batch: StepBatch, last, num_emitte
     _, draft_kv = draft(input_ids, batch.positions, draft_kv, md)
     r = last.shape[0]
     block_size = draft_kv[0][0].shape[1]
-    max_blocks = md.block_tables.shape[1]
     # Position of each row's last emitted token (its KV is not yet written).
     pos0 = md.seq_lens - batch.num_drafts + num_emitted - 1
     real = jnp.arange(r) < md.num_seqs[0]
-    step_md = dict(query_start_loc=jnp.arange(r + 1, dtype=jnp.int32), num_seqs=md.num_seqs,
-                   num_decodes=md.num_seqs, block_tables=md.block_tables)
 
     def one(j, carry):
         x, kv, drafts = carry
         p = pos0 + j
         ok = real & (p < max_model_len)
-        blk = jnp.take_along_axis(md.block_tables,
-                                  jnp.clip(p // block_size, 0, max_blocks - 1)[:, None], 1)[:, 0]
-        amd = AttentionMetadata(slot_mapping=jnp.where(ok, blk * block_size + p % block_size, 0),
-                                seq_lens=jnp.where(ok, p + 1, 1), **step_md)
-        hidden, kv = draft(x, jnp.where(ok, p, 0), kv, amd)
+        hidden, kv = draft(x, jnp.where(ok, p, 0), kv, _lookahead_md(md, p, ok, block_size))
         nxt = jnp.argmax(draft.compute_logits(hidden), axis=-1).astype(jnp.int32)
         return nxt, kv, drafts.at[:, j].set(nxt)
 
     drafts = jnp.zeros((r, k), jnp.int32)
     _, draft_kv, drafts = jax.lax.fori_loop(0, k, one, (last, draft_kv, drafts))
     return drafts, draft_kv
+
+
+def _lookahead_md(md: AttentionMetadata, p, ok, block_size: int) -> AttentionMetadata:
+    """One query token per row at positions p (rows not ok: no write, no real context)."""
+    r = p.shape[0]
+    max_blocks = md.block_tables.shape[1]
+    blk = jnp.take_along_axis(md.block_tables,
+                              jnp.clip(p // block_size, 0, max_blocks - 1)[:, None], 1)[:, 0]
+    return AttentionMetadata(slot_mapping=jnp.where(ok, blk * block_size + p % block_size, 0),
+                             seq_lens=jnp.where(ok, p + 1, 1), block_tables=md.block_tables,
+                             query_start_loc=jnp.arange(r + 1, dtype=jnp.int32),
+                             num_seqs=md.num_seqs, num_decodes=md.num_seqs)
+
+
+def eagle_propose(head, target, head_kv, target_hidden, batch: StepBatch, last, num_emitted,
+                  k: int, max_model_len: int):
+    """EAGLE's part of a speculative step. At each token's position the head reads the next
+    token (batch.draft_input_ids; each sampling row's last accepted position gets the token
+    just emitted) with the target's hidden state there: one pass over the whole step writes
+    its KV and drafts the first token from each row's last accepted position; k - 1
+    single-token passes continue from there on the head's own hidden state."""
+    md = batch.attn
+    r = last.shape[0]
+    t = batch.input_ids.shape[0]
+    block_size = head_kv[0][0].shape[1]
+    qsl = md.query_start_loc
+    # The token index of each row's last accepted position (its run start + accepted).
+    at = qsl[1:] - 1 - batch.num_drafts + num_emitted - 1
+    real = (jnp.arange(r) < md.num_seqs[0]) & batch.sample_rows
+    ids = batch.draft_input_ids.at[jnp.where(real, at, t)].set(last, mode="drop")
+    logit_h, next_h, head_kv = head(ids, batch.positions, head.combine(target_hidden), head_kv,
+                                    md, target)
+    at = jnp.clip(at, 0, t - 1)
+    first = head.draft_ids(logit_h[at], target)
+    pos = batch.positions[at]  # where each row's first draft is predicted from
+
+    def one(j, carry):
+        x, h, kv, drafts = carry
+        p = pos + j
+        ok = real & (p < max_model_len)
+        lh, h, kv = head(x, jnp.where(ok, p, 0), h, kv, _lookahead_md(md, p, ok, block_size),
+                         target)
+        nxt = head.draft_ids(lh, target)
+        return nxt, h, kv, drafts.at[:, j].set(nxt)
+
+    drafts = jnp.zeros((r, k), jnp.int32).at[:, 0].set(first)
+    _, _, head_kv, drafts = jax.lax.fori_loop(1, k, one, (first, next_h[at], head_kv, drafts))
+    return drafts, head_kv
 
 
 def _update_penalty_state(counts, prompt_mask, input_ids, batch: StepBatch):
@@ -148,7 +196,8 @@ def _update_penalty_state(counts, prompt_mask, input_ids, batch: StepBatch):
 
 
 def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
-          features: StepFeatures, draft_graphdef=None, max_model_len: int = 0):
+          features: StepFeatures, draft_graphdef=None, draft_kind: str = "",
+          max_model_len: int = 0):
     draft = None
     if draft_graphdef is not None:  # state = (target, draft); kv_caches likewise
         (state, draft_state), (kv_caches, draft_kv) = state, kv_caches
@@ -159,7 +208,13 @@ def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
     input_ids = jnp.where(batch.from_last_sampled,
                           jnp.take(last_sampled, batch.token_slots, mode="clip"),
                           batch.input_ids)
-    hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attn)
+    eagle = draft if draft_kind == "eagle" else None
+    if eagle is not None and eagle.aux_layers:
+        hidden, kv_caches, target_hidden = model(input_ids, batch.positions, kv_caches,
+                                                 batch.attn, aux_layers=eagle.aux_layers)
+    else:
+        hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attn)
+        target_hidden = hidden
     if features.spec:
         tokens, num_emitted, raw_logits, counts, prompt_mask = _spec_step(
             model, hidden, input_ids, counts, prompt_mask, batch, features)
@@ -174,7 +229,12 @@ def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
             out["logprobs"] = compute_logprobs(raw_logits, flat, MAX_LOGPROBS)
         if features.prompt_logprobs:
             out["prompt_logprobs"] = _prompt_logprobs(model, hidden, batch)
-        if draft is not None:
+        if eagle is not None:
+            out["drafts"], draft_kv = eagle_propose(eagle, model, draft_kv, target_hidden,
+                                                    batch, last, num_emitted,
+                                                    tokens.shape[1] - 1, max_model_len)
+            kv_caches = (kv_caches, draft_kv)
+        elif draft is not None:
             out["drafts"], draft_kv = draft_propose(draft, draft_kv, input_ids, batch, last,
                                                     num_emitted, tokens.shape[1] - 1,
                                                     max_model_len)
@@ -230,11 +290,11 @@ def apply_token_bitmask(logits, bitmask):
 
 def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
                      prompt_logprobs: bool = False, bitmask_width: int = 0,
-                     num_spec: int = 0) -> StepBatch:
+                     num_spec: int = 0, verify: bool = False) -> StepBatch:
     """Host buffers of an all-padding (T=t, R=r) step (num_spec: K of speculative decoding,
-    0 = off)."""
+    0 = off; verify: room for drafts)."""
     zi = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-    n = min(t, r * (num_spec + 1))
+    n = min(t, r * (num_spec + 1)) if verify else r
     return StepBatch(
         input_ids=zi(t), positions=zi(t),
         attn=AttentionMetadata(slot_mapping=zi(t), block_tables=zi(r, max_blocks),
@@ -258,6 +318,8 @@ def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
         verify_drafts=np.full(n, -1, np.int32) if num_spec else None,
         row_map=zi(r, num_spec + 1) if num_spec else None,
         num_drafts=zi(r) if num_spec else None,
+        draft_input_ids=zi(t) if num_spec else None,
+        sample_rows=np.zeros(r, bool) if num_spec else None,
     )
 
 
@@ -339,7 +401,7 @@ class ModelRunner:
     def __init__(self, model, *, num_kv_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, kv_dtype,
                  buckets: BucketTable | None = None, speculative_config=None,
-                 draft_model=None):
+                 draft_model=None, eagle_head=None):
         self.model_config = cfg = model.config
         self.mesh = model.mesh
         # Step inputs and sampler state are replicated over the mesh (None: default device).
@@ -366,11 +428,19 @@ class ModelRunner:
         # A draft model runs inside the step (its own KV cache, the same block ids); its
         # drafts come back with the sampled tokens.
         self.draft_graphdef = self.draft_state = self.draft_kv = None
+        self.draft_kind = ""
         self._drafts: np.ndarray | None = None  # [R, K] of the step collected last
         if draft_model is not None:
+            self.draft_kind = "model"
             self.draft_graphdef, self.draft_state = nnx.split(draft_model)
             self.draft_kv = allocate_kv_caches(draft_model.config, num_kv_blocks, block_size,
                                                kv_dtype, self.mesh)
+        elif eagle_head is not None:  # an EAGLE head: the same, reading the target's states
+            self.draft_kind = "eagle"
+            self.draft_graphdef, self.draft_state = nnx.split(eagle_head)
+            self.draft_kv = allocate_kv_caches(
+                dataclasses.replace(eagle_head.config, num_hidden_layers=eagle_head.num_kv_layers),
+                num_kv_blocks, block_size, kv_dtype, self.mesh)
         elif speculative_config is not None:
             from jaxinfer.spec_decode.ngram import NgramProposer
 
@@ -400,12 +470,12 @@ class ModelRunner:
         from jax.experimental import multihost_utils
 
         if batch is None:  # stop
-            header = np.array([0, 0, 0, 0, 0, 0, 0, 1], np.int32)
+            header = np.array([0, 0, 0, 0, 0, 0, 0, 0, 1], np.int32)
         else:
             header = np.array([batch.input_ids.shape[0], batch.req_slots.shape[0],
                                features.logprobs, features.penalties,
                                features.prompt_logprobs, features.structured, features.spec,
-                               0], np.int32)
+                               features.verify, 0], np.int32)
         multihost_utils.broadcast_one_to_all(header)
         if batch is not None:
             multihost_utils.broadcast_one_to_all(batch)
@@ -415,13 +485,14 @@ class ModelRunner:
         from jax.experimental import multihost_utils
 
         while True:
-            t, r, lp, pen, plp, st, sp, stop = (
-                int(x) for x in multihost_utils.broadcast_one_to_all(np.zeros(8, np.int32)))
+            t, r, lp, pen, plp, st, sp, vf, stop = (
+                int(x) for x in multihost_utils.broadcast_one_to_all(np.zeros(9, np.int32)))
             if stop:
                 return
-            features = StepFeatures(bool(lp), bool(pen), bool(plp), bool(st), bool(sp))
+            features = StepFeatures(bool(lp), bool(pen), bool(plp), bool(st), bool(sp),
+                                    bool(vf))
             batch = multihost_utils.broadcast_one_to_all(
-                self._new_buffers(t, r, bool(plp), bool(st)))
+                self._new_buffers(t, r, bool(plp), bool(st), bool(vf)))
             compiled = self._get_compiled(t, r, features)
             _, kv, self.sampler_state = compiled(
                 self._params(), self._kv(), self.sampler_state, self._to_device(batch))
@@ -433,16 +504,16 @@ class ModelRunner:
 
     # -- compilation ----------------------------------------------------------------------------
     def _new_buffers(self, t: int, r: int, prompt_logprobs: bool,
-                     structured: bool = False) -> StepBatch:
+                     structured: bool = False, verify: bool = False) -> StepBatch:
         return empty_step_batch(t, r, self.max_blocks, self.max_num_seqs, prompt_logprobs,
-                                self.bitmask_width if structured else 0, self.num_spec)
+                                self.bitmask_width if structured else 0, self.num_spec, verify)
 
     def _lower(self, t: int, r: int, features: StepFeatures):
         example = self._to_device(self._new_buffers(t, r, features.prompt_logprobs,
-                                                    features.structured))
+                                                    features.structured, features.verify))
         jitted = jax.jit(partial(_step, self.graphdef, features=features,
                                  draft_graphdef=self.draft_graphdef,
-                                 max_model_len=self.max_model_len),
+                                 draft_kind=self.draft_kind, max_model_len=self.max_model_len),
                          donate_argnums=(1, 2))
         return jitted.lower(self._params(), self._kv(), self.sampler_state, example)
 
@@ -472,7 +543,7 @@ class ModelRunner:
     def _get_compiled(self, t: int, r: int, features: StepFeatures):
         compiled = self._compiled.get((t, r, features))
         if compiled is None:
-            if features != self.base_features:
+            if dataclasses.replace(features, verify=False) != self.base_features:
                 logger.info("compiling step variant T=%d R=%d %s on first use", t, r, features)
             compiled = self._compile(t, r, features)
         return compiled
@@ -487,12 +558,15 @@ class ModelRunner:
         GIL, so on a 2-core machine start-up takes about half the time."""
         from concurrent.futures import ThreadPoolExecutor
 
-        base = self.base_features
-        todo = [(t, r) for t, r in self.buckets.all_pairs() if (t, r, base) not in self._compiled]
+        bases = [self.base_features]
+        if self.num_spec:  # steps with drafts to verify, and steps without
+            bases.append(dataclasses.replace(self.base_features, verify=True))
+        todo = [(t, r, f) for f in bases for t, r in self.buckets.all_pairs()
+                if (t, r, f) not in self._compiled]
         n = num_threads or min(os.cpu_count() or 1, 4)
         if n <= 1 or self._multiprocess:
-            for t, r in todo:
-                self._compile(t, r, base)
+            for t, r, f in todo:
+                self._compile(t, r, f)
                 if progress:
                     progress(t, r)
             return
@@ -502,11 +576,11 @@ class ModelRunner:
             return lowered.compile(), time.perf_counter() - t0
 
         with ThreadPoolExecutor(n, thread_name_prefix="jaxinfer-compile") as pool:
-            futures = [((t, r), pool.submit(compile_one, self._lower(t, r, base)))
-                       for t, r in todo]
-            for (t, r), fut in futures:
+            futures = [((t, r, f), pool.submit(compile_one, self._lower(t, r, f)))
+                       for t, r, f in todo]
+            for (t, r, f), fut in futures:
                 compiled, seconds = fut.result()
-                self._add_compiled((t, r, base), compiled, seconds)
+                self._add_compiled((t, r, f), compiled, seconds)
                 if progress:
                     progress(t, r)
 
@@ -522,8 +596,9 @@ class ModelRunner:
             if c.new_block_ids:
                 b.append_blocks(b.req_id_to_slot[c.req_id], c.new_block_ids)
 
-    def _buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool) -> StepBatch:
-        key = (t, r, prompt_logprobs, structured)
+    def _buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool,
+                 verify: bool = False) -> StepBatch:
+        key = (t, r, prompt_logprobs, structured, verify)
         pair = self._host_buffers.get(key)
         if pair is None:
             pair = self._host_buffers[key] = [self._new_buffers(*key), self._new_buffers(*key)]
@@ -554,13 +629,14 @@ class ModelRunner:
                                 | (b.frequency_penalty[slots] != 0.0)
                                 | (b.presence_penalty[slots] != 0.0)))
         structured = grammar is not None
+        spec = so.scheduled_spec_decode_tokens
+        verify = bool(self.num_spec and spec and any(rid in spec for rid in req_ids))
         features = StepFeatures(logprobs=bool(np.any(b.num_logprobs[slots] >= 0)),
                                 penalties=penalties, prompt_logprobs=wants_pl,
-                                structured=structured, spec=self.num_spec > 0)
-        batch = self._buffers(t, r, wants_pl, structured)
+                                structured=structured, spec=self.num_spec > 0, verify=verify)
+        batch = self._buffers(t, r, wants_pl, structured, verify)
         num_drafts = None
         if self.num_spec:
-            spec = so.scheduled_spec_decode_tokens
             num_drafts = np.zeros(n_req, np.int32)
             if spec:
                 for i, rid in enumerate(req_ids):
@@ -578,6 +654,14 @@ class ModelRunner:
                                self.block_size)
         if num_drafts is not None:
             fill_verify_inputs(batch, num_drafts)
+            batch.sample_rows[:n_req] = computed + q_lens >= b.num_tokens[slots]
+            if self.draft_kind == "eagle":  # the token after each one, where known
+                nxt = pos + 1
+                known = nxt < (b.num_tokens[slots] + num_drafts)[
+                    np.repeat(np.arange(n_req), q_lens)]
+                batch.draft_input_ids[:n_tok] = np.where(
+                    known, b.token_ids[slots[np.repeat(np.arange(n_req), q_lens)],
+                                       np.minimum(nxt, b.token_ids.shape[1] - 1)], 0)
         tok_slot = batch.token_slots[:n_tok]
         if wants_pl:
             has_next = pos + 1 < b.num_prompt_tokens[tok_slot]

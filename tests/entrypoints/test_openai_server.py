@@ -545,6 +545,7 @@ def openai_request(kwargs):
     return ChatCompletionRequest(**body)
 
 
+@pytest.mark.slow  # (CI keeps test_concurrent_streams_equal_their_single_results)
 def test_200_streams_with_10_percent_disconnecting(server):
     """200 concurrent streams; every tenth client hangs up after its first chunk. The others
     complete with their token counts; the aborted ones free their blocks; the gauges go back

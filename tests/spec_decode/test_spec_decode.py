@@ -18,9 +18,12 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineConfig
 from jaxinfer.spec_decode.ngram import NgramProposer
 from tests.engine.conftest import assert_no_leaks, make_tiny_model_dir
+from tests.spec_decode.eagle_ckpt import (make_copying_eagle_dir, make_eagle_dir,
+                                          make_permutation_target)
 
+# One token bucket (32) and request buckets 1, 2, 4, 8: few step variants to compile.
 OPTS = dict(dtype="float32", max_model_len=96, max_num_seqs=8, max_num_batched_tokens=32,
-            block_size=8, warmup=False, enable_multiprocessing=False)
+            min_token_bucket=32, block_size=8, warmup=False, enable_multiprocessing=False)
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +97,19 @@ def reference(tiny_dir):
     return ref, lps, sequences
 
 
+# CI runs K = 3 (oracle and adversary share compiled steps); the slow set adds K = 1 and 5,
+# n-gram lookup (also checked through the server below) and the in-step drafters on this
+# workload (CI checks those on the permutation target below, with preemption, chunked
+# prefill, prefix hits and the max_model_len boundary too).
+_slow = pytest.mark.slow
+
+
 @pytest.mark.parametrize("proposer,k", [
-    ("oracle", 5), pytest.param("oracle", 1, marks=pytest.mark.slow), ("wrong", 3),
-    ("ngram", 2), ("draft-self", 3), ("draft-other", 2)])
-def test_greedy_is_token_identical(tiny_dir, other_dir, reference, proposer, k):
+    ("oracle", 3), ("wrong", 3), pytest.param("oracle", 1, marks=_slow),
+    pytest.param("oracle", 5, marks=_slow), pytest.param("ngram", 2, marks=_slow),
+    pytest.param("draft-self", 3, marks=_slow), pytest.param("draft-other", 2, marks=_slow),
+    pytest.param("eagle", 3, marks=_slow), pytest.param("eagle3", 2, marks=_slow)])
+def test_greedy_is_token_identical(tiny_dir, other_dir, reference, proposer, k, tmp_path):
     ref, ref_lps, sequences = reference
     prompts, params = _workload()
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
@@ -105,6 +117,10 @@ def test_greedy_is_token_identical(tiny_dir, other_dir, reference, proposer, k):
     if proposer.startswith("draft"):
         spec = {"method": "draft_model", "num_speculative_tokens": k,
                 "model": tiny_dir if proposer == "draft-self" else other_dir}
+    elif proposer.startswith("eagle"):  # random heads (EAGLE-3: own embedding, draft vocab)
+        head = make_eagle_dir(tmp_path / "head", proposer, 64, 49152, aux_layers=[0, 1, 1],
+                              draft_vocab=1000, with_embed=True)
+        spec = {"method": proposer, "num_speculative_tokens": k, "model": head}
     llm = LLM(tiny_dir, num_kv_blocks=15, speculative_config=spec, **OPTS)
     if proposer in ("oracle", "wrong"):
         _core(llm).runner.proposer = _Oracle(sequences, k, wrong=proposer == "wrong")
@@ -127,7 +143,7 @@ def test_greedy_is_token_identical(tiny_dir, other_dir, reference, proposer, k):
         assert stats["spec_decode_num_drafts"] < sum(len(r[0]) for r in ref)  # fewer steps
     elif proposer == "wrong":
         assert accepted == 0
-    elif proposer == "draft-other":
+    elif proposer in ("draft-other", "eagle", "eagle3"):
         assert accepted < 0.2 * drafted
     else:  # (a random model's text gives n-gram lookup little to go on)
         assert accepted <= drafted
@@ -135,65 +151,93 @@ def test_greedy_is_token_identical(tiny_dir, other_dir, reference, proposer, k):
     llm.shutdown()
 
 
-class _GreedyDraft:
-    """Drafts = the target's own greedy continuation of each request's actual tokens, from
-    the HF copy of the model (a perfect draft model: at temperature > 0 most drafts pass)."""
-
-    def __init__(self, hf, k):
-        self.hf, self.k = hf, k
-
-    def propose(self, token_ids, rows, lengths):
-        import torch
-
-        out = []
-        with torch.no_grad():
-            for row, n in zip(rows, lengths):
-                ids = token_ids[row, :n].tolist()
-                drafts = []
-                for _ in range(self.k):
-                    drafts.append(int(self.hf(torch.tensor([ids + drafts])).logits[0, -1].argmax()))
-                out.append(drafts)
-        return out
+@pytest.fixture(scope="module")
+def perm_target(tmp_path_factory, smollm2_dir):
+    perm = np.random.default_rng(3).permutation(64)
+    path = tmp_path_factory.mktemp("perm-target")
+    make_permutation_target(path, smollm2_dir, perm)
+    return str(path), perm
 
 
-def test_seeded_sampling_does_not_depend_on_companions(tmp_path_factory, smollm2_dir):
-    """Random sampling through the accept/resample path: a seeded request's tokens are the
-    same alone and in a batch (draws are keyed by seed and output index; drafts come from the
-    request's own tokens). A peaky model whose greedy continuation is the draft makes most
-    drafts pass at temperature 0.8, and some fail."""
-    path = tmp_path_factory.mktemp("tiny-peaky")
-    hf = make_tiny_model_dir(path, "llama", smollm2_dir, sharpen=20.0)
-    spec = {"method": "ngram", "num_speculative_tokens": 3}
-    llm = LLM(str(path), num_kv_blocks=64, speculative_config=spec, **OPTS)
-    _core(llm).runner.proposer = _GreedyDraft(hf, 3)
-    target = {"prompt_token_ids": [11, 12, 13, 11, 12, 13, 11, 12]}
-    sp = SamplingParams(temperature=0.8, seed=1234, max_tokens=40, ignore_eos=True)
-    alone = _run(llm, [target], [sp])[0]
-    others = [{"prompt_token_ids": [200 + i, 201, 202, 203]} for i in range(5)]
-    mixed = _run(llm, others[:2] + [target] + others[2:],
-                 [SamplingParams(temperature=1.0, seed=i, max_tokens=30 + i) for i in range(2)]
-                 + [sp] + [SamplingParams(temperature=0, max_tokens=25)] * 3)
-    assert mixed[2] == alone
-    stats = llm.llm_engine.get_stats()
-    drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
-    assert 0.5 * drafted < accepted < drafted
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model"])
+def test_in_step_drafters_draft_from_the_right_inputs(tmp_path_factory, perm_target, method):
+    """A target whose next token is perm[current], and drafters built to copy it: the target
+    itself as draft model, and EAGLE heads. The draft model and the EAGLE head get every draft
+    right at every position (the head must read token p+1 at position p, the token just
+    emitted at each row's last accepted position, then its own drafts at the right positions
+    with the right KV), the EAGLE-3 head exactly its first draft (it must read the target's
+    residual stream entering the aux layers). With a tight cache (preemption), chunked
+    prefill, a shared prefix (prefix hits) and a request running into max_model_len; the
+    outputs follow the permutation chain."""
+    target, perm = perm_target
+    rng = np.random.default_rng(0)
+    prompts = [[int(x) for x in rng.integers(0, 64, 10 + 9 * i)] for i in range(4)]
+    shared = [int(x) for x in rng.integers(0, 64, 24)]
+    prompts += [shared + [1, 2], shared + [3], [int(x) for x in rng.integers(0, 64, 88)]]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 6 + [
+        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)]
+    model = target if method == "draft_model" else make_copying_eagle_dir(
+        tmp_path_factory.mktemp(method), method, perm)
+    llm = LLM(target, num_kv_blocks=15, **OPTS, speculative_config={
+        "method": method, "num_speculative_tokens": 3, "model": model})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, o in zip(prompts, outs):  # the permutation chain
+        toks = [p[-1]] + list(o.outputs[0].token_ids)
+        assert all(int(perm[a]) == b for a, b in zip(toks, toks[1:]))
+    assert len(outs[-1].outputs[0].token_ids) == 96 - 88
+    st = llm.llm_engine.get_stats()
+    assert st["num_preemptions"] > 0 and st["prefix_cache_hits"] > 0
+    per_pos = st["spec_decode_num_accepted_tokens_per_pos"]
+    runs = st["spec_decode_num_drafts"]
+    assert runs > 0 and per_pos[0] == runs
+    if method == "eagle3":
+        assert per_pos[1:] == [0, 0]
+    else:
+        assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
     assert_no_leaks(llm)
     llm.shutdown()
 
 
-def test_no_recompilation_after_warmup(tiny_dir):
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3}
-    llm = LLM(tiny_dir, num_kv_blocks=64, speculative_config=spec,
-              **{**OPTS, "warmup": True})
+def test_seeded_sampling_does_not_depend_on_companions(perm_target):
+    """Random sampling through the accept / resample path (the permutation target at
+    temperature 2 puts ~0.46 on its argmax, which the draft model drafts): a seeded request's
+    tokens are the same alone and in a batch (draws are keyed by seed and output index)."""
+    target, perm = perm_target
+    # (the cache of the drafter tests above: the same compiled steps; no preemption here, which
+    # would change which steps verify drafts)
+    llm = LLM(target, num_kv_blocks=15, **OPTS, speculative_config={
+        "method": "draft_model", "num_speculative_tokens": 3, "model": target})
+    prompt = {"prompt_token_ids": [11, 12, 13, 11, 12, 13, 11, 12]}
+    sp = SamplingParams(temperature=2.0, seed=1234, max_tokens=40, ignore_eos=True)
+    alone = _run(llm, [prompt], [sp])[0]
+    others = [{"prompt_token_ids": [20 + i, 21, 22, 23]} for i in range(2)]
+    mixed = _run(llm, [others[0], prompt, others[1]],
+                 [SamplingParams(temperature=1.0, seed=7, max_tokens=8), sp,
+                  SamplingParams(temperature=0, max_tokens=8)])
+    assert mixed[1] == alone
+    assert llm.llm_engine.get_stats()["num_preemptions"] == 0
+    stats = llm.llm_engine.get_stats()
+    drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted
+    assert_no_leaks(llm)
+    llm.shutdown()
+
+
+def test_no_recompilation_after_warmup(perm_target):
+    """Warm-up compiles both step variants of a speculative engine (with and without drafts
+    to verify) at every bucket; serving then compiles nothing."""
+    target, _ = perm_target
+    llm = LLM(target, num_kv_blocks=15, **{**OPTS, "warmup": True}, speculative_config={
+        "method": "draft_model", "num_speculative_tokens": 3, "model": target})
     before = llm.llm_engine.get_stats()["num_compilations"]
-    prompts, params = _workload()
-    llm.generate(prompts[:6], params[:6], use_tqdm=False)
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": [int(x) for x in rng.integers(0, 64, 5 + 7 * i)]}
+               for i in range(4)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                 use_tqdm=False)
     stats = llm.llm_engine.get_stats()
     assert stats["spec_decode_num_draft_tokens"] > 0
-    # (request 4 asks for logprobs: that variant compiles on first use, by design)
-    assert stats["num_compilations"] - before <= len(
-        {k for k in _core(llm).runner._compiled if k[2].logprobs})
+    assert stats["num_compilations"] == before
     assert all(k[2].spec for k in _core(llm).runner._compiled)
     llm.shutdown()
 
@@ -211,7 +255,9 @@ def test_penalised_and_grammar_requests_get_no_drafts(tiny_dir):
 
 
 @pytest.mark.parametrize("spec,match", [
-    ({"method": "eagle3", "num_speculative_tokens": 3}, "not implemented"),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, "speculative_config.model"),
+    ({"method": "draft_model", "num_speculative_tokens": 3, "model": "/nonexistent"},
+     "speculative_config.model"),
     ({"method": "medusa", "num_speculative_tokens": 3}, "speculative_config.method"),
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
