@@ -45,6 +45,20 @@ def test_tp_matches_single_device(tmp_path, smollm2_dir, arch, kv_heads):
             assert got["num_preemptions"] > 0  # the same tight cache, with replicated heads
 
 
+@pytest.mark.slow  # speculative decoding's draft model (its own KV cache) sharded as well
+def test_draft_model_under_tp_matches_single_device(tmp_path, smollm2_dir):
+    make_tiny_model_dir(tmp_path, "llama", smollm2_dir, num_attention_heads=4,
+                        num_key_value_heads=2)
+    base = run_tp(str(tmp_path), 1)
+    got = run_tp(str(tmp_path), 2, "draft")
+    assert got["tokens"] == base["tokens"] and not got["leaked"]
+    np.testing.assert_allclose(np.concatenate(got["logprobs"]),
+                               np.concatenate(base["logprobs"]), atol=2e-4)
+    spec = got["spec"]
+    assert spec["spec_decode_num_draft_tokens"] > 0
+    assert spec["spec_decode_num_accepted_tokens"] == spec["spec_decode_num_draft_tokens"]
+
+
 @pytest.mark.slow  # the real model at TP=3 (9 heads); CI covers TP parity on a tiny llama
 def test_smollm2_tp3_runs(smollm2_dir):
     base = run_tp(smollm2_dir, 1, "smollm2")

@@ -30,10 +30,14 @@ def main():
                       max_num_seqs=4, max_num_batched_tokens=32, warmup=False, num_kv_blocks=24,
                       enable_multiprocessing=False)  # the test reads the runner
         else:
-            # A tight cache forces preemption; repeated prompts hit the prefix cache.
+            # A tight cache forces preemption; repeated prompts hit the prefix cache. Mode
+            # "draft": speculative decoding with the model as its own draft model.
+            spec = ({"method": "draft_model", "num_speculative_tokens": 3, "model": model_dir}
+                    if mode == "draft" else None)
             llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, max_model_len=64,
-                      max_num_seqs=4, max_num_batched_tokens=32, warmup=False, num_kv_blocks=9,
-                      block_size=8, enable_multiprocessing=False)
+                      max_num_seqs=4, max_num_batched_tokens=32, warmup=False,
+                      num_kv_blocks=11 if spec else 9, block_size=8,
+                      enable_multiprocessing=False, speculative_config=spec)
     except ValueError as e:
         print(json.dumps({"error": str(e)}))
         return
@@ -60,6 +64,7 @@ def main():
         "kv_heads": eng.engine_core.core.model_config.num_key_value_heads,  # as built
         "param_shards": len(eng.runner.state["model"]["layers"][0]["mlp"]["up_proj"]["weight"]
                             .value.sharding.device_set),
+        "spec": {k: v for k, v in eng.get_stats().items() if k.startswith("spec_decode")},
     }
     llm.shutdown()
     print(json.dumps(res))
