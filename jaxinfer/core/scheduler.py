@@ -408,6 +408,8 @@ class Scheduler:
                 self.spec_num_draft_tokens += num_draft
                 self.spec_num_accepted_tokens += num_accepted
                 per_pos = self.spec_accepted_per_pos
+                if len(per_pos) < num_draft:  # (drafts set by hand, no speculative_config)
+                    per_pos.extend([0] * (num_draft - len(per_pos)))
                 for j in range(num_accepted):
                     per_pos[j] += 1
             if not sampled:
