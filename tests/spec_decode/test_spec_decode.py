@@ -243,13 +243,34 @@ def test_no_recompilation_after_warmup(perm_target):
 
 
 def test_penalised_and_grammar_requests_get_no_drafts(tiny_dir):
+    """Penalties would have to count drafts, and drafts are not grammar-filtered yet: such
+    requests decode without drafts (and a structured output still follows its spec), while
+    their batch companions speculate."""
+    from jaxinfer.sampling_params import StructuredOutputsParams
+
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
             "prompt_lookup_max": 2}
     llm = LLM(tiny_dir, num_kv_blocks=64, speculative_config=spec, **OPTS)
+    core = _core(llm)
+    seen = []
+    take = core.scheduler.update_draft_token_ids
+
+    def spy(drafts):
+        take(drafts)
+        seen.extend((r.grammar is not None, r.sampling_params.repetition_penalty)
+                    for r in core.scheduler.requests.values() if r.spec_token_ids)
+    core.scheduler.update_draft_token_ids = spy
+    core.runner.proposer = _Oracle([], 3)
+    core.runner.proposer.propose = lambda tok, rows, lengths: [[5, 6, 7]] * len(rows)
     rep = {"prompt_token_ids": [5, 6, 5, 6, 5, 6, 5]}
-    _run(llm, [rep], [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                     repetition_penalty=1.3)])
-    assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] == 0
+    outs = llm.generate([rep, rep, rep], [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(
+            choice=["alpha", "beta gamma"])),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)], use_tqdm=False)
+    assert outs[1].outputs[0].text in ("alpha", "beta gamma")
+    assert seen and set(seen) == {(False, 1.0)}  # only the plain request got drafts
+    assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] > 0
     assert_no_leaks(llm)
     llm.shutdown()
 
