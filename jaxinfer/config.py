@@ -313,6 +313,20 @@ class SpeculativeConfig:
         return 0 if self.method == "ngram" else self.num_speculative_tokens
 
 
+def _sub_config(value, cls, name: str):
+    """An EngineConfig option given as `cls`, a dict of its fields (unknown keys refused by
+    name) or None."""
+    if value is None or isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a {cls.__name__} or a dict, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown option(s) {unknown}; known: {sorted(known)}")
+    return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything LLMEngine is built from (the user-facing options of LLM(...))."""
@@ -355,35 +369,14 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
-        spec = self.speculative_config
-        if isinstance(spec, dict):
-            known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-            unknown = sorted(set(spec) - known)
-            if unknown:
-                raise ValueError(f"speculative_config: unknown option(s) {unknown}; "
-                                 f"known: {sorted(known)}")
-            spec = SpeculativeConfig(**spec)
-        elif spec is not None and not isinstance(spec, SpeculativeConfig):
-            raise ValueError("speculative_config must be a SpeculativeConfig or a dict, got "
-                             f"{type(spec).__name__}")
+        spec = _sub_config(self.speculative_config, SpeculativeConfig, "speculative_config")
         object.__setattr__(self, "speculative_config", spec)
         if spec is not None and self.async_scheduling:
             raise ValueError("speculative_config cannot be combined with async_scheduling yet: "
                              "the drafts of a step depend on the tokens it accepts")
-        soc = self.structured_outputs_config
-        if soc is None:
-            soc = StructuredOutputsConfig()
-        elif isinstance(soc, dict):
-            known = {f.name for f in dataclasses.fields(StructuredOutputsConfig)}
-            unknown = sorted(set(soc) - known)
-            if unknown:
-                raise ValueError(f"structured_outputs_config: unknown option(s) {unknown}; "
-                                 f"known: {sorted(known)}")
-            soc = StructuredOutputsConfig(**soc)
-        elif not isinstance(soc, StructuredOutputsConfig):
-            raise ValueError("structured_outputs_config must be a StructuredOutputsConfig or a "
-                             f"dict, got {type(soc).__name__}")
-        object.__setattr__(self, "structured_outputs_config", soc)
+        soc = _sub_config(self.structured_outputs_config, StructuredOutputsConfig,
+                          "structured_outputs_config")
+        object.__setattr__(self, "structured_outputs_config", soc or StructuredOutputsConfig())
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -106,11 +106,8 @@ class EngineMetrics:
         last = self._last_stats
         for key, counter in (("prefix_cache_queries", self.prefix_queries),
                              ("prefix_cache_hits", self.prefix_hits),
-                             ("num_preemptions", self.preemptions)):
-            delta = stats.get(key, 0) - last.get(key, 0)
-            if delta > 0:
-                counter.inc(delta)
-        for key, counter in (("spec_decode_num_drafts", self.spec_drafts),
+                             ("num_preemptions", self.preemptions),
+                             ("spec_decode_num_drafts", self.spec_drafts),
                              ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
                              ("spec_decode_num_accepted_tokens", self.spec_accepted)):
             delta = stats.get(key, 0) - last.get(key, 0)

@@ -74,6 +74,21 @@ def _filtered_logits(logits, md: SamplingMetadata):
     return jnp.where(keep, sorted_logits, _NEG_INF), order
 
 
+def _sampling_logits(logits, md: SamplingMetadata):
+    """Temperature-scaled logits with min_p / top_k / top_p applied (dropped tokens -inf) and
+    each position's vocabulary index. The sort behind the filters is skipped (lax.cond) when no
+    sampling row uses them: then the logits stay in vocabulary order."""
+    needs_filter = jnp.any((md.temperature > 0) & ((md.top_k > 0) | (md.top_p < 1.0)
+                                                   | (md.min_p > 0.0)))
+
+    def unfiltered(logits, md):
+        temp = jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
+        iota = jnp.broadcast_to(jnp.arange(logits.shape[-1], dtype=jnp.int32), logits.shape)
+        return logits / temp, iota
+
+    return jax.lax.cond(needs_filter, _filtered_logits, unfiltered, logits, md)
+
+
 def sample_tokens(logits, md: SamplingMetadata):
     """logits float32 [R, V] (penalties already applied) -> sampled ids int32 [R].
 
@@ -83,16 +98,7 @@ def sample_tokens(logits, md: SamplingMetadata):
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def random_path(logits, md):
-        # The sort behind min_p/top_k/top_p is skipped when no row of the step uses them.
-        needs_filter = jnp.any((md.temperature > 0) & ((md.top_k > 0) | (md.top_p < 1.0)
-                                                       | (md.min_p > 0.0)))
-
-        def unfiltered(logits, md):
-            temp = jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
-            iota = jnp.broadcast_to(jnp.arange(logits.shape[-1], dtype=jnp.int32), logits.shape)
-            return logits / temp, iota
-
-        filtered, order = jax.lax.cond(needs_filter, _filtered_logits, unfiltered, logits, md)
+        filtered, order = _sampling_logits(logits, md)
 
         def gumbel(seed, index):
             key = jax.random.fold_in(jax.random.key(seed), index)
@@ -148,15 +154,7 @@ def rejection_sample(logits, drafts, md: SamplingMetadata, verify_req, verify_po
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def random_path(logits, fmd):
-        needs_filter = jnp.any((fmd.temperature > 0) & ((fmd.top_k > 0) | (fmd.top_p < 1.0)
-                                                        | (fmd.min_p > 0.0)))
-
-        def unfiltered(logits, fmd):
-            temp = jnp.where(fmd.temperature > 0, fmd.temperature, 1.0)[:, None]
-            iota = jnp.broadcast_to(jnp.arange(logits.shape[-1], dtype=jnp.int32), logits.shape)
-            return logits / temp, iota
-
-        filtered, order = jax.lax.cond(needs_filter, _filtered_logits, unfiltered, logits, fmd)
+        filtered, order = _sampling_logits(logits, fmd)
         is_draft = order == drafts[:, None]  # [N, V] (no position when drafts = -1)
         p_draft = jnp.sum(jnp.where(is_draft, jax.nn.softmax(filtered, axis=-1), 0.0), axis=-1)
 

@@ -656,12 +656,11 @@ class ModelRunner:
             fill_verify_inputs(batch, num_drafts)
             batch.sample_rows[:n_req] = computed + q_lens >= b.num_tokens[slots]
             if self.draft_kind == "eagle":  # the token after each one, where known
+                row = np.repeat(np.arange(n_req), q_lens)
                 nxt = pos + 1
-                known = nxt < (b.num_tokens[slots] + num_drafts)[
-                    np.repeat(np.arange(n_req), q_lens)]
+                known = nxt < (b.num_tokens[slots] + num_drafts)[row]
                 batch.draft_input_ids[:n_tok] = np.where(
-                    known, b.token_ids[slots[np.repeat(np.arange(n_req), q_lens)],
-                                       np.minimum(nxt, b.token_ids.shape[1] - 1)], 0)
+                    known, b.token_ids[slots[row], np.minimum(nxt, b.token_ids.shape[1] - 1)], 0)
         tok_slot = batch.token_slots[:n_tok]
         if wants_pl:
             has_next = pos + 1 < b.num_prompt_tokens[tok_slot]
@@ -766,14 +765,7 @@ class ModelRunner:
             return {rid: d.tolist() for rid, d in zip(rows, drafts)}
         if self.proposer is None or not rows:
             return {}
-        b = self.batch
-        # Requests with penalties get no drafts (their counts would have to follow the
-        # drafts); skip the lookup for them.
-        plain = ((b.repetition_penalty[slots] == 1.0) & (b.frequency_penalty[slots] == 0.0)
-                 & (b.presence_penalty[slots] == 0.0))
-        if not plain.all():
-            rows = [r for r, ok in zip(rows, plain) if ok]
-            slots = slots[plain]
+        b = self.batch  # (the scheduler decides which requests may take drafts)
         drafts = self.proposer.propose(b.token_ids, slots, b.num_tokens[slots])
         return {rid: d for rid, d in zip(rows, drafts) if d}
 
