@@ -313,6 +313,74 @@ class SpeculativeConfig:
         return 0 if self.method == "ngram" else self.num_speculative_tokens
 
 
+KV_CONNECTORS = ("SharedStorageConnector", "JaxTransferConnector")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """A KV connector (vLLM's `kv_transfer_config`): KV blocks leave an engine (kv_producer)
+    and/or arrive from elsewhere (kv_consumer) instead of being computed (jaxinfer/kv_connector).
+
+    kv_connector "SharedStorageConnector" (alias "ExampleConnector"): full prompt blocks are
+    stored in a folder (`kv_connector_extra_config["shared_storage_path"]`), one safetensors
+    file per block named by its chained prefix hash, and loaded by any engine that meets the
+    same prefix, also after a restart.
+    kv_connector "JaxTransferConnector": disaggregated prefill/decode between engine processes:
+    the prefill engine (producer) keeps a finished prompt's blocks for the decode engine
+    (consumer) to pull with jax.experimental.transfer; "done" notices go over ZeroMQ. kv_ip is
+    the address both servers listen on; kv_port the notice port (0: any free one).
+
+    kv_load_failure_policy: a load that fails or times out -> "recompute" the prompt (default)
+    or "fail" the request with an error. kv_connector_extra_config: per connector, e.g.
+    {"abort_timeout": s} (producer: free unpulled blocks after s seconds, default 120),
+    {"pull_timeout": s} (consumer: give up a pull after s seconds, default 30)."""
+
+    kv_connector: str | None = None
+    kv_role: str | None = None
+    kv_load_failure_policy: str = "recompute"
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 0
+    engine_id: str | None = None
+    kv_connector_extra_config: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        name = self.kv_connector
+        if name == "ExampleConnector":
+            object.__setattr__(self, "kv_connector", name := "SharedStorageConnector")
+        if name not in KV_CONNECTORS:
+            raise ValueError(f"kv_transfer_config.kv_connector={name!r} is not supported; use "
+                             f"one of {', '.join(KV_CONNECTORS)}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role={self.kv_role!r} must be one of "
+                             f"{', '.join(KV_ROLES)}")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("kv_transfer_config.kv_load_failure_policy must be 'recompute' or "
+                             f"'fail', got {self.kv_load_failure_policy!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("kv_transfer_config.kv_connector_extra_config must be a dict")
+        if not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
+            raise ValueError(f"kv_transfer_config.kv_port must be in [0, 65535], got "
+                             f"{self.kv_port!r}")
+        extra = self.kv_connector_extra_config
+        for key in ("abort_timeout", "pull_timeout"):
+            v = extra.get(key)
+            if v is not None and (not isinstance(v, (int, float)) or v <= 0):
+                raise ValueError(f"kv_transfer_config.kv_connector_extra_config.{key} must be "
+                                 f"a number of seconds > 0, got {v!r}")
+        if name == "SharedStorageConnector" and not extra.get("shared_storage_path"):
+            raise ValueError("kv_transfer_config.kv_connector_extra_config.shared_storage_path "
+                             "is required by SharedStorageConnector (a folder)")
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+
 def _sub_config(value, cls, name: str):
     """An EngineConfig option given as `cls`, a dict of its fields (unknown keys refused by
     name) or None."""
@@ -367,8 +435,13 @@ class EngineConfig:
     # Speculative decoding: a SpeculativeConfig or a dict of its fields, e.g.
     # {"method": "ngram", "num_speculative_tokens": 4}. None: off.
     speculative_config: SpeculativeConfig | dict | None = None
+    # A KV connector: a KVTransferConfig or a dict of its fields, e.g. {"kv_connector":
+    # "JaxTransferConnector", "kv_role": "kv_producer"}. None: off.
+    kv_transfer_config: KVTransferConfig | dict | None = None
 
     def __post_init__(self):
+        kvt = _sub_config(self.kv_transfer_config, KVTransferConfig, "kv_transfer_config")
+        object.__setattr__(self, "kv_transfer_config", kvt)
         spec = _sub_config(self.speculative_config, SpeculativeConfig, "speculative_config")
         object.__setattr__(self, "speculative_config", spec)
         if spec is not None and self.async_scheduling:

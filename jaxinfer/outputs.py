@@ -40,6 +40,8 @@ class SchedulerOutput:
     preempted_req_ids: frozenset[str]  # preempted this step: runner drops them
     # req_id -> draft tokens scheduled this step (included in num_scheduled_tokens), to verify
     scheduled_spec_decode_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # What the KV connector's worker side does this step (loads, saves, cancels), or None.
+    kv_connector_metadata: object = None
 
     @property
     def is_empty(self) -> bool:
@@ -129,3 +131,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # Disaggregated prefill/decode: what the KV connector handed out when the request
+    # finished (a prefill instance's answer tells the decode instance where the KV is).
+    kv_transfer_params: dict | None = None

@@ -99,6 +99,13 @@ class Request:
         p = sampling_params
         self.skip_prefix_cache = (p.prompt_logprobs is not None or p.repetition_penalty != 1.0
                                   or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
+        # KV connectors (disaggregated prefill/decode): the request's kv_transfer_params, and
+        # whether the connector was asked already (once per request: a preempted request
+        # recomputes); during a load, the prefix-cache hit it started from.
+        self.kv_transfer_params: dict | None = (p.extra_args or {}).get("kv_transfer_params")
+        self.kv_load_tried = False
+        self.num_local_hit_tokens = 0
+        self.num_external_tokens = 0
 
     @property
     def use_structured_output(self) -> bool:

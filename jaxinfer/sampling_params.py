@@ -122,6 +122,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    # Arbitrary per-request data for engine extensions (vLLM's extra_args); jaxinfer reads
+    # "kv_transfer_params" (disaggregated prefill/decode) from it.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self):
         def fail(field, msg):
@@ -181,6 +184,15 @@ class SamplingParams:
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**so))
         elif so is not None and not isinstance(so, StructuredOutputsParams):
             fail("structured_outputs", "must be StructuredOutputsParams or None")
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict):
+                fail("extra_args", "must be a dict or None")
+            ktp = self.extra_args.get("kv_transfer_params")
+            if ktp is not None and not isinstance(ktp, dict):
+                raise ValueError("SamplingParams.extra_args['kv_transfer_params'] must be a "
+                                 f"dict, got {type(ktp).__name__}")
+            if ktp is not None and self.n > 1:
+                fail("n", "must be 1 with kv_transfer_params (one KV transfer per request)")
         if self.temperature < 1e-5:
             # Greedy: the other sampling knobs do not apply (as in vLLM).
             object.__setattr__(self, "temperature", 0.0)

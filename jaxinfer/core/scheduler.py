@@ -45,11 +45,16 @@ class Scheduler:
         self.extra_outputs: list[EngineCoreOutput] = []
         self.num_grammar_rejections = 0
         self.kv = kv_cache_manager
-        # Scheduler side of a KV connector (None: none). Its request_finished(request,
-        # block_ids) -> (delay_free, kv_transfer_params) may keep a finished request's blocks
-        # (e.g. while a decode instance pulls them) until finish_delayed_free().
+        # Scheduler side of a KV connector (None: none; jaxinfer/kv_connector/base.py). It
+        # may bring a waiting request's prompt KV in from elsewhere (the request then waits in
+        # WAITING_FOR_REMOTE_KVS), and its request_finished(request, block_ids) ->
+        # (delay_free, kv_transfer_params) may keep a finished request's blocks (while a decode
+        # instance pulls them) until the worker reports them sent (finish_delayed_free).
         self.kv_connector = kv_connector
+        self.kv_load_failure_policy = "recompute"
         self.delayed_free: dict[str, Request] = {}
+        self.num_kv_load_failures = 0
+        self.num_kv_loaded_tokens = 0
         self.max_model_len = config.max_model_len
         capacity = kv_cache_manager.num_usable_blocks * kv_cache_manager.block_size
         if capacity < config.max_model_len:
@@ -265,6 +270,9 @@ class Scheduler:
             n = self._admit(request, budget, threshold, new_reqs, num_scheduled)
             if n is None:
                 break
+            if n == 0:  # its KV is coming from a connector: it waits, keeping its place
+                skipped.append(self.waiting.pop())
+                continue
             self.waiting.pop()
             budget -= n
             if parent is not None:
@@ -276,6 +284,8 @@ class Scheduler:
             n = self._admit(request, budget, threshold, new_reqs, num_scheduled)
             if n is None:
                 break
+            if n == 0:
+                continue
             budget -= n
             admitted.add(request.request_id)
         for request in reversed(skipped):
@@ -291,6 +301,8 @@ class Scheduler:
             finished_req_ids=frozenset(self.finished_req_ids),
             preempted_req_ids=preempted_ids,
             scheduled_spec_decode_tokens=spec_tokens,
+            kv_connector_metadata=(self.kv_connector.build_connector_meta()
+                                   if self.kv_connector is not None else None),
         )
         self.finished_req_ids = set()
         requests = self.requests
@@ -310,7 +322,8 @@ class Scheduler:
         its first chunk: the tokens scheduled, or None when it does not fit (stop admitting)."""
         cfg = self.config
         hit_blocks, num_hit = [], 0
-        if request.num_computed_tokens == 0:
+        base = request.num_computed_tokens  # > 0 only after a KV connector's load
+        if base == 0:
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             if hit_blocks and self._eagle:
                 # An EAGLE head's KV at a block's last position read the token after it, which
@@ -318,7 +331,11 @@ class Scheduler:
                 hit_blocks = hit_blocks[:-1]
                 num_hit = len(hit_blocks) * self.kv.block_size
                 self.kv.prefix_cache_stats.hits -= self.kv.block_size
-        n = request.num_tokens - num_hit
+            if self.kv_connector is not None and not request.kv_load_tried:
+                loading = self._start_kv_load(request, hit_blocks, num_hit)
+                if loading != -1:
+                    return loading  # None: no room; 0: it waits for its KV
+        n = request.num_tokens - base - num_hit
         if 0 < threshold < n:
             n = threshold
         if not cfg.enable_chunked_prefill and n > budget:
@@ -331,20 +348,83 @@ class Scheduler:
             return None
         self.running.append(request)
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_hit
+        request.num_computed_tokens = base + num_hit
         if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit
+            request.num_cached_tokens = base + num_hit
         new_reqs.append(NewRequestData(
             req_id=request.request_id,
             token_ids=tuple(request.all_token_ids),
             num_prompt_tokens=request.num_prompt_tokens,
             sampling_params=request.sampling_params,
             block_ids=tuple(self.kv.get_block_ids(request.request_id)),
-            num_computed_tokens=num_hit,
+            num_computed_tokens=base + num_hit,
             sampling_seed=request.sampling_seed,
         ))
         num_scheduled[request.request_id] = n
         return n
+
+    def _start_kv_load(self, request: Request, hit_blocks, num_hit: int) -> int | None:
+        """Ask the connector for the prompt KV past the local prefix hits. Returns 0 when a
+        load started (the request now waits in WAITING_FOR_REMOTE_KVS with its blocks),
+        None when there is no room for its blocks (stop admitting); -1: nothing to load,
+        admit it as usual."""
+        n_ext, load_async = self.kv_connector.get_num_new_matched_tokens(request, num_hit)
+        if n_ext is None:
+            return 0  # the connector cannot tell yet: ask again next step
+        request.kv_load_tried = True
+        if not n_ext:
+            return -1
+        if not load_async:
+            raise RuntimeError("KV connectors must load asynchronously in jaxinfer")
+        blocks = self.kv.allocate_slots(request, 0, num_hit, hit_blocks,
+                                        num_external_computed_tokens=n_ext,
+                                        delay_cache_blocks=True)
+        if blocks is None:
+            request.kv_load_tried = False  # ask again when blocks are free
+            return None
+        self.kv_connector.update_state_after_alloc(
+            request, self.kv.get_block_ids(request.request_id), n_ext)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_local_hit_tokens = num_hit
+        request.num_computed_tokens = 0  # set when the KV has arrived
+        request.num_external_tokens = n_ext
+        return 0
+
+    def update_connector_output(self, out) -> None:
+        """The worker side's news: loads that arrived or failed, blocks sent."""
+        if self.kv_connector is None or not out:
+            return
+        self.kv_connector.update_connector_output(out)
+        for rid in out.finished_recving:
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            n = request.num_local_hit_tokens + request.num_external_tokens
+            request.num_computed_tokens = n
+            self.num_kv_loaded_tokens += request.num_external_tokens
+            self.kv.cache_blocks(request, n)
+            request.status = RequestStatus.WAITING
+        for rid, reason in out.failed_recving.items():
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            self.num_kv_load_failures += 1
+            if self.kv_load_failure_policy == "fail":
+                self.waiting.remove(request)
+                self._fail_request(request, reason)
+                continue
+            # Recompute: back to a fresh waiting request (its blocks go back; the failed
+            # load never writes them), admitted again with a new prefix-cache lookup.
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+        self.finish_delayed_free(out.finished_sending)
+
+    def has_pending_kv_work(self) -> bool:
+        """Blocks held for a transfer, or connector work not handed to the worker yet: the
+        engine must keep stepping (with nothing to compute) until they are done."""
+        return self.kv_connector is not None and (bool(self.delayed_free)
+                                                  or self.kv_connector.has_pending_work())
 
     def _fail_request(self, request: Request, error: str) -> None:
         """Finish a waiting request with an error the client sees (its stop_reason)."""

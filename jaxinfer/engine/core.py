@@ -13,6 +13,7 @@ device; the scheduler counts the token in flight (Request.num_output_placeholder
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 import traceback
@@ -124,8 +125,24 @@ class EngineCore:
             self.structured_output_manager = StructuredOutputManager(
                 cfg.structured_outputs_config, _tokenizer_source(rc.tokenizer_dir),
                 self.model_config.vocab_size)
-        self.scheduler = Scheduler(sched, kv, structured_output_manager=self.structured_output_manager,
+        kv_worker = kv_sched = None
+        kvt = cfg.kv_transfer_config
+        if kvt is not None:
+            from jaxinfer.kv_connector import create_connector, model_fingerprint
+
+            if jax.process_count() > 1:
+                raise ValueError("kv_transfer_config is not supported with multi-host engines "
+                                 "yet (the connector runs on process 0 only)")
+            kv_sched, kv_worker = create_connector(
+                kvt, block_size=cache.block_size, device=self.devices[0],
+                fingerprint=model_fingerprint(os.path.basename(os.path.normpath(rc.model_dir)),
+                                              self.model_config, cache.block_size,
+                                              self.kv_dtype))
+        self.scheduler = Scheduler(sched, kv, kv_connector=kv_sched,
+                                   structured_output_manager=self.structured_output_manager,
                                    speculative_config=spec)
+        if kvt is not None:
+            self.scheduler.kv_load_failure_policy = kvt.kv_load_failure_policy
         buckets = BucketTable.build(sched.max_num_batched_tokens, sched.max_num_seqs,
                                     min_tokens=cfg.min_token_bucket, growth=cfg.bucket_growth)
         self.runner = ModelRunner(model, num_kv_blocks=num_blocks, block_size=cache.block_size,
@@ -135,6 +152,9 @@ class EngineCore:
                                   kv_dtype=self.kv_dtype, buckets=buckets,
                                   speculative_config=spec, draft_model=self.draft_model,
                                   eagle_head=eagle_head)
+        if kv_worker is not None:
+            self.runner.set_kv_connector(kv_worker)
+        self.kv_connector = kv_worker
         self.speculative = spec is not None
         if cfg.warmup:
             self.runner.warmup()
@@ -210,7 +230,13 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+        return (self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+                or self.has_kv_work())
+
+    def has_kv_work(self) -> bool:
+        """KV transfers under way (loads, blocks held for a pull, work not handed over)."""
+        return self.kv_connector is not None and (self.scheduler.has_pending_kv_work()
+                                                  or self.kv_connector.has_pending_work())
 
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -231,12 +257,20 @@ class EngineCore:
         return self._finish_step(outs, handle is not None)
 
     def _finish_step(self, outs: list[EngineCoreOutput], ran: bool) -> list[EngineCoreOutput]:
+        if self.kv_connector is not None:
+            conn = self.scheduler.kv_connector
+            if conn.has_pending_work():
+                # Work that arose after the step was scheduled (the blocks of requests that
+                # just finished): hand it over now rather than with the next step.
+                self.kv_connector.bind_connector_metadata(conn.build_connector_meta())
+            self.scheduler.update_connector_output(self.runner.get_kv_connector_output())
         extra = self.scheduler.take_extra_outputs()
         if extra:
             outs = outs + extra
-        elif not ran and not outs and self.scheduler.has_unfinished_requests():
-            # Nothing could be scheduled (grammars still compiling): do not spin hot.
-            time.sleep(0.0005)
+        elif not ran and not outs and (self.scheduler.has_unfinished_requests()
+                                       or self.has_kv_work()):
+            # Nothing could be scheduled (grammars compiling, KV arriving): no hot spin.
+            time.sleep(0.0005 if self.scheduler.get_num_unfinished_requests() else 0.002)
         return outs
 
     def step_async(self) -> list[EngineCoreOutput]:
@@ -291,6 +325,17 @@ class EngineCore:
             stats["num_grammar_compiles"] = som.num_compiles
             stats["grammar_compile_seconds"] = som.compile_seconds
             stats["num_grammar_rejections"] = self.scheduler.num_grammar_rejections
+        if self.kv_connector is not None:
+            w = self.kv_connector
+            stats["kv_connector"] = {
+                "num_loaded_tokens": self.scheduler.num_kv_loaded_tokens,
+                "num_load_failures": self.scheduler.num_kv_load_failures,
+                "num_blocks_held_for_transfer": sum(
+                    len(self.scheduler.kv.req_to_blocks.get(r, ()))
+                    for r in self.scheduler.delayed_free),
+                "bytes_moved": w.io.bytes_moved,
+                "num_expired_sends": getattr(w, "num_expired_sends", 0),
+            }
         stats["time"] = time.time()
         return stats
 
@@ -301,6 +346,8 @@ class EngineCore:
         """What is still held although no request is live (empty when all is well)."""
         s, kv = self.scheduler, self.scheduler.kv
         problems = []
+        if s.delayed_free:
+            problems.append(f"blocks held for KV transfers: {sorted(s.delayed_free)}")
         if s.requests or s.running or len(s.waiting):
             problems.append(f"requests left: {sorted(s.requests)}")
         if self._in_flight:
@@ -321,6 +368,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.runner.stop_remote_steps()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         if self.structured_output_manager is not None:
             self.structured_output_manager.shutdown()
 

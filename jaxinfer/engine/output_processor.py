@@ -35,6 +35,7 @@ class _RequestState:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = None
+    kv_transfer_params: dict | None = None  # from the KV connector when it finished
 
     @property
     def finished(self) -> bool:
@@ -104,6 +105,8 @@ class OutputProcessor:
             m = state.metrics
             m.first_scheduled_time = m.first_scheduled_time or now
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             if out.new_token_ids:
                 m.first_token_time = m.first_token_time or now
                 m.last_token_time = now
@@ -152,4 +155,5 @@ class OutputProcessor:
                              prompt_token_ids=state.prompt_token_ids,
                              prompt_logprobs=state.prompt_logprobs,
                              outputs=outs, finished=state.finished, metrics=state.metrics,
-                             num_cached_tokens=state.num_cached_tokens)
+                             num_cached_tokens=state.num_cached_tokens,
+                             kv_transfer_params=state.kv_transfer_params)

@@ -447,6 +447,7 @@ class ModelRunner:
             self.proposer = NgramProposer(speculative_config.prompt_lookup_min,
                                           speculative_config.prompt_lookup_max, self.num_spec)
         self._last_sampled_rows: tuple[list[str], np.ndarray] = ([], np.zeros(0, np.int32))
+        self.kv_connector = None  # a KV connector's worker side (set_kv_connector)
         self._compiled: dict[tuple[int, int, StepFeatures], object] = {}
         # Host step buffers per (T, R, prompt_logprobs, structured), two of each used in turn:
         # a buffer is refilled only after the step that read it has finished.
@@ -689,6 +690,10 @@ class ModelRunner:
         the next step can be built before this one is collected. None: nothing to run."""
         if so.scheduled_spec_decode_tokens and not self.num_spec:
             raise ValueError("draft tokens were scheduled, but speculative decoding is off")
+        if self.kv_connector is not None and so.kv_connector_metadata:
+            # Loads, saves and cancels start before the step: a gather is enqueued before
+            # the step can overwrite its blocks.
+            self.kv_connector.bind_connector_metadata(so.kv_connector_metadata)
         self._apply_diff(so)
         if not so.num_scheduled_tokens:
             return None
@@ -768,6 +773,19 @@ class ModelRunner:
         b = self.batch  # (the scheduler decides which requests may take drafts)
         drafts = self.proposer.propose(b.token_ids, slots, b.num_tokens[slots])
         return {rid: d for rid, d in zip(rows, drafts) if d}
+
+    def set_kv_connector(self, worker) -> None:
+        """Attach a KV connector's worker side: it reaches the cache only through a
+        KVBlockIO (compiled gathers and scatters of whole blocks)."""
+        from jaxinfer.runner.kv_block_io import KVBlockIO
+
+        self.kv_connector = worker
+        worker.register_block_io(KVBlockIO(self))
+
+    def get_kv_connector_output(self):
+        """Poll the connector: scatter loads that arrived into the cache (before any later
+        step), report loads done or failed and blocks sent. None without a connector."""
+        return None if self.kv_connector is None else self.kv_connector.get_finished()
 
     def execute(self, so: SchedulerOutput, grammar=None) -> RunnerOutput:
         """grammar: (request ids, int32 bitmask [n, ceil(V/32)]) of the rows sampling under a
