@@ -67,6 +67,19 @@ class EngineMetrics:
         self.spec_accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
                                              "Accepted tokens per draft position.",
                                              names + ["position"], registry=self.registry)
+        # KV connectors (zero without one).
+        self.kv_loaded = Counter(p + "kv_connector_loaded_tokens",
+                                 "Prompt tokens whose KV a connector brought in.", names,
+                                 registry=self.registry).labels(**lbl)
+        self.kv_load_failures = Counter(p + "kv_connector_load_failures",
+                                        "KV loads that failed or timed out.", names,
+                                        registry=self.registry).labels(**lbl)
+        self.kv_expired = Counter(p + "kv_connector_expired_sends",
+                                  "Blocks held for a pull that nobody made (freed).", names,
+                                  registry=self.registry).labels(**lbl)
+        self.kv_held = Gauge(p + "kv_connector_blocks_held",
+                             "KV blocks of finished requests held for a transfer.", names,
+                             registry=self.registry).labels(**lbl)
         self._seen: dict[str, tuple[int, float]] = {}  # request -> (tokens so far, last time)
         self._last_stats: dict = {}
 
@@ -103,13 +116,17 @@ class EngineMetrics:
         self.waiting.set(stats.get("num_waiting_reqs", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
         self.prefix_hit_rate.set(stats.get("prefix_cache_hit_rate", 0.0))
+        self.kv_held.set(stats.get("kv_connector_blocks_held", 0))
         last = self._last_stats
         for key, counter in (("prefix_cache_queries", self.prefix_queries),
                              ("prefix_cache_hits", self.prefix_hits),
                              ("num_preemptions", self.preemptions),
                              ("spec_decode_num_drafts", self.spec_drafts),
                              ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
-                             ("spec_decode_num_accepted_tokens", self.spec_accepted)):
+                             ("spec_decode_num_accepted_tokens", self.spec_accepted),
+                             ("kv_connector_loaded_tokens", self.kv_loaded),
+                             ("kv_connector_load_failures", self.kv_load_failures),
+                             ("kv_connector_expired_sends", self.kv_expired)):
             delta = stats.get(key, 0) - last.get(key, 0)
             if delta > 0:
                 counter.inc(delta)

@@ -326,16 +326,13 @@ class EngineCore:
             stats["grammar_compile_seconds"] = som.compile_seconds
             stats["num_grammar_rejections"] = self.scheduler.num_grammar_rejections
         if self.kv_connector is not None:
-            w = self.kv_connector
-            stats["kv_connector"] = {
-                "num_loaded_tokens": self.scheduler.num_kv_loaded_tokens,
-                "num_load_failures": self.scheduler.num_kv_load_failures,
-                "num_blocks_held_for_transfer": sum(
-                    len(self.scheduler.kv.req_to_blocks.get(r, ()))
-                    for r in self.scheduler.delayed_free),
-                "bytes_moved": w.io.bytes_moved,
-                "num_expired_sends": getattr(w, "num_expired_sends", 0),
-            }
+            w, sch = self.kv_connector, self.scheduler
+            stats["kv_connector_loaded_tokens"] = sch.num_kv_loaded_tokens
+            stats["kv_connector_load_failures"] = sch.num_kv_load_failures
+            stats["kv_connector_blocks_held"] = sum(
+                len(sch.kv.req_to_blocks.get(r, ())) for r in sch.delayed_free)
+            stats["kv_connector_bytes_moved"] = w.io.bytes_moved
+            stats["kv_connector_expired_sends"] = getattr(w, "num_expired_sends", 0)
         stats["time"] = time.time()
         return stats
 
@@ -396,6 +393,7 @@ class EngineCore:
                 except queue.Empty:
                     item = ()
             if self.has_work():
+                kv_busy = self.has_kv_work()
                 try:
                     outs = self.step()
                 except Exception:
@@ -406,6 +404,8 @@ class EngineCore:
                 if outs:
                     outputs.put(EngineCoreOutputs(outputs=outs, stats=self.get_stats()))
                     stats_sent = True
+                elif kv_busy:
+                    stats_sent = False  # blocks may have been freed: publish when idle
             if not stats_sent and not self.has_work():
                 outputs.put(EngineCoreOutputs(stats=self.get_stats()))
                 stats_sent = True

@@ -126,7 +126,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help='speculative decoding, as JSON (vLLM\'s names): {"method": "ngram", '
                         '"num_speculative_tokens": K, "prompt_lookup_min": N, '
                         '"prompt_lookup_max": N}')
+    v.add_argument("--kv-transfer-config", type=_json_arg, default=None,
+                   help='a KV connector, as JSON (vLLM\'s names): {"kv_connector": '
+                        '"JaxTransferConnector" | "SharedStorageConnector", "kv_role": '
+                        '"kv_producer" | "kv_consumer" | "kv_both", "kv_load_failure_policy": '
+                        '"recompute" | "fail", "kv_ip": ..., "kv_connector_extra_config": '
+                        '{"shared_storage_path": DIR, "abort_timeout": s, "pull_timeout": s}}')
+    v.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    v.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV cache size in blocks (default: from the memory budget)")
+    v.add_argument("--no-enable-prefix-caching", action="store_true",
+                   help="turn automatic prefix caching off")
     v.set_defaults(func=_cmd_serve)
+
+    from jaxinfer.entrypoints import disagg_proxy
+
+    disagg_proxy.add_parser(sub)
 
     c = sub.add_parser("convert-gguf", help="convert a Llama-family GGUF into an HF folder")
     c.add_argument("file")

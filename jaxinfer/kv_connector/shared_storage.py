@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -53,12 +54,14 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self._loads: list[LoadSpec] = []
         self._saves: list[SaveSpec] = []
         self._cancels: list[str] = []
+        self._waiting_since: dict[str, float] = {}
+        self.wait_timeout = float(config.kv_connector_extra_config.get("pull_timeout", 30.0))
 
     def path(self, key: str) -> str:
         return os.path.join(self.root, key[:2], key + ".safetensors")
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        if not self.config.is_kv_consumer:
+        if not self.config.is_kv_consumer or request.skip_prefix_cache:
             return 0, False
         first = num_computed_tokens // self.block_size
         most = self.max_loadable_blocks(request, num_computed_tokens)
@@ -69,6 +72,19 @@ class SharedStorageScheduler(KVConnectorScheduler):
         n = 0
         while n < most and os.path.exists(self.path(keys[n])):
             n += 1
+        # As a P/D decode instance: the prefill instance announced how many blocks it stores
+        # (kv_transfer_params); wait for the files still being written, up to pull_timeout.
+        p = request.kv_transfer_params or {}
+        if p.get("do_remote_prefill"):
+            promised = min(int(p.get("remote_num_blocks") or 0), first + most) - first
+            if n < promised:
+                since = self._waiting_since.setdefault(request.request_id, time.time())
+                if time.time() - since < self.wait_timeout:
+                    return None, False
+                logger.warning("request %s: %d of %d announced KV blocks are in shared storage "
+                               "after %g s; computing the rest", request.request_id, n,
+                               promised, self.wait_timeout)
+            self._waiting_since.pop(request.request_id, None)
         if n == 0:
             return 0, False
         self._matched[request.request_id] = (first, keys[:n])
@@ -86,21 +102,32 @@ class SharedStorageScheduler(KVConnectorScheduler):
     def request_finished(self, request, block_ids):
         rid = request.request_id
         self._matched.pop(rid, None)
+        self._waiting_since.pop(rid, None)
         if rid in self._pending_loads:  # aborted while its blocks were loading
             self._pending_loads.discard(rid)
             self._cancels.append(rid)
             return False, None
         if not self.config.is_kv_producer:
             return False, None
+        from jaxinfer.request import RequestStatus
+
         n = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
+        params = None
+        p = request.kv_transfer_params or {}
+        if p.get("do_remote_decode") and request.status != RequestStatus.FINISHED_ABORTED:
+            # For a decode instance: how many blocks it will find (it waits for them).
+            params = {"do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_num_blocks": min(n, (request.num_prompt_tokens - 1)
+                                               // self.block_size),
+                      "block_size": self.block_size}
         keys = block_keys(request.all_token_ids, n, self.block_size, request.cache_salt)
         todo = [(b, self.path(k)) for b, k in zip(block_ids[:n], keys)
                 if not os.path.exists(self.path(k))]
         if not todo:
-            return False, None
+            return False, params
         self._saves.append(SaveSpec(rid, tuple(b for b, _ in todo),
                                     {"paths": [p for _, p in todo]}))
-        return True, None  # freed once the worker has copied them out (next step)
+        return True, params  # freed once the worker has copied them out (next step)
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         for rid in out.finished_recving | set(out.failed_recving):
@@ -173,7 +200,7 @@ class SharedStorageWorker(KVConnectorWorker):
                 meta = {"dtype": str(block.dtype), "shape": ",".join(map(str, block.shape)),
                         "sha256": hashlib.sha256(raw.tobytes()).hexdigest()}
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.{os.getpid()}.tmp"
+                tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
                 save_file({"kv": raw}, tmp, metadata=meta)
                 os.replace(tmp, path)
         except Exception:

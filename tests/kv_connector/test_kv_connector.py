@@ -78,8 +78,8 @@ def test_shared_storage_survives_a_restart(tiny_dir, reference, tmp_path):
     stats = llm.llm_engine.call_utility("get_stats")
     # Every full block except the one holding a prompt's last token came from storage.
     want = sum((len(p["prompt_token_ids"]) - 1) // 8 * 8 for p in workload())
-    assert stats["kv_connector"]["num_loaded_tokens"] + stats["prefix_cache_hits"] >= want
-    assert stats["kv_connector"]["num_loaded_tokens"] > 0
+    assert stats["kv_connector_loaded_tokens"] + stats["prefix_cache_hits"] >= want
+    assert stats["kv_connector_loaded_tokens"] > 0
     assert [o.num_cached_tokens for o in outs][3] == 24  # 29 tokens: 3 blocks loaded
     assert_no_leaks(llm)
     llm.shutdown()
@@ -153,8 +153,11 @@ def test_jax_transfer_pd_equals_colocated_with_identical_blocks(pd_pair, referen
     assert _tokens(outs) == reference
     _drain(p, d)
     assert not _core(p).scheduler.delayed_free  # freed on the decode side's "done"
-    stats = d.llm_engine.call_utility("get_stats")["kv_connector"]
-    assert stats["num_loaded_tokens"] > 0 and stats["num_load_failures"] == 0
+    stats = d.llm_engine.call_utility("get_stats")
+    assert stats["kv_connector_loaded_tokens"] > 0 and stats["kv_connector_load_failures"] == 0
+    # bytes moved = blocks x layers x 2 x block_size x kv_heads x head_dim x 4 (float32)
+    loaded_blocks = stats["kv_connector_loaded_tokens"] // 8
+    assert stats["kv_connector_bytes_moved"] == loaded_blocks * 2 * 2 * 8 * 2 * 16 * 4
     # Loaded blocks are byte-identical to the producer's.
     for prompt in prompts:
         ids = prompt["prompt_token_ids"]
@@ -174,8 +177,8 @@ def test_decode_side_recomputes_when_the_pull_fails(pd_pair, reference):
     bogus = [dict(k, remote_uuid=k["remote_uuid"] + 1) for k in ktps]
     outs = d.generate(prompts, [_decode_params(k) for k in bogus])
     assert _tokens(outs) == reference[3:5]
-    stats = d.llm_engine.call_utility("get_stats")["kv_connector"]
-    assert stats["num_load_failures"] >= 2
+    stats = d.llm_engine.call_utility("get_stats")
+    assert stats["kv_connector_load_failures"] >= 2
     # The producer's blocks were never pulled: freed after abort_timeout.
     _drain(p)
     assert _core(p).kv_connector.num_expired_sends >= 2
@@ -242,8 +245,8 @@ def test_corrupt_block_file_is_recomputed(tiny_dir, reference, tmp_path):
             f.write(b"\xff\x00\xff\x00")
     llm = LLM(tiny_dir, kv_transfer_config=_storage(tmp_path, "kv_consumer"), **OPTS)
     assert _tokens(llm.generate(workload(), GREEDY)) == reference
-    stats = llm.llm_engine.call_utility("get_stats")["kv_connector"]
-    assert stats["num_load_failures"] > 0
+    stats = llm.llm_engine.call_utility("get_stats")
+    assert stats["kv_connector_load_failures"] > 0
     assert_no_leaks(llm)
     llm.shutdown()
 

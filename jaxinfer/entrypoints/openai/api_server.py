@@ -294,6 +294,8 @@ class OpenAIServer:
         params = self._params(req)
         await self._check_structured(req, params)
         prompts = await self._prompts(req.prompt)
+        if req.kv_transfer_params is not None and len(prompts) != 1:
+            raise APIError("kv_transfer_params needs a single prompt", 400, "kv_transfer_params")
         for _, ids in prompts:
             self._check_length(len(ids), params.max_tokens)
         base = f"cmpl-{uuid.uuid4().hex}"
@@ -326,10 +328,12 @@ class OpenAIServer:
                                     "stop_reason": None if req.prompt_only else c.stop_reason})
             completion = 0 if req.prompt_only else sum(
                 len(c.token_ids) for o in outs for c in o.outputs)
+            _check_kv_transfer(outs)
             return {"id": base, "object": "text_completion", "created": created,
                     "model": self.model_name, "choices": choices,
                     "usage": {"prompt_tokens": usage_prompt, "completion_tokens": completion,
-                              "total_tokens": usage_prompt + completion}}
+                              "total_tokens": usage_prompt + completion},
+                    **_kv_params(outs)}
 
         async def events():
             sent_text: dict[tuple[int, int], int] = {}
@@ -476,10 +480,12 @@ class OpenAIServer:
                 choices.append({"index": c.index, "message": message,
                                 "logprobs": self._chat_logprobs(c, 0, top_n),
                                 "finish_reason": finish, "stop_reason": c.stop_reason})
+            _check_kv_transfer([out])
             return {"id": base, "object": "chat.completion", "created": created,
                     "model": self.model_name, "choices": choices,
                     "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                              "total_tokens": len(ids) + completion}}
+                              "total_tokens": len(ids) + completion},
+                    **_kv_params([out])}
 
         def chunk(choices, **extra):
             return _sse({"id": base, "object": "chat.completion.chunk", "created": created,
@@ -644,6 +650,22 @@ class OpenAIServer:
         return app
 
 
+def _kv_params(outs: list[RequestOutput]) -> dict:
+    """vLLM's response field: the KV connector's params (a prefill instance's answer)."""
+    params = next((o.kv_transfer_params for o in outs if o.kv_transfer_params), None)
+    return {} if params is None else {"kv_transfer_params": params}
+
+
+def _check_kv_transfer(outs: list[RequestOutput]) -> None:
+    """A KV transfer that failed under kv_load_failure_policy "fail" is a 503, not an empty
+    completion."""
+    for o in outs:
+        for c in o.outputs:
+            if (c.finish_reason == "abort" and isinstance(c.stop_reason, str)
+                    and c.stop_reason.startswith("KV ")):
+                raise APIError(c.stop_reason, 503, "kv_transfer_params")
+
+
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -688,7 +710,11 @@ def run_server(args) -> int:
                           attention_backend=args.attention_backend, seed=args.seed,
                           warmup=not args.no_warmup, async_scheduling=args.async_scheduling,
                           structured_outputs_config=args.structured_outputs_config,
-                          speculative_config=args.speculative_config)
+                          speculative_config=args.speculative_config,
+                          kv_transfer_config=args.kv_transfer_config,
+                          block_size=args.block_size,
+                          num_kv_blocks=args.num_gpu_blocks_override,
+                          enable_prefix_caching=not args.no_enable_prefix_caching)
     llm = AsyncLLM(config)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if args.model else "SmolLM2-135M-Instruct")

@@ -75,6 +75,10 @@ class _Common(BaseModel):
     # naming the field instead of output that ignores them.
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    # Disaggregated prefill/decode (vLLM's field): {"do_remote_decode": true} asks a prefill
+    # instance to keep the prompt's KV for a decode instance; the params a prefill instance
+    # answers with tell the decode instance where to pull it from.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _refuse_what_is_not_honoured(self):
@@ -89,6 +93,9 @@ class _Common(BaseModel):
         self._structured = self._structured_outputs()
         if self.logit_bias:
             raise UnsupportedField("logit_bias", "logit_bias is not supported")
+        if self.kv_transfer_params is not None and self.n != 1:
+            raise UnsupportedField("kv_transfer_params", "kv_transfer_params needs n=1 (one "
+                                   "KV transfer per request)")
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedField("best_of", f"best_of={self.best_of} is not supported "
                                    "(as in vLLM V1): leave it unset or equal to n")
@@ -159,7 +166,9 @@ class _Common(BaseModel):
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=StructuredOutputsParams(**self._structured[1])
-            if self._structured else None)
+            if self._structured else None,
+            extra_args=None if self.kv_transfer_params is None
+            else {"kv_transfer_params": self.kv_transfer_params})
 
 
 class CompletionRequest(_Common):
