@@ -270,7 +270,7 @@ class EngineCore:
         elif not ran and not outs and (self.scheduler.has_unfinished_requests()
                                        or self.has_kv_work()):
             # Nothing could be scheduled (grammars compiling, KV arriving): no hot spin.
-            time.sleep(0.0005 if self.scheduler.get_num_unfinished_requests() else 0.002)
+            time.sleep(0.0005 if self.scheduler.get_num_unfinished_requests() else 0.005)
         return outs
 
     def step_async(self) -> list[EngineCoreOutput]:

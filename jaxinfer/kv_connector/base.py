@@ -16,6 +16,7 @@ Scheduler side (host, pure Python, runs inside Scheduler):
   request_finished(request, block_ids) -> (delay_free, kv_transfer_params)
       a request ended: keep its blocks (until the worker reports them sent) and/or hand
       parameters to the client (the P/D proxy passes them on to the decode instance).
+  update_connector_output(out)  the worker's report reached the scheduler.
   has_pending_work() -> bool: metadata not yet handed to the worker.
 
 Worker side (owns nothing but transfers; it reads and writes the device caches only through
@@ -96,6 +97,10 @@ class KVConnectorScheduler:
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         return False, None
+
+    def update_connector_output(self, out: "KVConnectorOutput") -> None:
+        """The worker side's report (loads done or failed, blocks sent) reached the
+        scheduler."""
 
     def has_pending_work(self) -> bool:
         return False

@@ -23,6 +23,7 @@ up (its connection poisoned): the request recomputes its prompt (kv_load_failure
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import time
@@ -184,7 +185,9 @@ class JaxTransferWorker(KVConnectorWorker):
             data = self.io.gather(save.block_ids)
             single = data.addressable_shards[0].data
             uuid, deadline = save.dest["uuid"], save.dest["deadline"]
-            self.server.await_pull(uuid, [single])
+            # The server drops the offer at the deadline too (a late pull then times out).
+            self.server.await_pull(uuid, [single],
+                                   timeout=datetime.datetime.fromtimestamp(deadline))
             self._sends[uuid] = (save.req_id, deadline, single)
         for load in meta.loads:
             src = load.source

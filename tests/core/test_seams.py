@@ -3,6 +3,7 @@ connectors), exercised with a fake drafter and a fake connector (block_size 4)."
 
 from __future__ import annotations
 
+from jaxinfer.kv_connector.base import KVConnectorScheduler
 from jaxinfer.outputs import RunnerOutput, SchedulerOutput
 from jaxinfer.request import RequestStatus
 from tests.core.fake import FakeRunner, make_request, make_scheduler, run_to_completion
@@ -103,8 +104,9 @@ def test_requests_waiting_for_fsm_or_remote_kv_are_skipped_in_place():
     assert not s.waiting
 
 
-class FakeConnector:
+class FakeConnector(KVConnectorScheduler):
     def __init__(self):
+        super().__init__(None, 4)
         self.finished = []
 
     def request_finished(self, request, block_ids):

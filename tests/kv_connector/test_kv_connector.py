@@ -268,3 +268,37 @@ def test_kv_transfer_config_errors_name_the_field(tmp_path):
             EngineConfig(kv_transfer_config=cfg)
     with pytest.raises(ValueError, match="n must be 1"):
         SamplingParams(n=2, extra_args={"kv_transfer_params": {}})
+
+
+@pytest.mark.parametrize("extra", [dict(async_scheduling=True),
+                                   dict(speculative_config={"method": "ngram",
+                                                            "num_speculative_tokens": 3})],
+                         ids=["async-scheduling", "ngram-spec-decode"])
+def test_decode_side_with_async_scheduling_or_spec_decode(tiny_dir, pd_pair, reference, extra):
+    p, _ = pd_pair
+    d = LLM(tiny_dir, kv_transfer_config=_transfer("kv_consumer"), **OPTS, **extra)
+    prompts = workload()
+    outs = d.generate(prompts, [_decode_params(k) for k in _prefill(p, prompts)])
+    assert _tokens(outs) == reference
+    assert d.llm_engine.call_utility("get_stats")["kv_connector_loaded_tokens"] > 0
+    _drain(p, d)
+    assert_no_leaks(d)
+    d.shutdown()
+
+
+def test_pd_between_tensor_parallel_sizes(tiny_dir):
+    """A TP=2 prefill instance feeding a TP=1 decode instance and the reverse (2 forced CPU
+    devices, in a subprocess): the colocated output, blocks loaded, nothing leaked."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "tests/kv_connector/tp_pd_worker.py", tiny_dir],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for case in result.values():
+        assert case["equal"] and case["loaded"] > 0 and case["leaks"] == [[], []], result
