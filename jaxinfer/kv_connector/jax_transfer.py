@@ -61,6 +61,11 @@ class JaxTransferScheduler(KVConnectorScheduler):
             return 0, False
         num_remote = int(p.get("remote_num_blocks") or 0)
         notice = {"notify": p.get("remote_notify"), "uuid": p.get("remote_uuid")}
+        if request.skip_prefix_cache:
+            # Penalties / prompt logprobs need every prompt token to pass through a step here.
+            if num_remote:
+                self._notices.append(notice)
+            return 0, False
         if num_remote and p.get("block_size") != self.block_size:
             logger.warning("request %s: the prefill instance's block_size %s differs from "
                            "this engine's %d; computing the prompt here", request.request_id,

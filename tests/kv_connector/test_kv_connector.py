@@ -302,3 +302,24 @@ def test_pd_between_tensor_parallel_sizes(tiny_dir):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     for case in result.values():
         assert case["equal"] and case["loaded"] > 0 and case["leaks"] == [[], []], result
+
+
+def test_penalised_request_computes_its_prompt_and_releases_the_producer(tiny_dir, pd_pair):
+    """Penalties count every prompt token passing through a step: such a request on the
+    decode side computes its prompt (no load) and still tells the producer it is done."""
+    p, d = pd_pair
+    assert d.llm_engine.call_utility("reset_prefix_cache")
+    prompt = workload()[4]
+    before = d.llm_engine.call_utility("get_stats")["kv_connector_loaded_tokens"]
+    ktp = _prefill(p, [prompt])[0]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3,
+                            extra_args={"kv_transfer_params": ktp})
+    want = LLM(tiny_dir, **OPTS)
+    ref = want.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                 repetition_penalty=1.3))
+    want.shutdown()
+    assert _tokens(d.generate([prompt], params)) == _tokens(ref)
+    assert d.llm_engine.call_utility("get_stats")["kv_connector_loaded_tokens"] == before
+    expired = _core(p).kv_connector.num_expired_sends
+    _drain(p, d, timeout=2.5)  # freed by the notice, well before abort_timeout (3 s)
+    assert _core(p).kv_connector.num_expired_sends == expired
