@@ -438,8 +438,19 @@ class EngineConfig:
     # A KV connector: a KVTransferConfig or a dict of its fields, e.g. {"kv_connector":
     # "JaxTransferConnector", "kv_role": "kv_producer"}. None: off.
     kv_transfer_config: KVTransferConfig | dict | None = None
+    # Data parallelism: this many engine-core processes (each with tensor_parallel_size
+    # devices of its own), one load-balancing front end; prefix affinity sends prompts that
+    # share their first blocks to the same rank.
+    data_parallel_size: int = 1
+    data_parallel_prefix_affinity: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got "
+                             f"{self.data_parallel_size!r}")
+        if self.data_parallel_size > 1 and self.enable_multiprocessing is False:
+            raise ValueError("data_parallel_size > 1 runs one engine-core process per rank: it "
+                             "needs enable_multiprocessing (not False)")
         kvt = _sub_config(self.kv_transfer_config, KVTransferConfig, "kv_transfer_config")
         object.__setattr__(self, "kv_transfer_config", kvt)
         spec = _sub_config(self.speculative_config, SpeculativeConfig, "speculative_config")

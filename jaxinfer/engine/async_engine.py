@@ -36,7 +36,16 @@ class AsyncLLM:
         self.tokenizer = Tokenizer.from_pretrained(rc.tokenizer_dir) if rc.tokenizer_dir else None
         self.max_model_len = rc.max_model_len
         self.multiprocessing = multiprocessing_enabled(config) and not in_process_only()
-        self.engine_core = AsyncMPClient(rc) if self.multiprocessing else ThreadedCoreClient(rc)
+        if config.data_parallel_size > 1:
+            from jaxinfer.engine.dp_client import DPAsyncClient
+
+            if not self.multiprocessing:
+                raise ValueError("data_parallel_size > 1 needs the engine cores in their own "
+                                 "processes (multiprocessing on, single-host)")
+            self.engine_core = DPAsyncClient(rc, config.data_parallel_size)
+        else:
+            self.engine_core = (AsyncMPClient(rc) if self.multiprocessing
+                                else ThreadedCoreClient(rc))
         self.processor = make_processor(rc, self.tokenizer, self.engine_core.info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.on_step = on_step  # called on the event loop after each batch of outputs (metrics)

@@ -4,6 +4,7 @@
     ThreadedCoreClient  core in a background thread of this process (AsyncLLM without MP)
     SyncMPClient        core in a child process; blocking calls (LLM / LLMEngine)
     AsyncMPClient       core in a child process; asyncio calls (AsyncLLM / the server)
+    DPSyncClient, DPAsyncClient (dp_client.py)  N cores, one per data-parallel rank
 
 The child process: an input thread decodes requests from the front end's PUSH socket into a
 queue, the main thread runs EngineCore.run_busy_loop over that queue, an output thread encodes
@@ -274,7 +275,7 @@ class _CoreProcess:
     `if __name__ == "__main__"` guard needed in the user's script), binds the two sockets and
     waits for its handshake."""
 
-    def __init__(self, rc: ResolvedConfig):
+    def __init__(self, rc: ResolvedConfig, env: dict[str, str] | None = None):
         import pickle
         import subprocess
         import sys
@@ -294,7 +295,7 @@ class _CoreProcess:
         # The child imports this very jaxinfer, wherever the parent found it.
         import jaxinfer
 
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}  # (a data-parallel rank's devices)
         root = os.path.dirname(os.path.dirname(os.path.abspath(jaxinfer.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.engine.core_client"],
@@ -365,10 +366,10 @@ class _Shared:
     """State the output-reader thread shares with its client (not the client itself, so that
     a client nobody holds is collected and its core process stopped)."""
 
-    def __init__(self, stats: dict):
+    def __init__(self, stats: dict, outputs=None):
         self.stats = stats
         self.dead: BaseException | None = None
-        self.outputs: queue.Queue = queue.Queue()
+        self.outputs = outputs if outputs is not None else queue.Queue()
         self.futures: dict[int, Future] = {}
         self.stop = threading.Event()
 
@@ -402,10 +403,13 @@ def _read_outputs(shared: _Shared, sock, decoder, proc) -> None:
 class SyncMPClient:
     """Blocking client of an engine-core process (LLM / LLMEngine)."""
 
-    def __init__(self, rc: ResolvedConfig):
-        self.p = _CoreProcess(rc)
+    def __init__(self, rc: ResolvedConfig, env: dict[str, str] | None = None, outputs=None):
+        """env: extra environment of the core process; outputs: where step outputs go (a
+        data-parallel front end merges several cores' outputs; default: this client's own
+        queue, read by get_output)."""
+        self.p = _CoreProcess(rc, env)
         self.info = self.p.info
-        self._shared = _Shared(self.p.stats)
+        self._shared = _Shared(self.p.stats, outputs)
         self._enc = encoder()
         self._ids = itertools.count()
         self._reader = threading.Thread(
@@ -461,8 +465,8 @@ class AsyncMPClient:
     """asyncio client of an engine-core process (AsyncLLM / the OpenAI server). Construction
     blocks until the core is ready; the sockets join the event loop on first use."""
 
-    def __init__(self, rc: ResolvedConfig):
-        self.p = _CoreProcess(rc)
+    def __init__(self, rc: ResolvedConfig, env: dict[str, str] | None = None):
+        self.p = _CoreProcess(rc, env)
         self.info, self.stats = self.p.info, self.p.stats
         self._enc = encoder()
         self._ids = itertools.count()

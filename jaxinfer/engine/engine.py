@@ -49,7 +49,16 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(rc.tokenizer_dir) if rc.tokenizer_dir else None
         self.multiprocessing = (multiprocessing_enabled(config) and devices is None
                                 and not in_process_only())
-        self.engine_core = SyncMPClient(rc) if self.multiprocessing else InprocClient(rc, devices)
+        if config.data_parallel_size > 1:
+            from jaxinfer.engine.dp_client import DPSyncClient
+
+            if not self.multiprocessing:
+                raise ValueError("data_parallel_size > 1 needs the engine cores in their own "
+                                 "processes (multiprocessing on, single-host, no devices=)")
+            self.engine_core = DPSyncClient(rc, config.data_parallel_size)
+        else:
+            self.engine_core = (SyncMPClient(rc) if self.multiprocessing
+                                else InprocClient(rc, devices))
         self.processor = make_processor(rc, self.tokenizer, self.engine_core.info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0

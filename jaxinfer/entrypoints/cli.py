@@ -132,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
                         '"kv_producer" | "kv_consumer" | "kv_both", "kv_load_failure_policy": '
                         '"recompute" | "fail", "kv_ip": ..., "kv_connector_extra_config": '
                         '{"shared_storage_path": DIR, "abort_timeout": s, "pull_timeout": s}}')
+    v.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine-core processes (data-parallel ranks), each with "
+                        "--tensor-parallel-size devices of its own; one front end balances "
+                        "requests over them")
+    v.add_argument("--no-data-parallel-prefix-affinity", action="store_true",
+                   help="route by load only (default: prompts sharing their first blocks go "
+                        "to the rank that has them cached, unless it is much busier)")
+    v.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     v.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     v.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="KV cache size in blocks (default: from the memory budget)")

@@ -714,7 +714,11 @@ def run_server(args) -> int:
                           kv_transfer_config=args.kv_transfer_config,
                           block_size=args.block_size,
                           num_kv_blocks=args.num_gpu_blocks_override,
-                          enable_prefix_caching=not args.no_enable_prefix_caching)
+                          enable_prefix_caching=not args.no_enable_prefix_caching,
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          data_parallel_size=args.data_parallel_size,
+                          data_parallel_prefix_affinity=not
+                          args.no_data_parallel_prefix_affinity)
     llm = AsyncLLM(config)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if args.model else "SmolLM2-135M-Instruct")
