@@ -51,6 +51,19 @@ def test_dp2_equals_dp1_and_spreads_the_work(dp2, reference):
     per_rank = eng.call_utility("get_stats")["per_rank"]
     assert len(per_rank) == 2 and all(s["prefix_cache_queries"] > 0 for s in per_rank)
     assert not eng.engine_core.lb.owner and eng.engine_core.lb.in_flight == [0, 0]
+    # Aborts reach the rank holding the request; its blocks come back.
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    for i, p in enumerate(prompts(4)):
+        eng.add_request(f"a{i}", p, long)
+    eng.step()
+    eng.abort_request([f"a{i}" for i in range(4)])
+    assert not eng.has_unfinished_requests() and eng.engine_core.lb.in_flight == [0, 0]
+    import time
+
+    end = time.time() + 30
+    while eng.call_utility("leak_report") and time.time() < end:
+        time.sleep(0.1)
+    assert eng.call_utility("leak_report") == []
 
 
 def test_async_front_end_over_two_ranks(tiny_dir, reference):
