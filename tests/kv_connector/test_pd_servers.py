@@ -171,6 +171,32 @@ def test_pd_through_the_proxy_equals_colocated(pd, colocated):
     assert _metric(urls["decode"], "jaxinfer:kv_connector_load_failures_total") == 0
 
 
+def test_client_disconnect_at_the_proxy_frees_both_sides(pd):
+    urls, _, _ = pd
+
+    def aborts():
+        text = httpx.get(urls["decode"] + "/metrics", timeout=10).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("jaxinfer:request_success_total")
+                   and 'finished_reason="abort"' in line)
+
+    before = aborts()
+    body = {"model": "tiny", "prompt": [7000 + j for j in range(45)], "temperature": 0,
+            "max_tokens": 80, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", urls["proxy"] + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    # The client went away after its first token: the decode request is aborted, the
+    # prefill side's held blocks were pulled and released.
+    end = time.time() + 30
+    while aborts() < before + 1:
+        assert time.time() < end, "the decode request was not aborted"
+        time.sleep(0.2)
+    for name in ("prefill", "decode"):
+        _wait_all_free(urls[name])
+
+
 def test_killing_the_prefill_instance_mid_transfer(pd, colocated):
     """The prefill instance dies after handing out its params, before the decode instance
     pulls: the decode instance gives up after pull_timeout, recomputes, answers the colocated
