@@ -104,26 +104,17 @@ class DPLoadBalancer:
 
 
 def rank_env(rc, rank: int) -> dict[str, str]:
-    """Environment of rank `rank`'s core process: on GPU, its own devices."""
-    env = {"JAXINFER_DP_RANK": str(rank)}
+    """Environment of rank `rank`'s core process: on a GPU machine, its own devices (the
+    rank's slice of CUDA_VISIBLE_DEVICES, or of 0, 1, ... when unset; harmless on CPU). The
+    front end itself never initialises a device backend (it would take GPU memory)."""
     tp = rc.engine.tensor_parallel_size
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
-        return env
-    try:
-        import jax
-
-        gpus = [d.id for d in jax.devices() if d.platform in ("gpu", "cuda", "rocm")]
-    except Exception:  # noqa: BLE001
-        gpus = []
-    if gpus:
-        ids = visible.split(",") if visible else [str(g) for g in gpus]
-        need = (rank + 1) * tp
-        if need > len(ids):
-            raise ValueError(f"data_parallel_size x tensor_parallel_size needs {need} GPUs, "
-                             f"{len(ids)} visible")
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[rank * tp:need])
-    return env
+    ids = visible.split(",") if visible else [str(i) for i in range((rank + 1) * tp)]
+    if (rank + 1) * tp > len(ids):
+        raise ValueError(f"data_parallel_size x tensor_parallel_size needs {(rank + 1) * tp} "
+                         f"GPUs, CUDA_VISIBLE_DEVICES has {len(ids)}")
+    return {"JAXINFER_DP_RANK": str(rank), "CUDA_VISIBLE_DEVICES": ",".join(
+        ids[rank * tp:(rank + 1) * tp])}
 
 
 def _lost_outputs(request_ids, rank: int, err) -> EngineCoreOutputs:
