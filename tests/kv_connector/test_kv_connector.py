@@ -130,8 +130,10 @@ def _decode_params(ktp):
 
 @pytest.fixture(scope="module")
 def pd_pair(tiny_dir):
-    p = LLM(tiny_dir, kv_transfer_config=_transfer("kv_producer", abort_timeout=3), **OPTS)
-    d = LLM(tiny_dir, kv_transfer_config=_transfer("kv_consumer", pull_timeout=2), **OPTS)
+    # (A generous pull_timeout: on a loaded CI machine a good pull may take seconds; the
+    # failure tests use their own decode engine with a short one.)
+    p = LLM(tiny_dir, kv_transfer_config=_transfer("kv_producer", abort_timeout=6), **OPTS)
+    d = LLM(tiny_dir, kv_transfer_config=_transfer("kv_consumer", pull_timeout=30), **OPTS)
     yield p, d
     for llm in (p, d):
         _drain(llm)
@@ -167,11 +169,20 @@ def test_jax_transfer_pd_equals_colocated_with_identical_blocks(pd_pair, referen
             assert a.tobytes() == b.tobytes()
 
 
-def test_decode_side_recomputes_when_the_pull_fails(pd_pair, reference):
+@pytest.fixture(scope="module")
+def impatient(tiny_dir):
+    """A decode engine that gives a pull up after 2 s."""
+    d = LLM(tiny_dir, kv_transfer_config=_transfer("kv_consumer", pull_timeout=2), **OPTS)
+    yield d
+    _drain(d)
+    assert_no_leaks(d)
+    d.shutdown()
+
+
+def test_decode_side_recomputes_when_the_pull_fails(pd_pair, impatient, reference):
     """The producer never offered this uuid (as if it died): the pull is given up after
     pull_timeout and the prompt recomputed; the same output, nothing leaked."""
-    p, d = pd_pair
-    assert d.llm_engine.call_utility("reset_prefix_cache")  # (no local hits from before)
+    p, d = pd_pair[0], impatient
     prompts = workload()[3:5]
     ktps = _prefill(p, prompts)
     bogus = [dict(k, remote_uuid=k["remote_uuid"] + 1) for k in ktps]
@@ -199,8 +210,8 @@ def test_fail_policy_finishes_the_request_with_the_error(tiny_dir, pd_pair):
     _drain(p)
 
 
-def test_abort_while_pulling_frees_everything(pd_pair):
-    p, d = pd_pair
+def test_abort_while_pulling_frees_everything(pd_pair, impatient):
+    p, d = pd_pair[0], impatient
     assert d.llm_engine.call_utility("reset_prefix_cache")
     prompt = workload()[4]
     ktp = _prefill(p, [prompt])[0]
@@ -229,7 +240,7 @@ def test_dropped_done_notice_frees_after_abort_timeout(tiny_dir, pd_pair, refere
     assert _tokens(outs) == reference[2:4]
     assert_no_leaks(d)
     d.shutdown()
-    _drain(p)  # nobody said done: the producer frees after abort_timeout (3 s)
+    _drain(p)  # nobody said done: the producer frees after abort_timeout (6 s)
     assert _core(p).kv_connector.num_expired_sends == before + 2
 
 
@@ -321,5 +332,5 @@ def test_penalised_request_computes_its_prompt_and_releases_the_producer(tiny_di
     assert _tokens(d.generate([prompt], params)) == _tokens(ref)
     assert d.llm_engine.call_utility("get_stats")["kv_connector_loaded_tokens"] == before
     expired = _core(p).kv_connector.num_expired_sends
-    _drain(p, d, timeout=2.5)  # freed by the notice, well before abort_timeout (3 s)
+    _drain(p, d, timeout=2.5)  # freed by the notice, well before abort_timeout (6 s)
     assert _core(p).kv_connector.num_expired_sends == expired

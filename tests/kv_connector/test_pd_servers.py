@@ -103,10 +103,10 @@ def pd(request, tiny_dir, tmp_path_factory):
                                         "kv_connector_extra_config": dict(extra, **x)})
     procs = {
         "prefill": _start(["serve", tiny_dir, "--port", str(pp), "--served-model-name", "tiny",
-                           "--kv-transfer-config", ktc("kv_producer", abort_timeout=5),
+                           "--kv-transfer-config", ktc("kv_producer", abort_timeout=30),
                            *SERVE_ARGS], open(logs / "prefill.log", "w")),
         "decode": _start(["serve", tiny_dir, "--port", str(dp), "--served-model-name", "tiny",
-                          "--kv-transfer-config", ktc("kv_consumer", pull_timeout=3),
+                          "--kv-transfer-config", ktc("kv_consumer", pull_timeout=8),
                           *SERVE_ARGS], open(logs / "decode.log", "w")),
         "proxy": _start(["proxy", "--prefill", f"http://127.0.0.1:{pp}", "--decode",
                          f"http://127.0.0.1:{dp}", "--port", str(xp)],
