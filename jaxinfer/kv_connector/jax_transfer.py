@@ -103,6 +103,11 @@ class JaxTransferScheduler(KVConnectorScheduler):
             self._cancels.append(rid)
             return False, None
         p = request.kv_transfer_params
+        if (p and p.get("do_remote_prefill") and not request.kv_load_tried
+                and p.get("remote_uuid") is not None):
+            # Finished (aborted) before it was ever admitted: the producer can let go now.
+            self._notices.append({"notify": p.get("remote_notify"), "uuid": p["remote_uuid"]})
+            return False, None
         if not self.config.is_kv_producer or not p or not p.get("do_remote_decode"):
             return False, None
         from jaxinfer.request import RequestStatus

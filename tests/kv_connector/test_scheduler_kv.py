@@ -121,3 +121,30 @@ def test_no_room_for_the_load_stops_admission_and_retries():
     while s.has_unfinished_requests():
         _step(s, runner)
     assert s.kv.get_num_free_blocks() == 11
+
+
+def test_jax_transfer_consumer_releases_the_producer_when_aborted_before_admission():
+    """A decode request aborted while still queued (never asked to pull) sends the producer
+    its "done" notice, so the producer need not wait for abort_timeout."""
+    from jaxinfer.config import KVTransferConfig
+    from jaxinfer.kv_connector.jax_transfer import JaxTransferScheduler
+    from jaxinfer.sampling_params import SamplingParams
+    from jaxinfer.request import Request
+
+    class W:
+        transfer_address, notify_address = "127.0.0.1:1", "tcp://127.0.0.1:2"
+
+    conn = JaxTransferScheduler(KVTransferConfig("JaxTransferConnector", "kv_consumer"), 4,
+                                "d0", W())
+    s = make_scheduler(num_blocks=40, max_num_seqs=1)
+    s.kv_connector = conn
+    ktp = {"do_remote_prefill": True, "remote_num_blocks": 2, "remote_uuid": 77,
+           "remote_host": "127.0.0.1:9", "remote_notify": "tcp://127.0.0.1:9", "block_size": 4}
+    s.add_request(make_request("busy", range(300, 310), max_tokens=5))
+    s.add_request(Request("q", list(range(100, 110)), SamplingParams(
+        max_tokens=2, extra_args={"kv_transfer_params": ktp})))
+    s.schedule()  # "busy" takes the only seat; "q" waits, never asked
+    assert not s.requests["q"].kv_load_tried
+    s.finish_requests(["q"])
+    meta = conn.build_connector_meta()
+    assert meta.notices == ({"notify": "tcp://127.0.0.1:9", "uuid": 77},) and not meta.loads
