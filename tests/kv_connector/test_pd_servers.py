@@ -197,13 +197,12 @@ def test_client_disconnect_at_the_proxy_frees_both_sides(pd):
         _wait_all_free(urls[name])
 
 
+@pytest.mark.parametrize("pd", ["JaxTransferConnector"], indirect=True)
 def test_killing_the_prefill_instance_mid_transfer(pd, colocated):
     """The prefill instance dies after handing out its params, before the decode instance
     pulls: the decode instance gives up after pull_timeout, recomputes, answers the colocated
     output, and holds no block afterwards."""
-    urls, procs, connector = pd
-    if connector != "JaxTransferConnector":
-        pytest.skip("a transfer between live processes")
+    urls, procs, _ = pd
     prompt = EXTRA
     r = _complete(urls["prefill"], prompt, max_tokens=1,
                   kv_transfer_params={"do_remote_decode": True})
