@@ -32,9 +32,6 @@ step donates):
 from __future__ import annotations
 
 import dataclasses
-import logging
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)

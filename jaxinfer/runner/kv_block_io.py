@@ -9,7 +9,6 @@ compile at most log2(max_blocks) variants each.
 
 from __future__ import annotations
 
-from functools import partial
 
 import jax
 import jax.numpy as jnp
