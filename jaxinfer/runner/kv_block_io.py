@@ -9,7 +9,6 @@ compile at most log2(max_blocks) variants each.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
