@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help='speculative decoding, as JSON (vLLM\'s names): {"method": "ngram", '
                         '"num_speculative_tokens": K, "prompt_lookup_min": N, '
                         '"prompt_lookup_max": N}')
+    g.add_argument("--kv-transfer-config", type=_json_arg, default=None,
+                   help='a KV connector, as JSON (as for serve), e.g. {"kv_connector": '
+                        '"SharedStorageConnector", "kv_role": "kv_both", '
+                        '"kv_connector_extra_config": {"shared_storage_path": DIR}}')
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine-core processes the prompts are balanced over")
     g.set_defaults(func=_cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks: latency | throughput | serve | roofline")

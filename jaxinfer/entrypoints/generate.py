@@ -23,7 +23,9 @@ def run_generate(args) -> int:
               max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
               seed=args.seed or 0, warmup=not args.no_warmup,
               async_scheduling=args.async_scheduling,
-              speculative_config=args.speculative_config)
+              speculative_config=args.speculative_config,
+              kv_transfer_config=args.kv_transfer_config,
+              data_parallel_size=args.data_parallel_size)
     eng = llm.llm_engine
     stats = eng.get_stats()
     print(f"loaded {eng.model_dir} ({eng.model_config.architecture}, {eng.dtype}, attention "

@@ -8,6 +8,7 @@ whatever the batch)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -279,6 +280,20 @@ def test_kv_transfer_config_errors_name_the_field(tmp_path):
             EngineConfig(kv_transfer_config=cfg)
     with pytest.raises(ValueError, match="n must be 1"):
         SamplingParams(n=2, extra_args={"kv_transfer_params": {}})
+    from jaxinfer.entrypoints.cli import build_parser
+
+    store = json.dumps(_storage(tmp_path))
+    for cmd in ("serve", "generate"):
+        args = build_parser().parse_args([cmd, "--kv-transfer-config", store,
+                                          "--data-parallel-size", "2"])
+        cfg = EngineConfig(kv_transfer_config=args.kv_transfer_config,
+                           data_parallel_size=args.data_parallel_size)
+        assert cfg.kv_transfer_config.kv_connector == "SharedStorageConnector"
+        assert cfg.kv_transfer_config.is_kv_producer and cfg.data_parallel_size == 2
+    with pytest.raises(ValueError, match="data_parallel_size must be"):
+        EngineConfig(data_parallel_size=0)
+    with pytest.raises(ValueError, match="needs enable_multiprocessing"):
+        EngineConfig(data_parallel_size=2, enable_multiprocessing=False)
 
 
 @pytest.mark.parametrize("extra", [dict(async_scheduling=True),
