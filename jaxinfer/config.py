@@ -329,7 +329,8 @@ class KVTransferConfig:
     kv_connector "JaxTransferConnector": disaggregated prefill/decode between engine processes:
     the prefill engine (producer) keeps a finished prompt's blocks for the decode engine
     (consumer) to pull with jax.experimental.transfer; "done" notices go over ZeroMQ. kv_ip is
-    the address both servers listen on; kv_port the notice port (0: any free one).
+    the address both servers listen on; kv_port the notice port (0: any free one; with data
+    parallelism, rank r listens on kv_port + r).
 
     kv_load_failure_policy: a load that fails or times out -> "recompute" the prompt (default)
     or "fail" the request with an error. kv_connector_extra_config: per connector, e.g.
@@ -363,6 +364,12 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config.kv_port must be in [0, 65535], got "
                              f"{self.kv_port!r}")
         extra = self.kv_connector_extra_config
+        known = {"SharedStorageConnector": {"shared_storage_path", "pull_timeout"},
+                 "JaxTransferConnector": {"abort_timeout", "pull_timeout"}}[name]
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config: unknown key(s) "
+                             f"{unknown} for {name}; known: {sorted(known)}")
         for key in ("abort_timeout", "pull_timeout"):
             v = extra.get(key)
             if v is not None and (not isinstance(v, (int, float)) or v <= 0):

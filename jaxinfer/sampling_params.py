@@ -122,8 +122,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
-    # Arbitrary per-request data for engine extensions (vLLM's extra_args); jaxinfer reads
-    # "kv_transfer_params" (disaggregated prefill/decode) from it.
+    # Per-request data for engine extensions (vLLM's extra_args); jaxinfer reads only
+    # "kv_transfer_params" (disaggregated prefill/decode), other keys are refused by name.
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self):
@@ -187,6 +187,10 @@ class SamplingParams:
         if self.extra_args is not None:
             if not isinstance(self.extra_args, dict):
                 fail("extra_args", "must be a dict or None")
+            unknown = sorted(set(self.extra_args) - {"kv_transfer_params"})
+            if unknown:
+                raise ValueError(f"SamplingParams.extra_args: unknown key(s) {unknown}; "
+                                 "jaxinfer reads only 'kv_transfer_params'")
             ktp = self.extra_args.get("kv_transfer_params")
             if ktp is not None and not isinstance(ktp, dict):
                 raise ValueError("SamplingParams.extra_args['kv_transfer_params'] must be a "

@@ -153,9 +153,9 @@ class JaxTransferWorker(KVConnectorWorker):
         self._ctx = zmq.Context()
         self._notify_in = self._ctx.socket(zmq.PULL)
         self._notify_in.setsockopt(zmq.LINGER, 0)
-        if config.kv_port:
-            self._notify_in.bind(f"tcp://{ip}:{config.kv_port}")
-            port = config.kv_port
+        if config.kv_port:  # (data-parallel rank r: kv_port + r, as vLLM's side channel)
+            port = config.kv_port + int(os.environ.get("JAXINFER_DP_RANK", "0"))
+            self._notify_in.bind(f"tcp://{ip}:{port}")
         else:
             port = self._notify_in.bind_to_random_port(f"tcp://{ip}")
         self.notify_address = f"tcp://{ip}:{port}"

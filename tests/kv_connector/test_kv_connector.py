@@ -70,8 +70,10 @@ def test_shared_storage_survives_a_restart(tiny_dir, reference, tmp_path):
     assert_no_leaks(llm)
     llm.shutdown()
     files = [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".safetensors")]
-    # Full blocks of each prompt, the shared prefix stored once: 0+1+2+3+7+3+(4-3)... at least
-    assert len(files) >= 15
+    # Full prompt blocks (block 8) of 5, 8, 16, 29, 61, 27, 36 tokens: 0+1+2+3+7+3+4, the
+    # 3-block shared prefix stored once: 17 files, nothing half-written left behind.
+    assert len(files) == 17
+    assert not [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]
 
     llm = LLM(tiny_dir, kv_transfer_config=_storage(tmp_path, "kv_consumer"), **OPTS)
     outs = llm.generate(workload(), GREEDY)
@@ -274,12 +276,16 @@ def test_kv_transfer_config_errors_name_the_field(tmp_path):
             "kv_load_failure_policy"),
            (_transfer("kv_both", pull_timeout=-1), "pull_timeout"),
            ({"kv_connector": "JaxTransferConnector", "kv_role": "kv_both", "bogus": 1},
-            "bogus")]
+            "bogus"),
+           (_transfer("kv_both", pull_timout=5), "pull_timout"),
+           (_storage(tmp_path, abort_timeout=5), "abort_timeout")]
     for cfg, needle in bad:
         with pytest.raises(ValueError, match=needle):
             EngineConfig(kv_transfer_config=cfg)
     with pytest.raises(ValueError, match="n must be 1"):
         SamplingParams(n=2, extra_args={"kv_transfer_params": {}})
+    with pytest.raises(ValueError, match=r"extra_args: unknown key\(s\) \['foo'\]"):
+        SamplingParams(extra_args={"foo": 1})
     from jaxinfer.entrypoints.cli import build_parser
 
     store = json.dumps(_storage(tmp_path))
