@@ -98,12 +98,14 @@ def pd(request, tiny_dir, tmp_path_factory):
     extra = {}
     if connector == "SharedStorageConnector":
         extra["shared_storage_path"] = str(tmp_path_factory.mktemp("kv-store"))
+    # (the producer's abort_timeout is a JaxTransferConnector option only)
+    held = {"abort_timeout": 30} if connector == "JaxTransferConnector" else {}
     ktc = lambda role, **x: json.dumps({"kv_connector": connector,  # noqa: E731
                                         "kv_role": role,
                                         "kv_connector_extra_config": dict(extra, **x)})
     procs = {
         "prefill": _start(["serve", tiny_dir, "--port", str(pp), "--served-model-name", "tiny",
-                           "--kv-transfer-config", ktc("kv_producer", abort_timeout=30),
+                           "--kv-transfer-config", ktc("kv_producer", **held),
                            *SERVE_ARGS], open(logs / "prefill.log", "w")),
         "decode": _start(["serve", tiny_dir, "--port", str(dp), "--served-model-name", "tiny",
                           "--kv-transfer-config", ktc("kv_consumer", pull_timeout=8),
