@@ -12,11 +12,25 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 
 
 class EngineMetrics:
-    """Prometheus collectors, fed from the engine thread after every step."""
+    """Prometheus collectors, fed from the engine thread after every step.
 
-    def __init__(self, model_name: str):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    role "only": one API server, its own registry. With several API servers ("primary",
+    "secondary"; PROMETHEUS_MULTIPROC_DIR set by the launcher before prometheus_client is
+    imported), every process writes its values to files there and /metrics on any of them
+    adds them up (request counters and histograms summed over the servers); the gauges and
+    counters that mirror engine-core stats are fed by the primary only, which sees the same
+    engines as the others."""
 
+    def __init__(self, model_name: str, role: str = "only"):
+        import functools
+
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client import Gauge as _Gauge
+
+        self.role = role
+        self.feeds_engine_stats = role != "secondary"
+        # (one writer per gauge across the processes: report its latest value)
+        Gauge = functools.partial(_Gauge, multiprocess_mode="mostrecent")
         self.registry = CollectorRegistry()
         lbl = {"model_name": model_name}
         self._lbl = lbl
@@ -80,6 +94,16 @@ class EngineMetrics:
         self.kv_held = Gauge(p + "kv_connector_blocks_held",
                              "KV blocks of finished requests held for a transfer.", names,
                              registry=self.registry).labels(**lbl)
+        # Data parallelism / API-server scale-out (summed over API servers in multiprocess
+        # mode): requests each engine core (data-parallel rank) was sent, requests each API
+        # server took.
+        self.dp_routed = Counter(p + "dp_requests_routed",
+                                 "Requests sent to each data-parallel engine core.",
+                                 names + ["engine"], registry=self.registry)
+        self.api_requests = Counter(p + "api_server_requests",
+                                    "Generation requests each API server took.",
+                                    names + ["api_server"], registry=self.registry)
+        self._routed_seen: list[int] = []
         self._seen: dict[str, tuple[int, float]] = {}  # request -> (tokens so far, last time)
         self._last_stats: dict = {}
 
@@ -111,7 +135,16 @@ class EngineMetrics:
         self._seen.pop(request_id, None)
         self.request_success.labels(finished_reason="abort", **self._lbl).inc()
 
+    def update_routing(self, num_routed: list[int]) -> None:
+        seen = self._routed_seen + [0] * (len(num_routed) - len(self._routed_seen))
+        for rank, (now, was) in enumerate(zip(num_routed, seen)):
+            if now > was:
+                self.dp_routed.labels(engine=str(rank), **self._lbl).inc(now - was)
+        self._routed_seen = list(num_routed)
+
     def update_gauges(self, stats: dict) -> None:
+        if not self.feeds_engine_stats:
+            return
         self.running.set(stats.get("num_running_reqs", 0))
         self.waiting.set(stats.get("num_waiting_reqs", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
@@ -140,6 +173,12 @@ class EngineMetrics:
         self._last_stats = dict(stats)
 
     def render(self) -> bytes:
-        from prometheus_client import generate_latest
+        from prometheus_client import CollectorRegistry, generate_latest
 
-        return generate_latest(self.registry)
+        if self.role == "only":
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)

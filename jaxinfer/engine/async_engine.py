@@ -28,7 +28,10 @@ logger = logging.getLogger(__name__)
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, *,
                  on_step: Callable[[list[RequestOutput], dict], None] | None = None,
-                 on_abort: Callable[[str], None] | None = None):
+                 on_abort: Callable[[str], None] | None = None,
+                 make_client: Callable[[Any], Any] | None = None):
+        """make_client(resolved config): the engine-core client to use instead of the one the
+        config implies (an API server of several gets a client of the shared cores)."""
         from jaxinfer.engine.core_client import AsyncMPClient, ThreadedCoreClient
 
         config = config or EngineConfig()
@@ -36,7 +39,9 @@ class AsyncLLM:
         self.tokenizer = Tokenizer.from_pretrained(rc.tokenizer_dir) if rc.tokenizer_dir else None
         self.max_model_len = rc.max_model_len
         self.multiprocessing = multiprocessing_enabled(config) and not in_process_only()
-        if config.data_parallel_size > 1:
+        if make_client is not None:
+            self.engine_core = make_client(rc)
+        elif config.data_parallel_size > 1:
             from jaxinfer.engine.dp_client import DPAsyncClient
 
             if not self.multiprocessing:
@@ -79,7 +84,10 @@ class AsyncLLM:
         self.engine_core.shutdown()
 
     def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._counter)}"
+        # (an API server of several tags its ids: they meet in the shared engine cores)
+        index = getattr(self.engine_core, "client_index", 0)
+        tag = f"s{index}-" if index else ""
+        return f"{prefix}-{tag}{next(self._counter)}"
 
     def _ensure_handler(self) -> None:
         if self._dead is not None:

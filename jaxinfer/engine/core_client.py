@@ -21,6 +21,7 @@ import os
 import queue
 import tempfile
 import threading
+import time
 import traceback
 import uuid
 import weakref
@@ -184,15 +185,15 @@ def _route(item: EngineCoreOutputs, futures: dict, out_queue, holder) -> None:
 # -- the engine-core process ----------------------------------------------------------------------
 def core_process_main() -> None:
     """Entry point of the child process (`python -m jaxinfer.engine.core_client`). Its stdin
-    is the lifeline: the start-up arguments arrive there (pickled), and its end of file means
-    the parent is gone, so the core exits too."""
+    is the lifeline: the start-up spec arrives there (pickled), and its end of file means the
+    parent is gone, so the core exits too."""
     import pickle
     import sys
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
     stdin = sys.stdin.buffer
     size = int.from_bytes(stdin.read(8), "little")
-    rc, input_addr, output_addr, jax_options = pickle.loads(stdin.read(size))
+    spec = pickle.loads(stdin.read(size))
 
     def watch_parent():
         while stdin.read(4096):
@@ -200,32 +201,78 @@ def core_process_main() -> None:
         os._exit(1)
 
     threading.Thread(target=watch_parent, name="jaxinfer-core-watch", daemon=True).start()
+    os._exit(run_engine_core(spec))
+
+
+def core_spec(rc: ResolvedConfig, inputs: list[str], outputs: list[str], *, rank: int = 0,
+              coordinator: str | None = None, heartbeat: float | None = None,
+              jax_options: dict | None = None) -> dict:
+    """What an engine-core process needs: its config, one (input, output) address pair per
+    front end it serves (client index = position), the coordinator's stats address, and
+    whether to send heartbeats (front ends that did not start it watch those)."""
+    if jax_options is None:
+        import jax
+
+        jax_options = {name: getattr(jax.config, name) for name in _JAX_OPTIONS}
+    return {"rc": rc, "inputs": list(inputs), "outputs": list(outputs), "rank": rank,
+            "coordinator": coordinator, "heartbeat": heartbeat, "jax_options": jax_options}
+
+
+def run_engine_core(spec: dict) -> int:
+    """Run one engine core until told to stop; returns the exit code. With several front ends
+    (API servers), each request's outputs go back to the front end that sent it (its
+    client_index) and utility results to their caller; stats go to all, and to the DP
+    coordinator (waiting, running, KV usage, requests held per front end) every 100 ms."""
+    rc = spec["rc"]
     ctx = zmq.Context()
-    out_sock = ctx.socket(zmq.PUSH)
-    out_sock.setsockopt(zmq.LINGER, 5000)
-    out_sock.connect(output_addr)
-    in_sock = ctx.socket(zmq.PULL)
-    in_sock.connect(input_addr)
+    out_socks = []
+    for addr in spec["outputs"]:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 5000)
+        sock.connect(addr)
+        out_socks.append(sock)
+    in_sock = ctx.socket(zmq.PULL)  # fair-queued over every front end
+    for addr in spec["inputs"]:
+        in_sock.connect(addr)
+    coord = None
+    if spec.get("coordinator"):
+        coord = ctx.socket(zmq.PUSH)
+        coord.setsockopt(zmq.LINGER, 0)
+        coord.setsockopt(zmq.SNDHWM, 16)
+        coord.connect(spec["coordinator"])
+    rank, heartbeat, n_clients = spec.get("rank", 0), spec.get("heartbeat"), len(out_socks)
     enc = encoder()
+
+    def close_all():
+        for sock in out_socks + [in_sock] + ([coord] if coord is not None else []):
+            sock.close()
+        ctx.term()
+
+    def send_all(msg: EngineCoreOutputs) -> None:
+        data = enc.encode(msg)
+        for sock in out_socks:
+            sock.send(data)
+
     try:
         import jax
 
-        for name, value in jax_options.items():
+        for name, value in spec["jax_options"].items():
             jax.config.update(name, value)
         from jaxinfer.engine.core import EngineCore
 
         core = EngineCore(rc)
     except BaseException as e:
         kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__
-        out_sock.send(enc.encode(EngineCoreOutputs(
-            engine_error=f"{kind}: {e}\n{traceback.format_exc()}")))
-        out_sock.close()
-        ctx.term()
-        os._exit(1)
-    out_sock.send(enc.encode(EngineCoreOutputs(ready=core.ready_info(),
-                                               stats=core.get_stats())))
+        send_all(EngineCoreOutputs(engine_error=f"{kind}: {e}\n{traceback.format_exc()}"))
+        close_all()
+        return 1
+    ready = dict(core.ready_info(), data_parallel_rank=rank)
+    send_all(EngineCoreOutputs(ready=ready, stats=core.get_stats()))
     inputs: queue.Queue = queue.Queue()
     outputs: queue.Queue = queue.Queue()
+    owners: dict[str, int] = {}  # request id -> the front end it came from
+    calls: dict[int, tuple[int, int]] = {}  # utility call -> (front end, its call id)
+    call_ids = itertools.count()
 
     def read_inputs():
         import msgspec
@@ -234,22 +281,81 @@ def core_process_main() -> None:
         while True:
             kind, payload = in_sock.recv_multipart()
             if kind == RequestType.ADD.value:
-                inputs.put(("add", dec_req.decode(payload)))
+                req = dec_req.decode(payload)
+                owners[req.request_id] = req.client_index
+                inputs.put(("add", req))
             elif kind == RequestType.ABORT.value:
-                inputs.put(("abort", msgspec.msgpack.decode(payload)))
+                ids = msgspec.msgpack.decode(payload)
+                for rid in ids:  # its front end forgets it: later outputs go nowhere
+                    owners.pop(rid, None)
+                inputs.put(("abort", ids))
             elif kind == RequestType.UTILITY.value:
-                call_id, name, args = msgspec.msgpack.decode(payload)
-                inputs.put(("utility", (call_id, name, tuple(args))))
+                call_id, name, args, *client = msgspec.msgpack.decode(payload)
+                gid = next(call_ids)
+                calls[gid] = (client[0] if client else 0, call_id)
+                inputs.put(("utility", (gid, name, tuple(args))))
             elif kind == RequestType.SHUTDOWN.value:
                 inputs.put(None)
                 return
 
+    def publish(stats: dict) -> None:
+        held = [0] * n_clients
+        for c in list(owners.values()):
+            if 0 <= c < n_clients:
+                held[c] += 1
+        try:
+            coord.send(enc.encode((rank, stats.get("num_waiting_reqs", 0),
+                                   stats.get("num_running_reqs", 0),
+                                   stats.get("kv_cache_usage", 0.0), held)), zmq.NOBLOCK)
+        except zmq.Again:  # the coordinator is behind: the next update carries the same facts
+            pass
+
     def write_outputs():
+        import time
+
+        stats = core.get_stats()
+        last_pub = 0.0
         while True:
-            item = outputs.get()
+            try:
+                item = outputs.get(timeout=heartbeat if heartbeat else 1.0)
+            except queue.Empty:
+                if heartbeat:  # idle: tell the front ends (and the coordinator) we are alive
+                    send_all(EngineCoreOutputs(stats=stats))
+                if coord is not None:
+                    publish(stats)
+                    last_pub = time.monotonic()
+                continue
             if item is None:
                 return
-            out_sock.send(enc.encode(item))
+            if item.stats is not None:
+                stats = item.stats
+            if coord is not None and time.monotonic() - last_pub >= 0.1:
+                publish(stats)
+                last_pub = time.monotonic()
+            if n_clients == 1 and item.utility_output is None:
+                for out in item.outputs:
+                    if out.finish_reason is not None:
+                        owners.pop(out.request_id, None)
+                out_socks[0].send(enc.encode(item))
+            elif item.utility_output is not None:
+                gid, result, err = item.utility_output
+                client, call_id = calls.pop(gid, (0, gid))
+                out_socks[client].send(enc.encode(EngineCoreOutputs(
+                    utility_output=(call_id, result, err), stats=item.stats)))
+            elif item.engine_error or not item.outputs:
+                send_all(item)
+            else:
+                groups: dict[int, list] = {}
+                for out in item.outputs:
+                    if out.finish_reason is not None:
+                        client = owners.pop(out.request_id, None)
+                    else:
+                        client = owners.get(out.request_id)
+                    if client is not None:  # else aborted by its front end: nobody waits
+                        groups.setdefault(client, []).append(out)
+                for client, outs in groups.items():
+                    out_socks[client].send(enc.encode(EngineCoreOutputs(outputs=outs,
+                                                                        stats=item.stats)))
 
     threading.Thread(target=read_inputs, name="jaxinfer-core-in", daemon=True).start()
     writer = threading.Thread(target=write_outputs, name="jaxinfer-core-out", daemon=True)
@@ -266,57 +372,70 @@ def core_process_main() -> None:
     try:
         core.shutdown()
     finally:
-        out_sock.close()
-        os._exit(code)
+        close_all()
+    return code
 
 
-class _CoreProcess:
-    """Starts the engine-core process (a fresh interpreter: no fork of a JAX process, and no
-    `if __name__ == "__main__"` guard needed in the user's script), binds the two sockets and
-    waits for its handshake."""
+def spawn_core_process(spec: dict, env: dict[str, str] | None = None):
+    """Start an engine-core process (a fresh interpreter: no fork of a JAX process, and no
+    `if __name__ == "__main__"` guard needed in the user's script). Its stdin stays open as
+    its lifeline: when this process goes, so does the core."""
+    import pickle
+    import subprocess
+    import sys
 
-    def __init__(self, rc: ResolvedConfig, env: dict[str, str] | None = None):
-        import pickle
-        import subprocess
-        import sys
+    import jaxinfer  # the child imports this very jaxinfer, wherever the parent found it
 
-        import jax
+    env = {**os.environ, **(env or {})}  # (a data-parallel rank's devices)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxinfer.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.engine.core_client"],
+                            stdin=subprocess.PIPE, env=env)
+    args = pickle.dumps(spec)
+    proc.stdin.write(len(args).to_bytes(8, "little") + args)
+    proc.stdin.flush()
+    return proc
 
+
+class _CoreConnection:
+    """This front end's end of one engine core: a PUSH socket (front end -> core) and a PULL
+    socket (core -> front end) bound at the given addresses, and the core's ready handshake.
+    Liveness: when this front end started the core (`proc`), the process is running; when it
+    did not (API servers sharing cores, cores on other hosts), some message arrived in the
+    last `timeout` seconds (idle cores send heartbeats every second)."""
+
+    def __init__(self, input_addr: str, output_addr: str, proc=None, timeout: float = 30.0):
         self.ctx = zmq.Context()
-        base = os.path.join(tempfile.gettempdir(), f"jaxinfer-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self.input_addr, self.output_addr = f"ipc://{base}-in", f"ipc://{base}-out"
-        self.in_sock = self.ctx.socket(zmq.PUSH)  # front end -> core
+        self.input_addr, self.output_addr = input_addr, output_addr
+        self.in_sock = self.ctx.socket(zmq.PUSH)
         self.in_sock.setsockopt(zmq.LINGER, 0)
-        self.in_sock.bind(self.input_addr)
-        self.out_sock = self.ctx.socket(zmq.PULL)  # core -> front end
+        self.in_sock.bind(input_addr)
+        self.out_sock = self.ctx.socket(zmq.PULL)
         self.out_sock.setsockopt(zmq.LINGER, 0)
-        self.out_sock.bind(self.output_addr)
-        options = {name: getattr(jax.config, name) for name in _JAX_OPTIONS}
-        # The child imports this very jaxinfer, wherever the parent found it.
-        import jaxinfer
-
-        env = {**os.environ, **(env or {})}  # (a data-parallel rank's devices)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(jaxinfer.__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.engine.core_client"],
-                                     stdin=subprocess.PIPE, env=env)
-        args = pickle.dumps((rc, self.input_addr, self.output_addr, options))
-        self.proc.stdin.write(len(args).to_bytes(8, "little") + args)
-        self.proc.stdin.flush()  # stdin stays open: it is the core's lifeline
+        self.out_sock.bind(output_addr)
+        self.proc, self.timeout = proc, timeout
         self.decoder = outputs_decoder()
-        # Stops the process and closes the sockets when the client is collected or at exit.
-        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.in_sock,
+        self.last_seen = time.monotonic()
+        self._finalizer = weakref.finalize(self, _stop_process, proc, self.in_sock,
                                            self.out_sock, self.ctx)
+
+    def start(self) -> None:
         try:
             self.info, self.stats = self._handshake()
         except BaseException:
             self._finalizer()
             raise
 
+    def seen(self) -> None:
+        self.last_seen = time.monotonic()
+
     def is_alive(self) -> bool:
-        return self.proc.poll() is None
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return time.monotonic() - self.last_seen < self.timeout
 
     def _handshake(self) -> tuple[dict, dict]:
+        waited = 0
         while True:
             if self.out_sock.poll(_POLL_MS):
                 msg = self.decoder.decode(self.out_sock.recv())
@@ -325,13 +444,24 @@ class _CoreProcess:
                     if first.startswith("ValueError: "):
                         raise ValueError(first[len("ValueError: "):])
                     raise RuntimeError(f"engine core failed to start: {msg.engine_error}")
+                if msg.ready is None:  # a heartbeat before our handshake was read
+                    continue
+                self.seen()
                 return msg.ready, msg.stats
-            if not self.is_alive():
+            if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"engine core process exited during start-up (exit code "
                                    f"{self.proc.returncode})")
+            waited += 1
+            if self.proc is None and waited % 300 == 0:
+                logger.info("waiting for the engine core at %s (%d s)", self.output_addr,
+                            waited // 10)
 
     def dead_error(self) -> EngineDeadError:
-        return EngineDeadError(f"the engine core process died (exit code {self.proc.returncode})")
+        if self.proc is not None:
+            return EngineDeadError(f"the engine core process died (exit code "
+                                   f"{self.proc.returncode})")
+        return EngineDeadError(f"the engine core at {self.output_addr} sent nothing for "
+                               f"{self.timeout:g} s (its heartbeat is every second)")
 
     def send(self, kind: RequestType, payload: bytes) -> None:
         self.in_sock.send_multipart((kind.value, payload), copy=False)
@@ -340,9 +470,32 @@ class _CoreProcess:
         self._finalizer()
 
 
+class _CoreProcess(_CoreConnection):
+    """A core process of this front end's own, over two fresh ipc sockets."""
+
+    def __init__(self, rc: ResolvedConfig, env: dict[str, str] | None = None):
+        base = os.path.join(tempfile.gettempdir(), f"jaxinfer-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        super().__init__(f"ipc://{base}-in", f"ipc://{base}-out")
+        try:
+            self.proc = spawn_core_process(
+                core_spec(rc, [self.input_addr], [self.output_addr]), env)
+        except BaseException:
+            self._finalizer()
+            raise
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self.in_sock,
+                                           self.out_sock, self.ctx)
+        self.start()
+
+
 def _stop_process(proc, in_sock, out_sock, ctx) -> None:
     import subprocess
 
+    if proc is None:  # a core this front end shares with others: just hang up
+        in_sock.close(linger=0)
+        out_sock.close(linger=0)
+        ctx.term()
+        return
     if proc.poll() is None:
         try:
             in_sock.send_multipart((RequestType.SHUTDOWN.value, b""), flags=zmq.NOBLOCK)
@@ -381,19 +534,20 @@ class _Shared:
         self.outputs.put(err)
 
 
-def _read_outputs(shared: _Shared, sock, decoder, proc) -> None:
+def _read_outputs(shared: _Shared, conn: _CoreConnection) -> None:
     """SyncMPClient's reader thread: decode the core's messages until it stops or dies."""
+    sock, decoder = conn.out_sock, conn.decoder
     try:
         while not shared.stop.is_set():
             if sock.poll(_POLL_MS):
                 msg = decoder.decode(sock.recv())
+                conn.seen()
                 if msg.engine_error:
                     shared.fail(EngineDeadError(msg.engine_error))
                     return
                 _route(msg, shared.futures, shared.outputs, shared)
-            elif proc.poll() is not None:
-                shared.fail(EngineDeadError(
-                    f"the engine core process died (exit code {proc.returncode})"))
+            elif not conn.is_alive():
+                shared.fail(conn.dead_error())
                 return
     except zmq.ZMQError as e:  # the socket was closed under us (shutdown, interpreter exit)
         if not shared.stop.is_set():
@@ -413,8 +567,7 @@ class SyncMPClient:
         self._enc = encoder()
         self._ids = itertools.count()
         self._reader = threading.Thread(
-            target=_read_outputs, args=(self._shared, self.p.out_sock, self.p.decoder,
-                                        self.p.proc),
+            target=_read_outputs, args=(self._shared, self.p),
             name="jaxinfer-client-out", daemon=True)
         self._reader.start()
         self._finalizer = weakref.finalize(self, _stop_sync_client, self._shared, self._reader,
@@ -465,8 +618,12 @@ class AsyncMPClient:
     """asyncio client of an engine-core process (AsyncLLM / the OpenAI server). Construction
     blocks until the core is ready; the sockets join the event loop on first use."""
 
-    def __init__(self, rc: ResolvedConfig, env: dict[str, str] | None = None):
-        self.p = _CoreProcess(rc, env)
+    def __init__(self, rc: ResolvedConfig, env: dict[str, str] | None = None,
+                 conn: _CoreConnection | None = None, client_index: int = 0):
+        """conn: a core this front end shares with others (already handshaken); default: a
+        core process of its own."""
+        self.p = conn if conn is not None else _CoreProcess(rc, env)
+        self.client_index = client_index
         self.info, self.stats = self.p.info, self.p.stats
         self._enc = encoder()
         self._ids = itertools.count()
@@ -500,6 +657,7 @@ class AsyncMPClient:
             while True:
                 if await self._out.poll(_POLL_MS):
                     msg = dec.decode(await self._out.recv())
+                    self.p.seen()
                     if msg.engine_error:
                         self._fail(EngineDeadError(msg.engine_error))
                         return
@@ -548,8 +706,8 @@ class AsyncMPClient:
         call_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._futures[call_id] = fut
-        await self._in.send_multipart((RequestType.UTILITY.value,
-                                       self._enc.encode((call_id, name, list(args)))))
+        await self._in.send_multipart((RequestType.UTILITY.value, self._enc.encode(
+            (call_id, name, list(args), self.client_index))))
         return await fut
 
     def shutdown(self) -> None:

@@ -9,7 +9,8 @@ parallelism would; jaxinfer serves no MoE model yet).
 Routing (DPLoadBalancer, pure Python): the rank with the fewest requests in flight, counted by
 this front end on every send and every finish (exact for one front end, so a burst between
 two stats messages cannot pile onto one rank, the stale-stats imbalance of vLLM's internal
-LB); ties go to the rank with the lower KV usage in its last stats, then round robin. Prefix
+LB), plus, when several API servers share the ranks, the requests the other front ends hold
+there as published by the DP coordinator (coordinator.py; at most ~100 ms old); ties go to the rank with the lower KV usage in its last stats, then round robin. Prefix
 affinity: a prompt whose first full blocks were sent to a rank recently goes to that rank
 (where its prefix is cached) unless that rank has max_num_seqs more requests in flight than
 the least loaded one.
@@ -52,6 +53,9 @@ class DPLoadBalancer:
         self.num_routed = [0] * num_ranks  # requests sent to each rank, ever
         self.alive = [True] * num_ranks
         self.kv_usage = [0.0] * num_ranks
+        # Requests other front ends hold on each rank (from the DP coordinator; zero when this
+        # front end is the only one).
+        self.others = [0] * num_ranks
         self.owner: dict[str, int] = {}  # request id -> rank
         self._prefix: OrderedDict[bytes, int] = OrderedDict()
         self._next = 0
@@ -67,14 +71,15 @@ class DPLoadBalancer:
         ranks = [r for r in range(self.n) if self.alive[r]]
         if not ranks:
             raise EngineDeadError("every data-parallel engine core has died")
-        least = min(self.in_flight[r] for r in ranks)
+        load = [self.in_flight[r] + self.others[r] for r in range(self.n)]
+        least = min(load[r] for r in ranks)
         key = self._prefix_key(prompt_ids) if self.prefix_affinity else None
         rank = self._prefix.get(key) if key is not None else None
-        if rank is not None and self.alive[rank] and self.in_flight[rank] < least + self.slack:
+        if rank is not None and self.alive[rank] and load[rank] < least + self.slack:
             self.num_affinity_hits += 1
         else:
             order = ranks[self._next % len(ranks):] + ranks[:self._next % len(ranks)]
-            rank = min(order, key=lambda r: (self.in_flight[r], self.kv_usage[r]))
+            rank = min(order, key=lambda r: (load[r], self.kv_usage[r]))
             self._next += 1
         if key is not None:
             self._prefix[key] = rank
@@ -182,9 +187,11 @@ class _DPBase:
 
     @property
     def stats(self) -> dict:
-        stats = [c.stats for c in self.clients]
-        for r, s in enumerate(stats):
-            self.lb.kv_usage[r] = s.get("kv_cache_usage", 0.0)
+        stats = []
+        for r, c in enumerate(self.clients):
+            if self.lb.alive[r]:  # (a dead rank's last stats would count forever)
+                self.lb.kv_usage[r] = c.stats.get("kv_cache_usage", 0.0)
+                stats.append(c.stats)
         return _merge_stats(stats)
 
     def _after_output(self, rank: int, item) -> EngineCoreOutputs | None:
@@ -256,12 +263,25 @@ class DPSyncClient(_DPBase):
 
 
 class DPAsyncClient(_DPBase):
-    """N AsyncMPClients (AsyncLLM / the server with data_parallel_size=N)."""
+    """N AsyncMPClients (AsyncLLM / the server with data_parallel_size=N). By default it
+    starts the N core processes itself; an API server of several (`--api-server-count`, or a
+    head whose ranks run on other hosts) gets `connections` to cores the launcher started,
+    its `client_index`, and the coordinator's address, whose table it folds into routing."""
 
-    def __init__(self, rc, num_ranks: int):
+    def __init__(self, rc, num_ranks: int, connections=None, client_index: int = 0,
+                 coordinator: str | None = None):
         from jaxinfer.engine.core_client import AsyncMPClient
 
-        self._setup(rc, num_ranks, lambda rank: AsyncMPClient(rc, env=rank_env(rc, rank)))
+        self.client_index, self.coordinator_addr = client_index, coordinator
+        self.num_coordinator_updates = 0
+        if connections is None:
+            self._setup(rc, num_ranks, lambda rank: AsyncMPClient(rc, env=rank_env(rc, rank)))
+        else:
+            def make(rank):
+                connections[rank].start()  # waits for the core's ready handshake
+                return AsyncMPClient(rc, conn=connections[rank], client_index=client_index)
+
+            self._setup(rc, num_ranks, make)
         self._queue: asyncio.Queue | None = None
         self._tasks: list[asyncio.Task] = []
         self._loop = None
@@ -274,6 +294,29 @@ class DPAsyncClient(_DPBase):
             t.cancel()
         self._loop, self._queue = loop, asyncio.Queue()
         self._tasks = [loop.create_task(self._pump(rank)) for rank in range(len(self.clients))]
+        if self.coordinator_addr:
+            self._tasks.append(loop.create_task(self._subscribe()))
+
+    async def _subscribe(self) -> None:
+        """The coordinator's table -> the load balancer's view of the other front ends."""
+        import msgspec
+        import zmq
+        import zmq.asyncio
+
+        from jaxinfer.engine.coordinator import others_load
+
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self.coordinator_addr)
+        try:
+            while True:
+                table = msgspec.msgpack.decode(await sock.recv())
+                self.lb.others = others_load(table, self.client_index)
+                self.num_coordinator_updates += 1
+        finally:
+            sock.close(0)
 
     async def _pump(self, rank: int) -> None:
         client = self.clients[rank]
@@ -287,6 +330,7 @@ class DPAsyncClient(_DPBase):
 
     async def add_request_async(self, req: EngineCoreRequest) -> None:
         self._ensure_started()
+        req.client_index = self.client_index
         rank = self._route(req)
         try:
             await self.clients[rank].add_request_async(req)

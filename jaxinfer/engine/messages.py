@@ -28,6 +28,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     structured_backend: str | None = None  # the backend the front end validated it with
     parent_id: str | None = None  # n > 1: the id its samples share (fair admission)
+    client_index: int = 0  # which front end (API server) sent it: its outputs go back there
 
 
 class RequestType(bytes, enum.Enum):

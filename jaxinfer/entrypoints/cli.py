@@ -142,6 +142,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine-core processes (data-parallel ranks), each with "
                         "--tensor-parallel-size devices of its own; one front end balances "
                         "requests over them")
+    v.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                   help="ranks on this node (default: all of them); the others come from "
+                        "--headless nodes")
+    v.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0,
+                   help="first rank of a --headless node")
+    v.add_argument("--data-parallel-address", "-dpa", default=None,
+                   help="the head node's address (default 127.0.0.1)")
+    v.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=13345,
+                   help="the head's handshake port for ranks on other nodes")
+    v.add_argument("--data-parallel-backend", "-dpb", default="mp", choices=["mp", "ray"],
+                   help="start the ranks as local processes (mp) or as Ray actors on the "
+                        "Ray cluster (ray; `pip install jaxinfer[ray]`)")
+    v.add_argument("--headless", action="store_true",
+                   help="start engine cores only, for the head at --data-parallel-address")
+    v.add_argument("--api-server-count", "-asc", type=int, default=1,
+                   help="API-server processes sharing --port (each talks to every rank)")
     v.add_argument("--no-data-parallel-prefix-affinity", action="store_true",
                    help="route by load only (default: prompts sharing their first blocks go "
                         "to the rank that has them cached, unless it is much busier)")

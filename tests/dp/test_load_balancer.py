@@ -76,3 +76,52 @@ def test_stats_merge_sums_counts_and_keeps_ranks():
     assert m["kv_cache_usage"] == pytest.approx(0.3)
     assert m["prefix_cache_hit_rate"] == 0.25 and m["time"] == 2.0
     assert m["per_rank"] == [a, b]
+
+
+def test_other_front_ends_load_from_the_coordinator_steers_routing():
+    """Two API servers share two ranks: this one's own counters are equal, but the other
+    front end holds 6 requests on rank 0 (the coordinator's table), so new ones go to 1
+    until the loads meet."""
+    from jaxinfer.engine.coordinator import others_load
+
+    lb = DPLoadBalancer(2, block_size=16, max_num_seqs=8, prefix_affinity=False)
+    table = [[3, 3, 0.5, [2, 6]], [0, 0, 0.0, [0, 0]]]  # rows: waiting, running, kv, held
+    lb.others = others_load(table, client_index=0)
+    assert lb.others == [6, 0]
+    picks = [lb.choose(f"r{i}", [i] * 20) for i in range(8)]
+    assert picks[:6] == [1] * 6 and sorted(picks[6:]) == [0, 1]
+    assert others_load([None, [0, 1, 0.1, [4, 5, 7]]], client_index=1) == [0, 11]
+
+
+def test_coordinator_publishes_the_engines_table(tmp_path):
+    import msgspec
+    import zmq
+
+    from jaxinfer.engine.coordinator import DPCoordinator
+
+    stats, pub = f"ipc://{tmp_path}/stats", f"ipc://{tmp_path}/pub"
+    coord = DPCoordinator(2, stats, pub).start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(stats)
+    try:
+        enc = msgspec.msgpack.Encoder()
+        push.send(enc.encode((1, 2, 3, 0.25, [1, 4])))
+        push.send(b"\x93garbage")  # a bad message is dropped, the coordinator goes on
+        push.send(enc.encode((7, 0, 0, 0.0, [0, 0])))  # no such rank: ignored
+        table = None
+        for _ in range(50):  # published within ~100 ms of the change, and every second
+            if sub.poll(200):
+                table = msgspec.msgpack.decode(sub.recv())
+                if table[1] is not None:
+                    break
+        assert table == [None, [2, 3, 0.25, [1, 4]]]
+        assert coord.num_updates == 1
+    finally:
+        push.close(0)
+        sub.close(0)
+        ctx.term()
+        coord.stop()

@@ -93,7 +93,11 @@ class OpenAIServer:
     def __init__(self, llm: AsyncLLM, model_name: str, api_key: str | None = None,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-                 max_waiting_requests: int | None = None, queue_timeout: float | None = None):
+                 max_waiting_requests: int | None = None, queue_timeout: float | None = None,
+                 metrics_role: str = "only"):
+        """metrics_role: "only" (the one API server), "primary" or "secondary" (one of
+        several: Prometheus multiprocess mode; the engines' own counters are fed by the
+        primary alone, so that they are not counted once per API server)."""
         self.llm = llm
         # Admission: at most this many sequences waiting for their first token (429 past it),
         # and how long one may wait for it (then aborted, 503). None: no limit.
@@ -112,12 +116,22 @@ class OpenAIServer:
         self.model_name = model_name
         self.api_key = api_key
         self.max_request_body_bytes = max_request_body_bytes
-        self.metrics = EngineMetrics(model_name)
-        llm.on_step = self.metrics.on_step
+        self.metrics = EngineMetrics(model_name, role=metrics_role)
+        llm.on_step = self._on_step
         llm.on_abort = self.metrics.on_abort
         self.app = self._build_app()
 
     # -- helpers --------------------------------------------------------------------------------
+    def _on_step(self, outputs, stats) -> None:
+        self.metrics.on_step(outputs, stats)
+        lb = getattr(self.llm.engine_core, "lb", None)
+        if lb is not None:  # (data parallel: requests per rank, for /metrics)
+            self.metrics.update_routing(lb.num_routed)
+
+    def _count_request(self) -> None:
+        index = str(getattr(self.llm.engine_core, "client_index", 0))
+        self.metrics.api_requests.labels(api_server=index, **self.metrics._lbl).inc()
+
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(f"The model `{name}` does not exist.", 404, "model",
@@ -623,6 +637,9 @@ class OpenAIServer:
                                   "content": {"text/plain": {"schema": {"type": "string"}}}}})
         async def metrics():
             server.metrics.update_gauges(server.llm.stats)
+            lb = getattr(server.llm.engine_core, "lb", None)
+            if lb is not None:
+                server.metrics.update_routing(lb.num_routed)
             return Response(server.metrics.render(),
                             media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -635,10 +652,12 @@ class OpenAIServer:
 
         @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
         async def completions(req: CompletionRequest, raw: Request):
+            server._count_request()
             return await server.completions(req, raw)
 
         @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
         async def chat(req: ChatCompletionRequest, raw: Request):
+            server._count_request()
             return await server.chat(req, raw)
 
         app.openapi = lambda: _openapi_without_422(app)
@@ -696,38 +715,49 @@ async def _guard(events):
         yield _sse({"error": {"message": err.message, "type": err.err_type, "code": err.status}})
 
 
-def run_server(args) -> int:
-    import os
-
-    import uvicorn
-
+def engine_config_from_args(args):
     from jaxinfer.config import EngineConfig
 
-    config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          attention_backend=args.attention_backend, seed=args.seed,
-                          warmup=not args.no_warmup, async_scheduling=args.async_scheduling,
-                          structured_outputs_config=args.structured_outputs_config,
-                          speculative_config=args.speculative_config,
-                          kv_transfer_config=args.kv_transfer_config,
-                          block_size=args.block_size,
-                          num_kv_blocks=args.num_gpu_blocks_override,
-                          enable_prefix_caching=not args.no_enable_prefix_caching,
-                          tensor_parallel_size=args.tensor_parallel_size,
-                          data_parallel_size=args.data_parallel_size,
-                          data_parallel_prefix_affinity=not
-                          args.no_data_parallel_prefix_affinity)
-    llm = AsyncLLM(config)
+    return EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                        max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        attention_backend=args.attention_backend, seed=args.seed,
+                        warmup=not args.no_warmup, async_scheduling=args.async_scheduling,
+                        structured_outputs_config=args.structured_outputs_config,
+                        speculative_config=args.speculative_config,
+                        kv_transfer_config=args.kv_transfer_config,
+                        block_size=args.block_size,
+                        num_kv_blocks=args.num_gpu_blocks_override,
+                        enable_prefix_caching=not args.no_enable_prefix_caching,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        data_parallel_size=args.data_parallel_size,
+                        data_parallel_prefix_affinity=not
+                        args.no_data_parallel_prefix_affinity)
+
+
+def make_server(llm: AsyncLLM, args, metrics_role: str = "only") -> OpenAIServer:
+    import os
+
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if args.model else "SmolLM2-135M-Instruct")
-    server = OpenAIServer(llm, name, api_key=args.api_key or os.environ.get("JAXINFER_API_KEY"),
-                          max_request_body_bytes=args.max_request_body_bytes,
-                          enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          tool_call_parser=args.tool_call_parser,
-                          max_waiting_requests=args.max_waiting_requests,
-                          queue_timeout=args.queue_timeout)
+    return OpenAIServer(llm, name, api_key=args.api_key or os.environ.get("JAXINFER_API_KEY"),
+                        max_request_body_bytes=args.max_request_body_bytes,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        tool_call_parser=args.tool_call_parser,
+                        max_waiting_requests=args.max_waiting_requests,
+                        queue_timeout=args.queue_timeout, metrics_role=metrics_role)
+
+
+def run_server(args) -> int:
+    import uvicorn
+
+    from jaxinfer.entrypoints.launcher import needs_launcher, run_launcher
+
+    if needs_launcher(args):  # several API servers, ranks on other hosts, or engines only
+        return run_launcher(args)
+    llm = AsyncLLM(engine_config_from_args(args))
+    server = make_server(llm, args)
     llm.start()
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="info")
     return 0
