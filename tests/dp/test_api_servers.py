@@ -132,6 +132,20 @@ def test_two_api_servers_over_two_ranks(two_servers, reference):
     ok = 'jaxinfer:request_success_total{finished_reason="length",model_name="tiny"}'
     assert after[ok] - before.get(ok, 0) == 200
     assert after['jaxinfer:num_requests_running{model_name="tiny"}'] == 0
+
+    # Clients that go away mid-stream: whichever server and rank hold them, they are aborted
+    # there and every block comes back.
+    aborted = 'jaxinfer:request_success_total{finished_reason="abort",model_name="tiny"}'
+    for i in range(4):
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json=dict(
+                body, prompt=[4000 + 17 * i + j for j in range(20)], max_tokens=100,
+                stream=True)) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data: "))
+    end = time.time() + 30
+    while _metrics(url).get(aborted, 0) - before.get(aborted, 0) < 4:
+        assert time.time() < end, "the disconnected requests were not aborted"
+        time.sleep(0.2)
+    _wait_all_free(url)
     assert proc.poll() is None
 
 
@@ -196,3 +210,25 @@ def test_head_and_headless_node(head_and_headless, reference):
     _wait_all_free(url)
     assert head.poll() is None
     assert json.loads(httpx.get(url + "/v1/models", timeout=10).text)["data"][0]["id"] == "tiny"
+
+
+def test_ray_backend_runs_the_ranks_as_actors(tiny_dir, reference, tmp_path):
+    """--data-parallel-backend ray (a local Ray instance; the optional extra, skipped
+    without it): the ranks are Ray actors connected over TCP; same outputs."""
+    pytest.importorskip("ray")
+    port = _port()
+    log = tmp_path / "ray.log"
+    proc = _start(["serve", tiny_dir, "--port", str(port), "--served-model-name", "tiny",
+                   "--data-parallel-size", "2", "--data-parallel-backend", "ray", *SERVE_ARGS],
+                  open(log, "w"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_up(url, [proc])
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda p: _complete(url, p), PROMPTS))
+        assert [o["choices"][0]["text"] for o in outs] == reference
+        routed = _labelled(_metrics(url), "jaxinfer:dp_requests_routed_total", "engine")
+        assert set(routed) == {"0", "1"}, routed
+        assert "started as Ray actors" in open(log).read()
+    finally:
+        _stop([proc])
