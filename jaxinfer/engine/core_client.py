@@ -6,10 +6,12 @@
     AsyncMPClient       core in a child process; asyncio calls (AsyncLLM / the server)
     DPSyncClient, DPAsyncClient (dp_client.py)  N cores, one per data-parallel rank
 
-The child process: an input thread decodes requests from the front end's PUSH socket into a
-queue, the main thread runs EngineCore.run_busy_loop over that queue, an output thread encodes
-and sends EngineCoreOutputs. It exits when its parent dies (a pipe closes), and a core that
-fails or vanishes is reported to the front end as EngineDeadError, never a hang.
+The child process (run_engine_core): an input thread decodes requests from the front ends'
+PUSH sockets into a queue, the main thread runs EngineCore.run_busy_loop over that queue, an
+output thread encodes and sends EngineCoreOutputs (to the front end each request came from,
+when several API servers share the core; launcher.py). It exits when its parent dies (a pipe
+closes), and a core that fails or vanishes is reported to the front end as EngineDeadError,
+never a hang (a front end that did not start the core goes by its heartbeats).
 """
 
 from __future__ import annotations
