@@ -450,8 +450,25 @@ class EngineConfig:
     # share their first blocks to the same rank.
     data_parallel_size: int = 1
     data_parallel_prefix_affinity: bool = True
+    # Pipeline parallelism: the decoder layers split over this many stages (each stage on
+    # its own tensor_parallel_size devices), up to this many step batches in flight.
+    pipeline_parallel_size: int = 1
+    # Layers per stage, e.g. "4,4,5,3" (vLLM's VLLM_PP_LAYER_PARTITION, also read from the
+    # env var JAXINFER_PP_LAYER_PARTITION); None: even, the remainder on the middle stages.
+    pp_layer_partition: str | None = None
 
     def __post_init__(self):
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got "
+                             f"{self.pipeline_parallel_size!r}")
+        if self.pipeline_parallel_size > 1:
+            for name, bad in (("async_scheduling", self.async_scheduling),
+                              ("speculative_config", self.speculative_config is not None),
+                              ("kv_transfer_config", self.kv_transfer_config is not None)):
+                if bad:
+                    raise ValueError(f"pipeline_parallel_size > 1 cannot be combined with "
+                                     f"{name} yet (the pipeline keeps its own queue of "
+                                     f"pipeline_parallel_size batches in flight)")
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got "
                              f"{self.data_parallel_size!r}")
@@ -560,6 +577,11 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
                             enable_chunked_prefill=config.enable_chunked_prefill,
                             long_prefill_token_threshold=config.long_prefill_token_threshold,
                             policy=config.scheduling_policy)
+    if config.pipeline_parallel_size > 1:
+        from jaxinfer.pipeline import get_pp_partition
+
+        get_pp_partition(mcfg.num_hidden_layers, config.pipeline_parallel_size,
+                         config.pp_layer_partition)  # (the errors name the numbers)
     spec = config.speculative_config
     if spec is not None and spec.method in ("eagle", "eagle3") and config.tensor_parallel_size > 1:
         raise ValueError(f"speculative_config.method={spec.method!r} does not support "

@@ -68,6 +68,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Pipeline parallelism: up to pipeline_depth batches in flight; a request in one of
+        # them is neither scheduled again nor preempted until its batch's outputs are in.
+        self.pipeline_depth = 1
+        self.in_flight: set[str] = set()
 
     # -- requests in and out --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -149,13 +153,23 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
+    def has_schedulable_requests(self) -> bool:
+        """Some request could go into a new batch (waiting, or running and not in flight)."""
+        return bool(len(self.waiting)) or any(r.request_id not in self.in_flight
+                                              for r in self.running)
+
     # -- one step -------------------------------------------------------------------------------
-    def _preempt_one(self) -> Request:
+    def _preempt_one(self) -> Request | None:
+        """Preempt the last (fcfs) or least important (priority) running request that is not
+        in a batch in flight; None if there is none."""
+        candidates = [r for r in self.running if r.request_id not in self.in_flight]
+        if not candidates:
+            return None
         if self.config.policy == "priority":
-            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
-            self.running.remove(victim)
+            victim = max(candidates, key=lambda r: (r.priority, r.arrival_time))
         else:
-            victim = self.running.pop()
+            victim = candidates[-1]
+        self.running.remove(victim)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -182,8 +196,12 @@ class Scheduler:
 
         # Running requests first.
         i = 0
+        in_flight = self.in_flight
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.request_id in in_flight:  # (pipeline: its batch has not returned)
+                i += 1
+                continue
             computed = request.num_computed_tokens
             placeholders = request.num_output_placeholders
             # A token still in flight (async scheduling) is computed by this step all the same
@@ -207,6 +225,8 @@ class Scheduler:
                 if new_blocks is not None:
                     break
                 victim = self._preempt_one()
+                if victim is None:  # everyone else is in flight: this one waits its turn
+                    break
                 preempted.append(victim)
                 if victim is request:
                     break
@@ -216,7 +236,7 @@ class Scheduler:
                     spec_tokens.pop(victim.request_id, None)
                     cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
                     i -= 1
-            if new_blocks is None:  # the request preempted itself: nothing more fits
+            if new_blocks is None:  # it preempted itself or nothing could give way
                 break
             cached_reqs.append(CachedRequestData(
                 request.request_id,
@@ -305,6 +325,8 @@ class Scheduler:
                                    if self.kv_connector is not None else None),
         )
         self.finished_req_ids = set()
+        if self.pipeline_depth > 1:
+            in_flight.update(num_scheduled)
         requests = self.requests
         structured = self._structured_rows = []
         for rid, n in num_scheduled.items():
@@ -470,6 +492,8 @@ class Scheduler:
         outputs = []
         finished = []
         requests, scheduled = self.requests, so.num_scheduled_tokens
+        if self.in_flight:
+            self.in_flight.difference_update(scheduled)
         spec = so.scheduled_spec_decode_tokens
         logprobs, prompt_logprobs = ro.logprobs, ro.prompt_logprobs
         for rid, sampled in zip(ro.req_ids, ro.sampled_token_ids):

@@ -83,11 +83,31 @@ class EngineCore:
         self.resolved = rc
         enable_compilation_cache(cfg.compilation_cache_dir)
         self.devices = list(devices) if devices is not None else jax.devices()
-        self.mesh = make_mesh(cfg.tensor_parallel_size, self.devices)
+        pp = cfg.pipeline_parallel_size
+        stage_groups = stage_meshes = None
+        if pp > 1:
+            from jaxinfer.pipeline import stage_devices
+
+            if jax.process_count() > 1:
+                raise ValueError("pipeline_parallel_size > 1 runs in one process for now "
+                                 "(multi-host pipelines are not supported yet)")
+            stage_groups = stage_devices(pp, cfg.tensor_parallel_size, self.devices)
+            stage_meshes = [make_mesh(cfg.tensor_parallel_size, g)
+                            if cfg.tensor_parallel_size > 1 else None for g in stage_groups]
+            self.mesh = stage_meshes[0]
+        else:
+            self.mesh = make_mesh(cfg.tensor_parallel_size, self.devices)
         model, mcfg, dtype = load_model(rc.model_dir, dtype=rc.dtype,
                                         load_format=cfg.load_format,
                                         attention_backend=rc.attention_backend, seed=cfg.seed,
                                         model_config=rc.model_config, mesh=self.mesh)
+        self.pp_partition = None
+        if pp > 1:  # the loaded model -> P stages, each on its own devices
+            from jaxinfer.pipeline import get_pp_partition, split_model
+
+            self.pp_partition = get_pp_partition(mcfg.num_hidden_layers, pp,
+                                                 cfg.pp_layer_partition)
+            model = split_model(model, self.pp_partition, stage_groups, stage_meshes)
         self.model_config = mcfg  # as built (KV heads replicated up to tp where needed)
         self.kv_dtype = jnp_dtype(rc.kv_cache_dtype)
         spec = cfg.speculative_config
@@ -151,7 +171,11 @@ class EngineCore:
                                   max_num_batched_tokens=sched.max_num_batched_tokens,
                                   kv_dtype=self.kv_dtype, buckets=buckets,
                                   speculative_config=spec, draft_model=self.draft_model,
-                                  eagle_head=eagle_head)
+                                  eagle_head=eagle_head, stage_devices=stage_groups)
+        # Pipeline parallelism: up to P step batches in flight, no request in two of them.
+        self.pipeline_depth = pp
+        self.scheduler.pipeline_depth = pp
+        self.max_batches_in_flight = 0  # (the most seen; benchmarks/pipeline_parallel.py)
         if kv_worker is not None:
             self.runner.set_kv_connector(kv_worker)
         self.kv_connector = kv_worker
@@ -241,6 +265,8 @@ class EngineCore:
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Synchronous: schedule, run, read back, update."""
+        if self.pipeline_depth > 1:
+            return self.step_with_batch_queue()
         if self.async_scheduling:
             return self.step_async()
         t0 = time.perf_counter()
@@ -297,6 +323,45 @@ class EngineCore:
         if self.step_timings is not None:
             self.step_timings.append(((t1 - t0) + (time.perf_counter() - t2), t2 - t1))
         return self._finish_step(outs, True)
+
+    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Pipeline parallelism (vLLM's step_with_batch_queue): while fewer than P batches
+        are in flight and some request is not in one, schedule and dispatch another batch and
+        return; else wait for the oldest batch and apply its outputs. Batches are disjoint in
+        requests (the scheduler skips requests in flight), outputs are applied in dispatch
+        order."""
+        t0 = time.perf_counter()
+        dispatched = False
+        sched = self.scheduler
+        if len(self._in_flight) < self.pipeline_depth and sched.has_schedulable_requests():
+            so = sched.schedule()
+            handle = self.runner.dispatch(so, sched.get_grammar_bitmask())
+            if handle is not None:
+                for _, (other, _h) in enumerate(self._in_flight):
+                    # (the invariant the scheduler keeps; tests/engine asserts it too)
+                    assert not (other.num_scheduled_tokens.keys()
+                                & so.num_scheduled_tokens.keys()), "request in two batches"
+                self._in_flight.append((so, handle))
+                self.max_batches_in_flight = max(self.max_batches_in_flight,
+                                                 len(self._in_flight))
+                dispatched = True
+        if not self._in_flight:
+            return self._finish_step([], dispatched)
+        if dispatched and len(self._in_flight) < self.pipeline_depth \
+                and sched.has_schedulable_requests():
+            return self._finish_step([], True)  # fill the pipeline first
+        so, handle = self._in_flight.popleft()
+        t1 = time.perf_counter()
+        ro = self.runner.collect(handle)
+        t2 = time.perf_counter()
+        outs = sched.update_from_output(so, ro)
+        if self.step_timings is not None:
+            self.step_timings.append(((t1 - t0) + (time.perf_counter() - t2), t2 - t1))
+        return self._finish_step(outs, True)
+
+    def batches_in_flight(self) -> list[list[str]]:
+        """The request ids of each batch in flight, oldest first."""
+        return [list(so.num_scheduled_tokens) for so, _ in self._in_flight]
 
     def _step_async_structured(self) -> list[EngineCoreOutput]:
         """A grammar's next mask needs the tokens still in flight: collect every step in

@@ -112,7 +112,7 @@ def rank_env(rc, rank: int) -> dict[str, str]:
     """Environment of rank `rank`'s core process: on a GPU machine, its own devices (the
     rank's slice of CUDA_VISIBLE_DEVICES, or of 0, 1, ... when unset; harmless on CPU). The
     front end itself never initialises a device backend (it would take GPU memory)."""
-    tp = rc.engine.tensor_parallel_size
+    tp = rc.engine.tensor_parallel_size * rc.engine.pipeline_parallel_size  # (per rank)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range((rank + 1) * tp)]
     if (rank + 1) * tp > len(ids):

@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="route by load only (default: prompts sharing their first blocks go "
                         "to the rank that has them cached, unless it is much busier)")
     v.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    v.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="decoder layers split over this many stages (each on "
+                        "--tensor-parallel-size devices of its own), that many batches in "
+                        "flight; JAXINFER_PP_LAYER_PARTITION='4,4,5,3' sets the split")
     v.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     v.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="KV cache size in blocks (default: from the memory budget)")

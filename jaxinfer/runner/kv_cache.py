@@ -13,12 +13,14 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
     return per_layer * cfg.num_hidden_layers * jnp.dtype(dtype).itemsize
 
 
-def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh=None):
+def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh=None,
+                       device=None):
     """[(k, v)] per layer, each [num_blocks, block_size, Hkv, D], zero-filled; with a mesh,
     split by KV head over it (each device allocates only its heads)."""
     from jaxinfer.parallel import KV_CACHE_SPEC, sharding
 
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    device = sharding(mesh, KV_CACHE_SPEC)
+    if mesh is not None or device is None:
+        device = sharding(mesh, KV_CACHE_SPEC)
     return [(jnp.zeros(shape, dtype, device=device), jnp.zeros(shape, dtype, device=device))
             for _ in range(cfg.num_hidden_layers)]

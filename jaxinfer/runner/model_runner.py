@@ -242,7 +242,15 @@ def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
         if model.mesh is not None:
             out = jax.lax.with_sharding_constraint(out, NamedSharding(model.mesh, P()))
         return out, kv_caches, (counts, prompt_mask, last_sampled)
-    # The LM head and the sampler run on the R sampling rows only, never on all T tokens.
+    out, sampler_state = _sample(model, hidden, input_ids, (counts, prompt_mask, last_sampled),
+                                 batch, features)
+    return out, kv_caches, sampler_state
+
+
+def _sample(model, hidden, input_ids, sampler_state, batch: StepBatch, features: StepFeatures):
+    """The LM head, penalties, grammar mask and sampler of a plain (non-speculative) step, on
+    the R sampling rows only (never on all T tokens). Returns (outputs, sampler_state)."""
+    counts, prompt_mask, last_sampled = sampler_state
     raw_logits = model.compute_logits(hidden[batch.logits_indices])  # [R, V] float32
     if features.structured:
         # Disallowed tokens are -inf before penalties and sampling; logprobs then describe
@@ -268,7 +276,55 @@ def _step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
         out["prompt_logprobs"] = _prompt_logprobs(model, hidden, batch)
     if model.mesh is not None:  # every process can read the (small) results back
         out = jax.lax.with_sharding_constraint(out, NamedSharding(model.mesh, P()))
+    return out, sampler_state
+
+
+def _pp_stage(graphdef, state, kv_caches, batch: StepBatch, x=None):
+    """Stage s < P - 1 of a pipelined step: its layers over the residual stream (stage 0:
+    from the token ids). Returns (residual stream [T, H], its KV caches)."""
+    stage = nnx.merge(graphdef, state)
+    return stage(batch.input_ids if x is None else x, batch.positions, kv_caches, batch.attn)
+
+
+def _pp_last(graphdef, state, kv_caches, sampler_state, batch: StepBatch, x, *,
+             features: StepFeatures):
+    """The last stage: its layers, the final norm, the LM head and the sampler."""
+    stage = nnx.merge(graphdef, state)
+    hidden, kv_caches = stage(x, batch.positions, kv_caches, batch.attn)
+    out, sampler_state = _sample(stage, hidden, batch.input_ids, sampler_state, batch, features)
     return out, kv_caches, sampler_state
+
+
+class _PipelineLowered:
+    """The P lowered stage functions of one bucket and variant."""
+
+    def __init__(self, lowered: list, targets: list):
+        self.lowered, self.targets = lowered, targets
+
+    def compile(self) -> "_PipelineCompiled":
+        return _PipelineCompiled([lo.compile() for lo in self.lowered], self.targets)
+
+
+class _PipelineCompiled:
+    """Runs a pipelined step: stage by stage, the residual stream copied device to device
+    between them; every call is dispatched asynchronously (nothing here waits)."""
+
+    def __init__(self, stages: list, targets: list):
+        self.stages, self.targets = stages, targets
+
+    def __call__(self, params: list, kv: list, sampler_state, batches: list):
+        x, new_kv = None, []
+        last = len(self.stages) - 1
+        for s, fn in enumerate(self.stages):
+            if s:
+                x = jax.device_put(x, self.targets[s])  # stage s - 1 -> stage s
+            if s < last:
+                x, kv_s = fn(params[s], kv[s], batches[s]) if s == 0 else \
+                    fn(params[s], kv[s], batches[s], x)
+            else:
+                out, kv_s, sampler_state = fn(params[s], kv[s], sampler_state, batches[s], x)
+            new_kv.append(kv_s)
+        return out, new_kv, sampler_state
 
 
 def _prompt_logprobs(model, hidden, batch: StepBatch):
@@ -401,19 +457,37 @@ class ModelRunner:
     def __init__(self, model, *, num_kv_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, kv_dtype,
                  buckets: BucketTable | None = None, speculative_config=None,
-                 draft_model=None, eagle_head=None):
+                 draft_model=None, eagle_head=None, stage_devices=None):
+        """model: the model, or (pipeline parallelism) its list of PipelineStages, stage s on
+        the devices stage_devices[s]."""
+        self.stages = model if isinstance(model, list) else None
+        if self.stages is not None:
+            self._init_pipeline(self.stages, stage_devices)
+            model = self.stages[-1]
         self.model_config = cfg = model.config
         self.mesh = model.mesh
         # Step inputs and sampler state are replicated over the mesh (None: default device).
         self._replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
+        if self.stages is not None:  # (the sampler state lives with the last stage)
+            self._replicated = self._stage_targets[-1]
         self.graphdef, self.state = nnx.split(model)
+        if self.stages is not None:
+            self.graphdef = [g for g, _ in self._stage_split]
+            self.state = [st for _, st in self._stage_split]
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         self.max_num_seqs = max_num_seqs
         self.num_kv_blocks = num_kv_blocks
         self.buckets = buckets or BucketTable.build(max_num_batched_tokens, max_num_seqs)
-        self.kv_caches = allocate_kv_caches(cfg, num_kv_blocks, block_size, kv_dtype, self.mesh)
+        if self.stages is None:
+            self.kv_caches = allocate_kv_caches(cfg, num_kv_blocks, block_size, kv_dtype,
+                                                self.mesh)
+        else:  # each stage's layers' caches on its devices
+            self.kv_caches = [allocate_kv_caches(
+                dataclasses.replace(cfg, num_hidden_layers=len(st.layers)), num_kv_blocks,
+                block_size, kv_dtype, st.mesh, device=self._stage_targets[i])
+                for i, st in enumerate(self.stages)]
         self.sampler_state = (
             jnp.zeros((max_num_seqs, cfg.vocab_size), jnp.int32, device=self._replicated),
             jnp.zeros((max_num_seqs, cfg.vocab_size), bool, device=self._replicated),
@@ -452,11 +526,24 @@ class ModelRunner:
         # Host step buffers per (T, R, prompt_logprobs, structured), two of each used in turn:
         # a buffer is refilled only after the step that read it has finished.
         self._host_buffers: dict[tuple[int, int, bool, bool], list] = {}
+        # (P batches in flight under pipeline parallelism: P + 1 buffers in turn)
+        self.num_host_buffers = 2 if self.stages is None else len(self.stages) + 1
         self.num_compilations = 0
         self.compile_seconds = 0.0
 
+    def _init_pipeline(self, stages, groups) -> None:
+        if jax.process_count() > 1:
+            raise ValueError("pipeline_parallel_size > 1 runs in one process for now "
+                             "(multi-host pipelines are not supported yet)")
+        self._stage_targets = [NamedSharding(st.mesh, P()) if st.mesh is not None
+                               else groups[i][0] for i, st in enumerate(stages)]
+        self._stage_split = [nnx.split(st) for st in stages]
+
     def _to_device(self, tree):
-        """Host numpy pytree -> device arrays (replicated over the mesh, every process)."""
+        """Host numpy pytree -> device arrays (replicated over the mesh, every process; under
+        pipeline parallelism one copy per stage, on its devices)."""
+        if self.stages is not None:
+            return [jax.device_put(tree, target) for target in self._stage_targets]
         if self.mesh is None:
             return jax.device_put(tree)
         return jax.tree.map(
@@ -510,6 +597,8 @@ class ModelRunner:
                                 self.bitmask_width if structured else 0, self.num_spec, verify)
 
     def _lower(self, t: int, r: int, features: StepFeatures):
+        if self.stages is not None:
+            return self._lower_pipeline(t, r, features)
         example = self._to_device(self._new_buffers(t, r, features.prompt_logprobs,
                                                     features.structured, features.verify))
         jitted = jax.jit(partial(_step, self.graphdef, features=features,
@@ -517,6 +606,30 @@ class ModelRunner:
                                  draft_kind=self.draft_kind, max_model_len=self.max_model_len),
                          donate_argnums=(1, 2))
         return jitted.lower(self._params(), self._kv(), self.sampler_state, example)
+
+    def _lower_pipeline(self, t: int, r: int, features: StepFeatures) -> _PipelineLowered:
+        if features.spec:
+            raise ValueError("speculative decoding is not supported with pipeline parallelism")
+        examples = self._to_device(self._new_buffers(t, r, features.prompt_logprobs,
+                                                     features.structured, features.verify))
+        lowered, x = [], None
+        last = len(self.stages) - 1
+        for s, (graphdef, state) in enumerate(zip(self.graphdef, self.state)):
+            if s:  # the residual stream the previous stage returns, on this stage's devices
+                target = self._stage_targets[s]
+                if not isinstance(target, jax.sharding.Sharding):
+                    target = jax.sharding.SingleDeviceSharding(target)
+                prev = lowered[-1].out_info[0]
+                x = jax.ShapeDtypeStruct(prev.shape, prev.dtype, sharding=target)
+            if s < last:
+                fn = jax.jit(partial(_pp_stage, graphdef), donate_argnums=(1,))
+                args = (state, self.kv_caches[s], examples[s]) + (() if s == 0 else (x,))
+            else:
+                fn = jax.jit(partial(_pp_last, graphdef, features=features),
+                             donate_argnums=(1, 2))
+                args = (state, self.kv_caches[s], self.sampler_state, examples[s], x)
+            lowered.append(fn.lower(*args))
+        return _PipelineLowered(lowered, self._stage_targets)
 
     def _params(self):
         return self.state if self.draft_graphdef is None else (self.state, self.draft_state)
@@ -602,8 +715,9 @@ class ModelRunner:
         key = (t, r, prompt_logprobs, structured, verify)
         pair = self._host_buffers.get(key)
         if pair is None:
-            pair = self._host_buffers[key] = [self._new_buffers(*key), self._new_buffers(*key)]
-        pair.reverse()
+            pair = self._host_buffers[key] = [self._new_buffers(*key)
+                                              for _ in range(self.num_host_buffers)]
+        pair.append(pair.pop(0))  # the one used longest ago
         batch = pair[0]
         reset_step_batch(batch, self.max_num_seqs)
         return batch

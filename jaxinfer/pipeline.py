@@ -1,0 +1,161 @@
+"""Pipeline parallelism (one process): the decoder layers split over P stages, each stage on
+its own devices (tensor_parallel_size of them: a `pp x tp` grid), several step batches in
+flight.
+
+Layers are partitioned as vLLM's get_pp_indices does (even, the remainder on the stages
+before the last, from the second-to-last backwards; `pp_layer_partition` / the env var
+JAXINFER_PP_LAYER_PARTITION="4,4,5,3" overrides). Stage 0 holds the embedding and its layers,
+the last stage its layers, the final norm and the LM head (with tied embeddings, a copy of the
+embedding: vLLM does the same); each stage's weights and KV cache live on its devices only.
+
+A step is P compiled functions, one per stage and bucket: stage s reads the residual stream
+[T, H] of stage s - 1, moved with jax.device_put onto its devices (a device-to-device copy),
+and the last stage samples. Every call is dispatched asynchronously, so while stage 1 runs
+batch k the host has already dispatched stage 0 of batch k + 1: EngineCore keeps up to P
+batches in flight (vLLM's step_with_batch_queue), and the scheduler never puts a request into
+a batch while it is in another one in flight.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+
+
+def get_pp_partition(num_layers: int, pp_size: int, override: str | None = None) -> list[int]:
+    """Layers per stage."""
+    if pp_size < 1:
+        raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp_size}")
+    if num_layers < pp_size:
+        raise ValueError(f"pipeline_parallel_size={pp_size} exceeds the model's "
+                         f"{num_layers} layers (every stage needs at least one)")
+    override = override or os.environ.get("JAXINFER_PP_LAYER_PARTITION") or None
+    if override is not None:
+        try:
+            parts = [int(x) for x in str(override).split(",")]
+        except ValueError:
+            raise ValueError(f"pp_layer_partition={override!r}: expected comma-separated "
+                             f"layer counts, e.g. '4,4,5,3'") from None
+        if len(parts) != pp_size:
+            raise ValueError(f"pp_layer_partition={override!r} has {len(parts)} stages, "
+                             f"pipeline_parallel_size is {pp_size}")
+        if sum(parts) != num_layers or min(parts) < 1:
+            raise ValueError(f"pp_layer_partition={override!r} must give every stage >= 1 "
+                             f"layer and sum to the model's {num_layers} layers "
+                             f"(sums to {sum(parts)})")
+        return parts
+    parts = [num_layers // pp_size] * pp_size
+    for i in range(2, num_layers % pp_size + 2):
+        parts[-i] += 1
+    return parts
+
+
+def stage_bounds(parts: list[int]) -> list[tuple[int, int]]:
+    starts = np.concatenate([[0], np.cumsum(parts)]).tolist()
+    return [(int(starts[s]), int(starts[s + 1])) for s in range(len(parts))]
+
+
+def stage_devices(pp: int, tp: int, devices=None) -> list[list]:
+    devices = list(devices) if devices is not None else jax.devices()
+    if pp * tp > len(devices):
+        raise ValueError(f"pipeline_parallel_size={pp} x tensor_parallel_size={tp} needs "
+                         f"{pp * tp} devices, {len(devices)} {devices[0].platform} device(s) "
+                         f"available")
+    return [devices[s * tp:(s + 1) * tp] for s in range(pp)]
+
+
+class PipelineStage(nnx.Module):
+    """One stage: [embedding] + a contiguous run of decoder layers [+ final norm, LM head]."""
+
+    def __init__(self, cfg: ModelConfig, layers, *, embed=None, norm=None, lm_head=None,
+                 tied_embed=None, mesh=None):
+        from jaxinfer.models.llama import _module_list
+
+        self.config = cfg
+        self.mesh = mesh
+        self.embed_tokens = embed
+        self.layers = _module_list(layers)
+        self.norm = norm
+        self.lm_head = lm_head
+        self.tied_embed = tied_embed  # the last stage's copy of a tied embedding
+
+    @property
+    def is_last(self) -> bool:
+        return self.norm is not None
+
+    def __call__(self, x, positions, kv_caches, md):
+        """Stage 0: x = token ids [T]; others: the residual stream [T, H]. Returns the
+        residual stream (last stage: normalised) and the stage's updated KV caches."""
+        from jaxinfer.layers.rotary import rope_cos_sin, rope_inv_freq
+
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        cfg = self.config
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
+                                                         cfg.rope_scaling))
+        new = []
+        for layer, kv in zip(self.layers, kv_caches):
+            x, kv = layer(x, cos, sin, kv, md)
+            new.append(kv)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x, new
+
+    def compute_logits(self, hidden):
+        import jax.numpy as jnp
+
+        if self.lm_head is None:
+            logits = self.tied_embed.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        if self.mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            logits = jax.lax.with_sharding_constraint(
+                logits, NamedSharding(self.mesh, PartitionSpec()))
+        return logits.astype(jnp.float32)
+
+
+def _placed(module, mesh, device):
+    """`module` with every parameter on the stage's devices (TP-sharded by name)."""
+    from jaxinfer.parallel import param_spec, sharding
+
+    tp = 1 if mesh is None else mesh.size
+    graphdef, state = nnx.split(module)
+
+    def put(path, x):
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", ""))) for k in path
+                        if not isinstance(k, jax.tree_util.GetAttrKey))
+        target = sharding(mesh, param_spec(name, x.shape, tp)) if mesh is not None else device
+        return jax.device_put(x, target)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(put, state))
+
+
+def split_model(model, parts: list[int], groups: list[list], meshes: list) -> list[PipelineStage]:
+    """The loaded whole model -> P stages, each moved onto its own devices."""
+    cfg = model.config
+    stages = []
+    bounds = stage_bounds(parts)
+    last = len(parts) - 1
+    for s, (a, b) in enumerate(bounds):
+        mesh, device = meshes[s], groups[s][0]
+        layers = list(model.model.layers)[a:b]
+        for layer in layers:  # attention runs under this stage's mesh (TP within a stage)
+            layer.self_attn.mesh = mesh
+        tied = None
+        if s == last and model.lm_head is None:  # tied: the last stage gets its own copy
+            graphdef, state = nnx.split(model.model.embed_tokens)
+            tied = nnx.merge(graphdef, state)
+        stage = PipelineStage(cfg, layers, embed=model.model.embed_tokens if s == 0 else None,
+                              norm=model.model.norm if s == last else None,
+                              lm_head=model.lm_head if s == last else None,
+                              tied_embed=tied, mesh=mesh)
+        stage = _placed(stage, mesh, device)
+        stages.append(stage)
+    return stages

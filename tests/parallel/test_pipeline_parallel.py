@@ -1,0 +1,162 @@
+"""Pipeline parallelism: the layer partition (vLLM's get_pp_indices, with its override), the
+scheduler's batch queue (no request in two batches in flight, none preempted while in one),
+and real runs on fake CPU devices: PP=2, PP=3, PP=2 x TP=2 and an uneven override give PP=1's
+greedy tokens (logprobs within float32 noise) through preemption and chunked prefill, with
+each stage's weights and KV cache on its own devices, P batches in flight and no block left."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxinfer.pipeline import get_pp_partition, stage_bounds, stage_devices
+from tests.core.fake import FakeRunner, make_request, make_scheduler
+from tests.engine.conftest import make_tiny_model_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def vllm_pp_indices(num_layers, rank, size):
+    """vLLM's get_pp_indices (vllm/distributed/utils.py), without the env override."""
+    per = num_layers // size
+    parts = [per] * size
+    for i in range(2, num_layers % size + 2):
+        parts[-i] += 1
+    start = sum(parts[:rank])
+    return start, start + parts[rank]
+
+
+def test_partition_matches_vllm_and_covers_every_layer_once(monkeypatch):
+    monkeypatch.delenv("JAXINFER_PP_LAYER_PARTITION", raising=False)
+    for layers in range(1, 40):
+        for pp in range(1, min(layers, 8) + 1):
+            parts = get_pp_partition(layers, pp)
+            bounds = stage_bounds(parts)
+            assert bounds == [vllm_pp_indices(layers, r, pp) for r in range(pp)]
+            assert [i for a, b in bounds for i in range(a, b)] == list(range(layers))
+    assert get_pp_partition(30, 2) == [15, 15] and get_pp_partition(30, 4) == [7, 8, 8, 7]
+    assert get_pp_partition(5, 2, "4,1") == [4, 1]
+    monkeypatch.setenv("JAXINFER_PP_LAYER_PARTITION", "1,3,1")
+    assert get_pp_partition(5, 3) == [1, 3, 1]
+
+
+@pytest.mark.parametrize("layers,pp,override,match", [
+    (2, 3, None, "pipeline_parallel_size=3 exceeds the model's 2 layers"),
+    (5, 2, "4,2", "sum to the model's 5 layers"),
+    (5, 2, "5", "has 1 stages, pipeline_parallel_size is 2"),
+    (5, 2, "5,0", ">= 1"),
+    (5, 2, "a,b", "comma-separated"),
+])
+def test_partition_errors_name_the_numbers(layers, pp, override, match, monkeypatch):
+    monkeypatch.delenv("JAXINFER_PP_LAYER_PARTITION", raising=False)
+    with pytest.raises(ValueError, match=match):
+        get_pp_partition(layers, pp, override)
+
+
+def test_devices_short_is_named():
+    import jax
+
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2 x tensor_parallel_size=2 "
+                                         r"needs 4 devices, 1 cpu"):
+        stage_devices(2, 2, jax.devices()[:1])
+
+
+def test_scheduler_batch_queue_keeps_batches_disjoint():
+    """Random arrivals, P = 3 batches in flight, outputs applied oldest first: no request is
+    ever in two batches in flight, none is preempted while in one, all finish, no block left."""
+    rng = random.Random(0)
+    s = make_scheduler(num_blocks=14, block_size=4, max_model_len=40,
+                       max_num_batched_tokens=12, max_num_seqs=6)
+    s.pipeline_depth = 3
+    runner = FakeRunner()
+    queue, n_added, max_depth = [], 0, 0
+    for step in range(2000):
+        if n_added < 30 and rng.random() < 0.5:
+            s.add_request(make_request(f"r{n_added}", range(100 * n_added,
+                                                            100 * n_added + rng.randint(2, 15)),
+                                       max_tokens=rng.randint(1, 12)))
+            n_added += 1
+        if len(queue) < 3 and s.has_schedulable_requests():
+            so = s.schedule()
+            in_queue = {r for q, _ in queue for r in q.num_scheduled_tokens}
+            assert not in_queue & set(so.num_scheduled_tokens)
+            assert not in_queue & so.preempted_req_ids
+            if so.num_scheduled_tokens or so.preempted_req_ids or so.finished_req_ids:
+                queue.append((so, runner.execute(so)))
+                max_depth = max(max_depth, len(queue))
+                if len(queue) < 3:
+                    continue
+        if queue:
+            so, ro = queue.pop(0)
+            s.update_from_output(so, ro)
+        elif n_added == 30 and not s.has_unfinished_requests():
+            break
+    assert n_added == 30 and not s.has_unfinished_requests() and not s.in_flight
+    assert max_depth == 3 and s.num_preemptions > 0
+    assert s.kv.get_num_free_blocks() == 13
+
+
+def run_pp(model_dir, pp, tp=1, partition="-", mode="tiny", devices=4):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    env.pop("JAXINFER_PP_LAYER_PARTITION", None)
+    out = subprocess.run([sys.executable, "tests/parallel/pp_worker.py", model_dir, str(pp),
+                          str(tp), partition, mode], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _same(got, base):
+    assert got["tokens"] == base["tokens"]
+    np.testing.assert_allclose(np.concatenate(got["logprobs"]),
+                               np.concatenate(base["logprobs"]), atol=2e-4)
+    assert not got["leaked"] and not got["overlap"]
+    assert got["num_preemptions"] > 0
+
+
+def test_pp_matches_single_stage(tmp_path, smollm2_dir):
+    make_tiny_model_dir(tmp_path, "llama", smollm2_dir, num_hidden_layers=5)
+    base = run_pp(str(tmp_path), 1)
+    assert base["num_preemptions"] > 0 and not base["leaked"]
+    for pp, tp, partition, parts in ((2, 1, "-", [3, 2]), (3, 1, "-", [2, 2, 1]),
+                                     (2, 2, "-", [3, 2]), (2, 1, "4,1", [4, 1])):
+        got = run_pp(str(tmp_path), pp, tp, partition)
+        _same(got, base)
+        assert got["partition"] == parts and got["max_in_flight"] == pp
+        # Each stage on its own devices: weights and KV cache; embedding first, head last.
+        want = [sorted(f"cpu:{d}" for d in range(s * tp, (s + 1) * tp)) for s in range(pp)]
+        assert got["stage_devices"] == want and got["kv_devices"] == want, got
+        assert got["stage_has"][0] == ["embed_tokens"]
+        assert got["stage_has"][-1] == ["norm", "tied_embed"]
+        assert all(h == [] for h in got["stage_has"][1:-1])
+
+
+def test_pp_errors_name_the_numbers(tmp_path, smollm2_dir):
+    make_tiny_model_dir(tmp_path, "llama", smollm2_dir, num_hidden_layers=2)
+    got = run_pp(str(tmp_path), 3)
+    assert "pipeline_parallel_size=3 exceeds the model's 2 layers" in got["error"]
+    got = run_pp(str(tmp_path), 2, 3, devices=6)
+    assert "tensor_parallel_size=3 must divide num_attention_heads=4" in got["error"]
+    make_tiny_model_dir(tmp_path / "m4", "llama", smollm2_dir, num_hidden_layers=4)
+    got = run_pp(str(tmp_path / "m4"), 3, 2)
+    assert "pipeline_parallel_size=3 x tensor_parallel_size=2 needs 6 devices, 4 cpu" in \
+        got["error"]
+
+
+@pytest.mark.slow
+def test_smollm2_over_two_and_three_stages(smollm2_dir):
+    base = run_pp(smollm2_dir, 1, mode="smollm2")
+    for pp, parts in ((2, [15, 15]), (3, [10, 10, 10])):
+        got = run_pp(smollm2_dir, pp, mode="smollm2")
+        # (4 sequences at most over 3 stages: the queue fills when the requests allow it)
+        assert got["partition"] == parts and 2 <= got["max_in_flight"] <= pp
+        assert got["tokens"] == base["tokens"] and not got["leaked"] and not got["overlap"]
+        np.testing.assert_allclose(np.concatenate(got["logprobs"]),
+                                   np.concatenate(base["logprobs"]), atol=2e-4)
