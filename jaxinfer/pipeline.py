@@ -14,6 +14,11 @@ and the last stage samples. Every call is dispatched asynchronously, so while st
 batch k the host has already dispatched stage 0 of batch k + 1: EngineCore keeps up to P
 batches in flight (vLLM's step_with_batch_queue), and the scheduler never puts a request into
 a batch while it is in another one in flight.
+
+Multi-host (jax.distributed): each stage sits within one process, which alone holds its
+weights and caches (the others keep shapes only); between stages of different processes the
+residual stream moves by a collective over the global ('pp', 'tp') mesh (model_runner's
+_PipelinePlan), and so do the sampled outputs back to process 0, which schedules.
 """
 
 from __future__ import annotations
@@ -122,7 +127,8 @@ class PipelineStage(nnx.Module):
 
 
 def _placed(module, mesh, device):
-    """`module` with every parameter on the stage's devices (TP-sharded by name)."""
+    """`module` with every parameter on the stage's devices (TP-sharded by name), from host
+    memory straight to each device's part."""
     from jaxinfer.parallel import param_spec, sharding
 
     tp = 1 if mesh is None else mesh.size
@@ -131,8 +137,10 @@ def _placed(module, mesh, device):
     def put(path, x):
         name = ".".join(str(getattr(k, "key", getattr(k, "idx", ""))) for k in path
                         if not isinstance(k, jax.tree_util.GetAttrKey))
-        target = sharding(mesh, param_spec(name, x.shape, tp)) if mesh is not None else device
-        return jax.device_put(x, target)
+        if mesh is None:
+            return jax.device_put(x, device)
+        spec = sharding(mesh, param_spec(name, x.shape, tp))
+        return jax.make_array_from_callback(x.shape, spec, lambda idx: x[idx])
 
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(put, state))
 
@@ -156,6 +164,20 @@ def split_model(model, parts: list[int], groups: list[list], meshes: list) -> li
                               norm=model.model.norm if s == last else None,
                               lm_head=model.lm_head if s == last else None,
                               tied_embed=tied, mesh=mesh)
-        stage = _placed(stage, mesh, device)
+        if is_local(groups[s]):
+            stage = _placed(stage, mesh, device)
+        else:  # another process's stage: only its shapes are kept here
+            graphdef, state = nnx.split(stage)
+            stage = nnx.merge(graphdef, jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state))
         stages.append(stage)
     return stages
+
+
+def is_local(group) -> bool:
+    """The stage's devices belong to this process (each stage sits within one process)."""
+    owners = {d.process_index for d in group}
+    if len(owners) != 1:
+        raise ValueError(f"a pipeline stage spans processes {sorted(owners)}: make "
+                         f"tensor_parallel_size divide each process's device count")
+    return owners == {jax.process_index()}

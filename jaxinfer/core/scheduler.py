@@ -197,7 +197,12 @@ class Scheduler:
         # Running requests first.
         i = 0
         in_flight = self.in_flight
-        while i < len(self.running) and budget > 0:
+        # Pipeline parallelism: a batch takes at most max_num_seqs / P sequences, so that the
+        # running requests fill P batches (one batch of all of them would leave the queue at
+        # one batch in flight).
+        seats = (-(-cfg.max_num_seqs // self.pipeline_depth) if self.pipeline_depth > 1
+                 else cfg.max_num_seqs)
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < seats:
             request = self.running[i]
             if request.request_id in in_flight:  # (pipeline: its batch has not returned)
                 i += 1
@@ -260,7 +265,7 @@ class Scheduler:
         cap = max(1, cfg.max_num_seqs // 2)
         children: dict[str, int] | None = None
         while not preempted and len(self.waiting) and budget > 0:
-            if len(self.running) >= cfg.max_num_seqs:
+            if len(self.running) >= cfg.max_num_seqs or len(num_scheduled) >= seats:
                 break
             request = self.waiting.peek()
             if (request.status == RequestStatus.WAITING_FOR_FSM
@@ -299,7 +304,8 @@ class Scheduler:
                 children[parent] = children.get(parent, 0) + 1
         admitted = set()
         for request in deferred:
-            if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+            if (budget <= 0 or len(self.running) >= cfg.max_num_seqs
+                    or len(num_scheduled) >= seats):
                 break
             n = self._admit(request, budget, threshold, new_reqs, num_scheduled)
             if n is None:

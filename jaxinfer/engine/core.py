@@ -88,19 +88,17 @@ class EngineCore:
         if pp > 1:
             from jaxinfer.pipeline import stage_devices
 
-            if jax.process_count() > 1:
-                raise ValueError("pipeline_parallel_size > 1 runs in one process for now "
-                                 "(multi-host pipelines are not supported yet)")
             stage_groups = stage_devices(pp, cfg.tensor_parallel_size, self.devices)
             stage_meshes = [make_mesh(cfg.tensor_parallel_size, g)
                             if cfg.tensor_parallel_size > 1 else None for g in stage_groups]
-            self.mesh = stage_meshes[0]
+            self.mesh = None  # (each stage has its own; parameters stay on the host here)
         else:
             self.mesh = make_mesh(cfg.tensor_parallel_size, self.devices)
         model, mcfg, dtype = load_model(rc.model_dir, dtype=rc.dtype,
                                         load_format=cfg.load_format,
                                         attention_backend=rc.attention_backend, seed=cfg.seed,
-                                        model_config=rc.model_config, mesh=self.mesh)
+                                        model_config=rc.model_config, mesh=self.mesh,
+                                        to_host=pp > 1, tp_size=cfg.tensor_parallel_size)
         self.pp_partition = None
         if pp > 1:  # the loaded model -> P stages, each on its own devices
             from jaxinfer.pipeline import get_pp_partition, split_model
@@ -127,11 +125,11 @@ class EngineCore:
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            if cfg.tensor_parallel_size != jax.device_count():
+            if cfg.tensor_parallel_size * pp != jax.device_count():
                 raise ValueError(
-                    f"multi-host runs need tensor_parallel_size == all devices "
-                    f"({jax.device_count()} over {jax.process_count()} processes), got "
-                    f"{cfg.tensor_parallel_size}")
+                    f"multi-host runs need tensor_parallel_size x pipeline_parallel_size == "
+                    f"all devices ({jax.device_count()} over {jax.process_count()} processes), "
+                    f"got {cfg.tensor_parallel_size} x {pp}")
             # Every process must size the cache as process 0 did.
             num_blocks = int(multihost_utils.broadcast_one_to_all(np.int64(num_blocks)))
         cache, sched = rc.cache, rc.scheduler

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                         '"kv_connector_extra_config": {"shared_storage_path": DIR}}')
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine-core processes the prompts are balanced over")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="decoder layers split over this many stages, each on its own devices")
     g.set_defaults(func=_cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks: latency | throughput | serve | roofline")

@@ -25,7 +25,9 @@ def run_generate(args) -> int:
               async_scheduling=args.async_scheduling,
               speculative_config=args.speculative_config,
               kv_transfer_config=args.kv_transfer_config,
-              data_parallel_size=args.data_parallel_size)
+              data_parallel_size=args.data_parallel_size,
+              tensor_parallel_size=args.tensor_parallel_size,
+              pipeline_parallel_size=args.pipeline_parallel_size)
     eng = llm.llm_engine
     stats = eng.get_stats()
     print(f"loaded {eng.model_dir} ({eng.model_config.architecture}, {eng.dtype}, attention "

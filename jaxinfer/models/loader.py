@@ -66,7 +66,7 @@ def _iter_tensors(files_by_name: dict[str, str], wanted: list[str]):
 
 
 def _checkpoint_value(name: str, tensor: np.ndarray, expected_shape, dtype, *, kv_repeat: int,
-                      head_dim: int, mesh) -> jax.Array:
+                      head_dim: int, mesh, to_host: bool = False) -> jax.Array:
     """Host tensor -> device array of the model's layout, placed straight into its shards."""
     if kv_repeat > 1 and name.endswith(_KV_SUFFIXES):
         tensor = replicate_kv_heads(tensor, kv_repeat, head_dim)
@@ -78,6 +78,8 @@ def _checkpoint_value(name: str, tensor: np.ndarray, expected_shape, dtype, *, k
             f"layout where it applies) but the model expects {tuple(expected_shape)}"
         )
     tensor = np.ascontiguousarray(tensor.astype(dtype))
+    if to_host:  # (pipeline stages place their own parameters)
+        return tensor
     if mesh is None:
         return jax.device_put(tensor)
     # Each device (of every process) receives only its own slice.
@@ -94,16 +96,19 @@ def build_model(model_config: ModelConfig, *, dtype: str, attention_backend: str
 
 def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto",
                attention_backend: str = "xla", seed: int = 0,
-               model_config: ModelConfig | None = None, mesh=None):
+               model_config: ModelConfig | None = None, mesh=None, to_host: bool = False,
+               tp_size: int | None = None):
     """Returns (model, model_config, dtype_name). With a mesh (tensor parallelism), every
     parameter goes from host memory straight into its shards, and the returned config has its
-    KV heads replicated up to the mesh size where they were fewer."""
+    KV heads replicated up to the mesh size where they were fewer. to_host: parameters stay
+    numpy arrays in host memory (pipeline stages place them), KV heads replicated up to
+    tp_size."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format={load_format!r} is not supported (supported: {', '.join(LOAD_FORMATS)})"
         )
     model_config = model_config or ModelConfig.from_pretrained(model_dir)
-    tp = 1 if mesh is None else mesh.size
+    tp = tp_size if tp_size is not None else (1 if mesh is None else mesh.size)
     model_config, kv_repeat = tp_model_config(model_config, tp)
     dtype_name = resolve_dtype(dtype, model_config)
     make = build_model(model_config, dtype=dtype_name, attention_backend=attention_backend,
@@ -117,7 +122,10 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
             for (path, var), name in zip(flat, names)])
         init = jax.jit(lambda: nnx.state(make()),
                        out_shardings=shardings if mesh is not None else None)
-        return nnx.merge(graphdef, init()), model_config, dtype_name
+        state = init()
+        if to_host:
+            state = jax.device_get(state)
+        return nnx.merge(graphdef, state), model_config, dtype_name
 
     files_by_name = _safetensors_index(model_dir)
     missing = [n for n in names if n not in files_by_name]
@@ -130,6 +138,7 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
     for name, tensor in _iter_tensors(files_by_name, names):
         var = expected[name]
         var.set_value(_checkpoint_value(name, tensor, var.shape, var.dtype, kv_repeat=kv_repeat,
-                                        head_dim=model_config.head_dim, mesh=mesh))
+                                        head_dim=model_config.head_dim, mesh=mesh,
+                                        to_host=to_host))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     return model, model_config, dtype_name

@@ -296,34 +296,123 @@ def _pp_last(graphdef, state, kv_caches, sampler_state, batch: StepBatch, x, *,
 
 
 class _PipelineLowered:
-    """The P lowered stage functions of one bucket and variant."""
+    """The lowered stage functions of one bucket and variant (this process's stages)."""
 
-    def __init__(self, lowered: list, targets: list):
-        self.lowered, self.targets = lowered, targets
+    def __init__(self, lowered: list, plan: "_PipelinePlan", shapes: dict):
+        self.lowered, self.plan, self.shapes = lowered, plan, shapes
 
     def compile(self) -> "_PipelineCompiled":
-        return _PipelineCompiled([lo.compile() for lo in self.lowered], self.targets)
+        return _PipelineCompiled([lo.compile() if lo is not None else None
+                                  for lo in self.lowered], self.plan, self.shapes)
+
+
+class _PipelinePlan:
+    """Where the stages run. Between two stages of this process the residual stream is
+    copied device to device (jax.device_put); between stages of different processes (multi-
+    host) every process takes part in one collective over a global ('pp', 'tp') mesh: a
+    jax.lax.ppermute from the one stage to the next (jax.distributed's transport, gloo on
+    CPU). The sampled outputs go back to process 0 the same way."""
+
+    def __init__(self, stages, groups, targets):
+        self.num = len(stages)
+        self.targets = targets
+        self.groups = groups
+        self.meshes = [st.mesh for st in stages]
+        self.owner = [groups[s][0].process_index for s in range(self.num)]
+        self.local = [o == jax.process_index() for o in self.owner]
+        self.multiprocess = len(set(self.owner)) > 1
+        if self.multiprocess:
+            from jax.sharding import Mesh
+
+            tp = len(groups[0])
+            self.pp_mesh = Mesh(np.array([d for g in groups for d in g]).reshape(self.num, tp),
+                                ("pp", "tp"))
+            self._shifts: dict = {}
+            self._zeros: dict = {}
+
+    def crosses(self, src: int, dst: int) -> bool:
+        return self.owner[src] != self.owner[dst]
+
+    def _shift_fn(self, src: int, dst: int):
+        fn = self._shifts.get((src, dst))
+        if fn is None:
+            spec = P("pp")
+            fn = self._shifts[(src, dst)] = jax.jit(jax.shard_map(
+                lambda tree: jax.tree.map(
+                    lambda g: jax.lax.ppermute(g, "pp", [(src, dst)]), tree),
+                mesh=self.pp_mesh, in_specs=spec, out_specs=spec))
+        return fn
+
+    def _zero(self, shape, dtype, device):
+        key = (shape, str(dtype), device.id)
+        z = self._zeros.get(key)
+        if z is None:
+            z = self._zeros[key] = jax.device_put(np.zeros((1,) + shape, dtype), device)
+        return z
+
+    def shift(self, tree, src: int, dst: int, abstract):
+        """`tree` (stage src's, on its devices; None where this process does not own it) ->
+        the same values on stage dst's devices (None where this process does not own dst)."""
+        sharding = NamedSharding(self.pp_mesh, P("pp"))
+        stage_of = {d: s for s in range(self.num) for d in self.groups[s]}
+        leaves, treedef = jax.tree.flatten(abstract)
+        src_leaves = jax.tree.leaves(tree) if tree is not None else [None] * len(leaves)
+        stacked = []
+        for leaf, a in zip(src_leaves, leaves):
+            arrays = []
+            for d in sharding.addressable_devices:
+                if stage_of[d] == src and leaf is not None:
+                    part = next(sh.data for sh in leaf.addressable_shards if sh.device == d)
+                    arrays.append(part[None])
+                else:
+                    arrays.append(self._zero(a.shape, a.dtype, d))
+            stacked.append(jax.make_array_from_single_device_arrays(
+                (self.num,) + a.shape, sharding, arrays))
+        moved = self._shift_fn(src, dst)(jax.tree.unflatten(treedef, stacked))
+        if not self.local[dst]:
+            return None
+        out = []
+        for g, a in zip(jax.tree.leaves(moved), leaves):
+            parts = [sh.data[0] for sh in g.addressable_shards if stage_of[sh.device] == dst]
+            if self.meshes[dst] is None:
+                out.append(parts[0])
+            else:
+                out.append(jax.make_array_from_single_device_arrays(
+                    a.shape, NamedSharding(self.meshes[dst], P()), parts))
+        return jax.tree.unflatten(treedef, out)
+
+    def move(self, x, src: int, dst: int, abstract):
+        if self.crosses(src, dst):
+            return self.shift(x, src, dst, abstract)
+        return jax.device_put(x, self.targets[dst]) if self.local[dst] else None
 
 
 class _PipelineCompiled:
-    """Runs a pipelined step: stage by stage, the residual stream copied device to device
-    between them; every call is dispatched asynchronously (nothing here waits)."""
+    """Runs a pipelined step: stage by stage (this process's stages), the residual stream
+    moved between them; every call is dispatched asynchronously (nothing here waits)."""
 
-    def __init__(self, stages: list, targets: list):
-        self.stages, self.targets = stages, targets
+    def __init__(self, stages: list, plan: _PipelinePlan, shapes: dict):
+        self.stages, self.plan, self.shapes = stages, plan, shapes
 
     def __call__(self, params: list, kv: list, sampler_state, batches: list):
-        x, new_kv = None, []
+        plan = self.plan
+        x, new_kv, out = None, [], None
         last = len(self.stages) - 1
         for s, fn in enumerate(self.stages):
-            if s:
-                x = jax.device_put(x, self.targets[s])  # stage s - 1 -> stage s
+            if s:  # stage s - 1 -> stage s
+                x = plan.move(x, s - 1, s, self.shapes["x"][s - 1])
+            if fn is None:  # another process's stage
+                new_kv.append(kv[s])
+                x = None
+                continue
             if s < last:
                 x, kv_s = fn(params[s], kv[s], batches[s]) if s == 0 else \
                     fn(params[s], kv[s], batches[s], x)
             else:
                 out, kv_s, sampler_state = fn(params[s], kv[s], sampler_state, batches[s], x)
             new_kv.append(kv_s)
+        if plan.crosses(last, 0):  # the outputs to process 0 (the scheduler's)
+            out = plan.shift(out, last, 0, self.shapes["out"])
         return out, new_kv, sampler_state
 
 
@@ -483,15 +572,28 @@ class ModelRunner:
         if self.stages is None:
             self.kv_caches = allocate_kv_caches(cfg, num_kv_blocks, block_size, kv_dtype,
                                                 self.mesh)
-        else:  # each stage's layers' caches on its devices
-            self.kv_caches = [allocate_kv_caches(
-                dataclasses.replace(cfg, num_hidden_layers=len(st.layers)), num_kv_blocks,
-                block_size, kv_dtype, st.mesh, device=self._stage_targets[i])
-                for i, st in enumerate(self.stages)]
-        self.sampler_state = (
-            jnp.zeros((max_num_seqs, cfg.vocab_size), jnp.int32, device=self._replicated),
-            jnp.zeros((max_num_seqs, cfg.vocab_size), bool, device=self._replicated),
-            jnp.zeros((max_num_seqs,), jnp.int32, device=self._replicated))
+        else:  # each stage's layers' caches on its devices (another process's: shapes)
+            self.kv_caches = []
+            for i, st in enumerate(self.stages):
+                scfg = dataclasses.replace(cfg, num_hidden_layers=len(st.layers))
+                if self._plan.local[i]:
+                    self.kv_caches.append(allocate_kv_caches(
+                        scfg, num_kv_blocks, block_size, kv_dtype, st.mesh,
+                        device=self._stage_targets[i]))
+                else:
+                    shape = (num_kv_blocks, block_size, scfg.num_key_value_heads, scfg.head_dim)
+                    kv = jax.ShapeDtypeStruct(shape, kv_dtype)
+                    self.kv_caches.append([(kv, kv)] * scfg.num_hidden_layers)
+        if self.stages is not None and not self._plan.local[-1]:  # on another process
+            self.sampler_state = (
+                jax.ShapeDtypeStruct((max_num_seqs, cfg.vocab_size), jnp.int32),
+                jax.ShapeDtypeStruct((max_num_seqs, cfg.vocab_size), bool),
+                jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32))
+        else:
+            self.sampler_state = (
+                jnp.zeros((max_num_seqs, cfg.vocab_size), jnp.int32, device=self._replicated),
+                jnp.zeros((max_num_seqs, cfg.vocab_size), bool, device=self._replicated),
+                jnp.zeros((max_num_seqs,), jnp.int32, device=self._replicated))
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks)
         self.bitmask_width = (cfg.vocab_size + 31) // 32
         # Speculative decoding: K drafts at most per request; every step verifies (the spec
@@ -532,18 +634,17 @@ class ModelRunner:
         self.compile_seconds = 0.0
 
     def _init_pipeline(self, stages, groups) -> None:
-        if jax.process_count() > 1:
-            raise ValueError("pipeline_parallel_size > 1 runs in one process for now "
-                             "(multi-host pipelines are not supported yet)")
         self._stage_targets = [NamedSharding(st.mesh, P()) if st.mesh is not None
                                else groups[i][0] for i, st in enumerate(stages)]
+        self._plan = _PipelinePlan(stages, groups, self._stage_targets)
         self._stage_split = [nnx.split(st) for st in stages]
 
     def _to_device(self, tree):
         """Host numpy pytree -> device arrays (replicated over the mesh, every process; under
         pipeline parallelism one copy per stage, on its devices)."""
-        if self.stages is not None:
-            return [jax.device_put(tree, target) for target in self._stage_targets]
+        if self.stages is not None:  # (another process's stage: the host copy, for shapes)
+            return [jax.device_put(tree, target) if local else tree
+                    for target, local in zip(self._stage_targets, self._plan.local)]
         if self.mesh is None:
             return jax.device_put(tree)
         return jax.tree.map(
@@ -610,16 +711,18 @@ class ModelRunner:
     def _lower_pipeline(self, t: int, r: int, features: StepFeatures) -> _PipelineLowered:
         if features.spec:
             raise ValueError("speculative decoding is not supported with pipeline parallelism")
-        examples = self._to_device(self._new_buffers(t, r, features.prompt_logprobs,
-                                                     features.structured, features.verify))
-        lowered, x = [], None
+        host = self._new_buffers(t, r, features.prompt_logprobs, features.structured,
+                                 features.verify)
+        examples = self._to_device(host)
+        plan, lowered, x = self._plan, [], None
+        shapes = {"x": []}
         last = len(self.stages) - 1
         for s, (graphdef, state) in enumerate(zip(self.graphdef, self.state)):
-            if s:  # the residual stream the previous stage returns, on this stage's devices
+            if s:  # the residual stream of the previous stage, on this stage's devices
                 target = self._stage_targets[s]
                 if not isinstance(target, jax.sharding.Sharding):
                     target = jax.sharding.SingleDeviceSharding(target)
-                prev = lowered[-1].out_info[0]
+                prev = shapes["x"][-1]
                 x = jax.ShapeDtypeStruct(prev.shape, prev.dtype, sharding=target)
             if s < last:
                 fn = jax.jit(partial(_pp_stage, graphdef), donate_argnums=(1,))
@@ -628,8 +731,17 @@ class ModelRunner:
                 fn = jax.jit(partial(_pp_last, graphdef, features=features),
                              donate_argnums=(1, 2))
                 args = (state, self.kv_caches[s], self.sampler_state, examples[s], x)
-            lowered.append(fn.lower(*args))
-        return _PipelineLowered(lowered, self._stage_targets)
+            if plan.local[s]:
+                lowered.append(fn.lower(*args))
+                info = lowered[-1].out_info
+            else:  # another process's stage: its output shapes only
+                lowered.append(None)
+                info = jax.eval_shape(fn, *args)
+            if s < last:
+                shapes["x"].append(info[0])
+            else:
+                shapes["out"] = info[0]
+        return _PipelineLowered(lowered, plan, shapes)
 
     def _params(self):
         return self.state if self.draft_graphdef is None else (self.state, self.draft_state)

@@ -2,7 +2,8 @@
 tokens and logprobs at one pipeline x tensor parallel layout, with a cache tight enough to
 preempt and a token budget small enough to chunk prefills, as JSON on stdout.
 
-    pp_worker.py MODEL_DIR PP TP [PARTITION] [smollm2]
+    pp_worker.py MODEL_DIR PP TP [PARTITION] [MODE] [PORT PROCESS_ID NUM_PROCESSES]
+                 (MODE: tiny | smollm2; the last three: multi-host over jax.distributed)
 """
 
 from __future__ import annotations
@@ -11,11 +12,26 @@ import json
 import sys
 
 
+def _devices(x):
+    import jax
+
+    if not isinstance(x, jax.Array):
+        return "remote"  # another process's stage: only its shapes are here
+    return sorted(str(d) for d in x.sharding.device_set)
+
+
 def main():
     model_dir, pp, tp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     partition = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] != "-" else None
     smollm2 = len(sys.argv) > 5 and sys.argv[5] == "smollm2"
     import jax
+
+    if len(sys.argv) > 6:
+        import jaxinfer.distributed
+
+        port, pid, nproc = sys.argv[6], int(sys.argv[7]), int(sys.argv[8])
+        jaxinfer.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc,
+                                        process_id=pid)
 
     jax.config.update("jax_default_matmul_precision", "highest")
     from jaxinfer import LLM, SamplingParams
@@ -28,6 +44,9 @@ def main():
                   enable_multiprocessing=False)  # the test reads the core
     except ValueError as e:
         print(json.dumps({"error": str(e)}))
+        return
+    if jax.process_index() > 0:  # a multi-host worker: LLM() returned when process 0 stopped
+        print(json.dumps({"worker": jax.process_index()}))
         return
     n = 4 if smollm2 else 8
     prompts = [[100 + i, 7, 300, 9000 + i, 12, 55, 13, 14, 15][: 3 + i % 6] * (1 + i % 3)
@@ -59,10 +78,9 @@ def main():
         "partition": core.pp_partition,
         "max_in_flight": core.max_batches_in_flight,
         "overlap": any(seen_overlap),
-        "stage_devices": ([sorted(str(d) for d in jax.tree.leaves(st)[0].sharding.device_set)
-                           for st in runner.state] if pp > 1 else []),
-        "kv_devices": ([sorted(str(d) for d in kv_s[0][0].sharding.device_set)
-                        for kv_s in runner.kv_caches] if pp > 1 else []),
+        "stage_devices": [_devices(jax.tree.leaves(st)[0]) for st in runner.state]
+        if pp > 1 else [],
+        "kv_devices": [_devices(kv_s[0][0]) for kv_s in runner.kv_caches] if pp > 1 else [],
         "stage_has": ([sorted(k for k in ("embed_tokens", "norm", "lm_head", "tied_embed")
                               if st.get(k) is not None and len(jax.tree.leaves(st[k])))
                        for st in runner.state] if pp > 1 else []),

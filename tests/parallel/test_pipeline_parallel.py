@@ -160,3 +160,36 @@ def test_smollm2_over_two_and_three_stages(smollm2_dir):
         assert got["tokens"] == base["tokens"] and not got["leaked"] and not got["overlap"]
         np.testing.assert_allclose(np.concatenate(got["logprobs"]),
                                    np.concatenate(base["logprobs"]), atol=2e-4)
+
+
+def test_pp_across_two_processes_matches_one(tmp_path, smollm2_dir):
+    """Two processes x 2 CPU devices (jax.distributed, gloo), PP=2 x TP=2: stage 0 on process
+    0, stage 1 on process 1, the residual stream and the sampled outputs moved by collectives
+    over the global mesh; the tokens of one process at PP=1."""
+    import socket
+
+    make_tiny_model_dir(tmp_path, "llama", smollm2_dir, num_hidden_layers=5)
+    base = run_pp(str(tmp_path), 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    env.pop("JAXINFER_PP_LAYER_PARTITION", None)
+    procs = [subprocess.Popen([sys.executable, "tests/parallel/pp_worker.py", str(tmp_path),
+                               "2", "2", "-", "tiny", str(port), str(pid), "2"], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for pid in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    driver = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert json.loads(outs[1][0].strip().splitlines()[-1]) == {"worker": 1}
+    _same(driver, base)
+    assert driver["partition"] == [3, 2] and driver["max_in_flight"] == 2
+    assert driver["stage_devices"] == [["cpu:0", "cpu:1"], "remote"]
+    assert driver["kv_devices"] == [["cpu:0", "cpu:1"], "remote"]
