@@ -4,10 +4,12 @@ When several front ends (API servers, `--api-server-count K`) share the data-par
 cores, none of them sees the others' requests. Each engine core pushes its load here at most
 every 100 ms (and every second when idle): waiting and running requests, KV usage, and how
 many requests it holds for each front end. The coordinator publishes the table (one row per
-rank) on a PUB socket every 100 ms when it changed and every second regardless (so a front end
+rank) on a PUB socket at most every 20 ms when it changed and every second regardless (so a front end
 that subscribes late is current within a second). A front end then scores rank r as its own
 requests in flight there (exact, counted on every send and finish) plus the other front ends'
-requests held there (as of the last table, at most ~100 ms old).
+requests held there, from a table that has seen every request this front end sent (each row
+also counts the requests received from each front end; a table that lags behind a burst would
+tilt the routing towards whichever rank reported last, so it is not used until it catches up).
 
 It runs as a thread of the launcher process (`jaxinfer serve` with K > 1 API servers or with
 ranks on other hosts); a single front end needs no coordinator: it hears every rank itself.
@@ -26,7 +28,7 @@ import zmq
 
 logger = logging.getLogger(__name__)
 
-PUBLISH_MIN_S = 0.1
+PUBLISH_MIN_S = 0.02
 PUBLISH_IDLE_S = 1.0
 
 
@@ -35,11 +37,12 @@ class RankLoad(msgspec.Struct, array_like=True):
     running: int
     kv_cache_usage: float
     held: list[int]  # requests this rank holds for each front end (client index)
+    received: list[int] = []  # requests it has received from each front end, ever
 
 
 def decode_update(data: bytes) -> tuple[int, RankLoad]:
-    rank, waiting, running, kv, held = msgspec.msgpack.decode(data)
-    return rank, RankLoad(waiting, running, kv, held)
+    rank, waiting, running, kv, held, *received = msgspec.msgpack.decode(data)
+    return rank, RankLoad(waiting, running, kv, held, received[0] if received else [])
 
 
 class DPCoordinator:
@@ -100,6 +103,6 @@ def others_load(table: list, client_index: int) -> list[int]:
         if row is None:
             out.append(0)
             continue
-        held = row[3] if isinstance(row, (list, tuple)) else row.held
+        held = row[3] if isinstance(row, (list, tuple)) else row.held  # (a decoded table)
         out.append(sum(h for c, h in enumerate(held) if c != client_index))
     return out

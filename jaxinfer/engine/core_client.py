@@ -273,6 +273,9 @@ def run_engine_core(spec: dict) -> int:
     inputs: queue.Queue = queue.Queue()
     outputs: queue.Queue = queue.Queue()
     owners: dict[str, int] = {}  # request id -> the front end it came from
+    received = [0] * n_clients  # requests received from each front end, ever
+    coord_lock = threading.Lock()  # (the reader and the writer both publish)
+    last_pub = [0.0]
     calls: dict[int, tuple[int, int]] = {}  # utility call -> (front end, its call id)
     call_ids = itertools.count()
 
@@ -285,7 +288,11 @@ def run_engine_core(spec: dict) -> int:
             if kind == RequestType.ADD.value:
                 req = dec_req.decode(payload)
                 owners[req.request_id] = req.client_index
+                if 0 <= req.client_index < n_clients:
+                    received[req.client_index] += 1
                 inputs.put(("add", req))
+                if coord is not None:  # the coordinator hears of arrivals at once
+                    publish(None)
             elif kind == RequestType.ABORT.value:
                 ids = msgspec.msgpack.decode(payload)
                 for rid in ids:  # its front end forgets it: later outputs go nowhere
@@ -300,23 +307,34 @@ def run_engine_core(spec: dict) -> int:
                 inputs.put(None)
                 return
 
-    def publish(stats: dict) -> None:
-        held = [0] * n_clients
-        for c in list(owners.values()):
-            if 0 <= c < n_clients:
-                held[c] += 1
-        try:
-            coord.send(enc.encode((rank, stats.get("num_waiting_reqs", 0),
-                                   stats.get("num_running_reqs", 0),
-                                   stats.get("kv_cache_usage", 0.0), held)), zmq.NOBLOCK)
-        except zmq.Again:  # the coordinator is behind: the next update carries the same facts
-            pass
+    last_stats = [core.get_stats()]
+    coord_enc = encoder()
 
-    def write_outputs():
+    def publish(stats: dict | None, min_interval: float = 0.02) -> None:
+        """This rank's load to the coordinator (at most every min_interval seconds)."""
         import time
 
-        stats = core.get_stats()
-        last_pub = 0.0
+        if stats is not None:
+            last_stats[0] = stats
+        with coord_lock:
+            now = time.monotonic()
+            if now - last_pub[0] < min_interval:
+                return
+            last_pub[0] = now
+            held = [0] * n_clients
+            for c in list(owners.values()):
+                if 0 <= c < n_clients:
+                    held[c] += 1
+            st = last_stats[0]
+            try:
+                coord.send(coord_enc.encode((
+                    rank, st.get("num_waiting_reqs", 0), st.get("num_running_reqs", 0),
+                    st.get("kv_cache_usage", 0.0), held, list(received))), zmq.NOBLOCK)
+            except zmq.Again:  # the coordinator is behind: the next update says the same
+                pass
+
+    def write_outputs():
+        stats = last_stats[0]
         while True:
             try:
                 item = outputs.get(timeout=heartbeat if heartbeat else 1.0)
@@ -324,16 +342,14 @@ def run_engine_core(spec: dict) -> int:
                 if heartbeat:  # idle: tell the front ends (and the coordinator) we are alive
                     send_all(EngineCoreOutputs(stats=stats))
                 if coord is not None:
-                    publish(stats)
-                    last_pub = time.monotonic()
+                    publish(stats, 0.0)
                 continue
             if item is None:
                 return
             if item.stats is not None:
                 stats = item.stats
-            if coord is not None and time.monotonic() - last_pub >= 0.1:
+            if coord is not None:
                 publish(stats)
-                last_pub = time.monotonic()
             if n_clients == 1 and item.utility_output is None:
                 for out in item.outputs:
                     if out.finish_reason is not None:

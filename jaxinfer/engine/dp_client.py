@@ -10,7 +10,9 @@ Routing (DPLoadBalancer, pure Python): the rank with the fewest requests in flig
 this front end on every send and every finish (exact for one front end, so a burst between
 two stats messages cannot pile onto one rank, the stale-stats imbalance of vLLM's internal
 LB), plus, when several API servers share the ranks, the requests the other front ends hold
-there as published by the DP coordinator (coordinator.py; at most ~100 ms old); ties go to the rank with the lower KV usage in its last stats, then round robin. Prefix
+there as published by the DP coordinator (coordinator.py), once its table has seen every
+request this front end sent (in a burst it lags, and a stale row would tilt the routing);
+ties go to the rank with the lower KV usage in its last stats, then round robin. Prefix
 affinity: a prompt whose first full blocks were sent to a rank recently goes to that rank
 (where its prefix is cached) unless that rank has max_num_seqs more requests in flight than
 the least loaded one.
@@ -313,8 +315,15 @@ class DPAsyncClient(_DPBase):
         try:
             while True:
                 table = msgspec.msgpack.decode(await sock.recv())
-                self.lb.others = others_load(table, self.client_index)
                 self.num_coordinator_updates += 1
+                # Only a table that has seen every request this front end sent says where
+                # the others stand; in a burst it lags, and a row that lags more than another
+                # would tilt routing (the stale-stats snowball): own counts alone then.
+                fresh = all(row is not None and len(row) > 5
+                            and row[5][self.client_index] == self.lb.num_routed[r]
+                            for r, row in enumerate(table))
+                self.lb.others = (others_load(table, self.client_index) if fresh
+                                  else [0] * len(table))
         finally:
             sock.close(0)
 
@@ -332,6 +341,7 @@ class DPAsyncClient(_DPBase):
         self._ensure_started()
         req.client_index = self.client_index
         rank = self._route(req)
+
         try:
             await self.clients[rank].add_request_async(req)
         except EngineDeadError as e:

@@ -104,7 +104,7 @@ def test_two_api_servers_over_two_ranks(two_servers, reference):
     # 200 concurrent requests (new connections each: the kernel spreads them over the two
     # servers' shared port) spread over the two ranks within +-15%.
     before = _metrics(url)
-    body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    body = {"model": "tiny", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
 
     async def burst():
         limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)

@@ -109,16 +109,16 @@ def test_coordinator_publishes_the_engines_table(tmp_path):
     push.connect(stats)
     try:
         enc = msgspec.msgpack.Encoder()
-        push.send(enc.encode((1, 2, 3, 0.25, [1, 4])))
+        push.send(enc.encode((1, 2, 3, 0.25, [1, 4], [5, 9])))
         push.send(b"\x93garbage")  # a bad message is dropped, the coordinator goes on
-        push.send(enc.encode((7, 0, 0, 0.0, [0, 0])))  # no such rank: ignored
+        push.send(enc.encode((7, 0, 0, 0.0, [0, 0], [0, 0])))  # no such rank: ignored
         table = None
         for _ in range(50):  # published within ~100 ms of the change, and every second
             if sub.poll(200):
                 table = msgspec.msgpack.decode(sub.recv())
                 if table[1] is not None:
                     break
-        assert table == [None, [2, 3, 0.25, [1, 4]]]
+        assert table == [None, [2, 3, 0.25, [1, 4], [5, 9]]]
         assert coord.num_updates == 1
     finally:
         push.close(0)
