@@ -193,3 +193,15 @@ def test_pp_across_two_processes_matches_one(tmp_path, smollm2_dir):
     assert driver["partition"] == [3, 2] and driver["max_in_flight"] == 2
     assert driver["stage_devices"] == [["cpu:0", "cpu:1"], "remote"]
     assert driver["kv_devices"] == [["cpu:0", "cpu:1"], "remote"]
+
+
+@pytest.mark.slow  # (CI runs the llama cases above)
+@pytest.mark.parametrize("arch,extra", [("qwen2", {}), ("qwen3", {"head_dim": 32}),
+                                        ("mistral", {"sliding_window": 16})])
+def test_pp_matches_single_stage_other_architectures(tmp_path, smollm2_dir, arch, extra):
+    make_tiny_model_dir(tmp_path, arch, smollm2_dir, num_hidden_layers=3, **extra)
+    base = run_pp(str(tmp_path), 1)
+    for pp, tp in ((2, 1), (2, 2)):
+        got = run_pp(str(tmp_path), pp, tp)
+        _same(got, base)
+        assert got["partition"] == [2, 1]
