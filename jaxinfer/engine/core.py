@@ -224,6 +224,8 @@ class EngineCore:
             act += 2 * 4 * c.max_num_seqs * mcfg.vocab_size * 8
             # Per device: with tensor parallelism each device holds 1/tp of every block.
             budget = (int(c.gpu_memory_utilization * limit) - in_use - act) * c.tensor_parallel_size
+            if self.pp_partition:  # a stage's devices hold only its layers' part of a block
+                budget = budget * self.model_config.num_hidden_layers // max(self.pp_partition)
         else:
             budget = _CPU_KV_BYTES
         blocks = budget // per_block + 1
