@@ -481,8 +481,20 @@ class _CoreConnection:
         return EngineDeadError(f"the engine core at {self.output_addr} sent nothing for "
                                f"{self.timeout:g} s (its heartbeat is every second)")
 
+    def try_send(self, frames) -> bool:
+        """Queue a message for the core; False if it cannot take one now (its connection is
+        gone, or the queue is full). A PUSH socket whose peer died would block forever."""
+        try:
+            self.in_sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
     def send(self, kind: RequestType, payload: bytes) -> None:
-        self.in_sock.send_multipart((kind.value, payload), copy=False)
+        while not self.try_send((kind.value, payload)):
+            if not self.is_alive():
+                raise self.dead_error()
+            time.sleep(0.002)
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -605,7 +617,10 @@ class SyncMPClient:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self._shared.dead is None:
-            self.p.send(RequestType.ABORT, self._enc.encode(list(request_ids)))
+            try:
+                self.p.send(RequestType.ABORT, self._enc.encode(list(request_ids)))
+            except EngineDeadError:  # a dead core holds nothing to abort
+                pass
 
     def get_output(self) -> EngineCoreOutputs:
         item = self._shared.outputs.get()
@@ -699,16 +714,28 @@ class AsyncMPClient:
         if self._dead is not None:
             raise self._dead
 
+    async def _send(self, frames) -> None:
+        """Hand a message to the core without blocking the event loop on a core that is
+        gone (a dead peer's PUSH socket would wait forever): retry while it is alive."""
+        while not self.p.try_send(frames):
+            self._check()
+            if not self.p.is_alive():
+                raise self.p.dead_error()
+            await asyncio.sleep(0.002)
+
     async def add_request_async(self, req: EngineCoreRequest) -> None:
         self._check()
         self._ensure_started()
-        await self._in.send_multipart((RequestType.ADD.value, self._enc.encode(req)))
+        await self._send((RequestType.ADD.value, self._enc.encode(req)))
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and self._dead is None:
             self._ensure_started()
-            await self._in.send_multipart((RequestType.ABORT.value,
-                                           self._enc.encode(list(request_ids))))
+            try:
+                await self._send((RequestType.ABORT.value,
+                                  self._enc.encode(list(request_ids))))
+            except EngineDeadError:  # a dead core holds nothing to abort
+                pass
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_started()
@@ -724,7 +751,7 @@ class AsyncMPClient:
         call_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._futures[call_id] = fut
-        await self._in.send_multipart((RequestType.UTILITY.value, self._enc.encode(
+        await self._send((RequestType.UTILITY.value, self._enc.encode(
             (call_id, name, list(args), self.client_index))))
         return await fut
 
