@@ -189,20 +189,8 @@ def core_process_main() -> None:
     """Entry point of the child process (`python -m jaxinfer.engine.core_client`). Its stdin
     is the lifeline: the start-up spec arrives there (pickled), and its end of file means the
     parent is gone, so the core exits too."""
-    import pickle
-    import sys
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
-    stdin = sys.stdin.buffer
-    size = int.from_bytes(stdin.read(8), "little")
-    spec = pickle.loads(stdin.read(size))
-
-    def watch_parent():
-        while stdin.read(4096):
-            pass
-        os._exit(1)
-
-    threading.Thread(target=watch_parent, name="jaxinfer-core-watch", daemon=True).start()
+    spec = read_lifeline_payload()
     os._exit(run_engine_core(spec))
 
 
@@ -394,25 +382,50 @@ def run_engine_core(spec: dict) -> int:
     return code
 
 
-def spawn_core_process(spec: dict, env: dict[str, str] | None = None):
-    """Start an engine-core process (a fresh interpreter: no fork of a JAX process, and no
-    `if __name__ == "__main__"` guard needed in the user's script). Its stdin stays open as
-    its lifeline: when this process goes, so does the core."""
+def spawn_python(module: str, payload, env: dict[str, str] | None = None, pass_fds=()):
+    """Start `python -m module` (a fresh interpreter: no fork of a JAX process, and no
+    `if __name__ == "__main__"` guard needed in the user's script) with `payload` pickled on
+    its stdin, which stays open as its lifeline: when this process goes, so does the child
+    (read_lifeline_payload)."""
     import pickle
     import subprocess
     import sys
 
     import jaxinfer  # the child imports this very jaxinfer, wherever the parent found it
 
-    env = {**os.environ, **(env or {})}  # (a data-parallel rank's devices)
+    env = {**os.environ, **(env or {})}
     root = os.path.dirname(os.path.dirname(os.path.abspath(jaxinfer.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.engine.core_client"],
-                            stdin=subprocess.PIPE, env=env)
-    args = pickle.dumps(spec)
-    proc.stdin.write(len(args).to_bytes(8, "little") + args)
+    proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, env=env,
+                            pass_fds=pass_fds)
+    data = pickle.dumps(payload)
+    proc.stdin.write(len(data).to_bytes(8, "little") + data)
     proc.stdin.flush()
     return proc
+
+
+def read_lifeline_payload():
+    """The child's side of spawn_python: the payload, and a thread that exits the process
+    when stdin closes (the parent is gone)."""
+    import pickle
+    import sys
+
+    stdin = sys.stdin.buffer
+    size = int.from_bytes(stdin.read(8), "little")
+    payload = pickle.loads(stdin.read(size))
+
+    def watch_parent():
+        while stdin.read(4096):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch_parent, name="jaxinfer-watch", daemon=True).start()
+    return payload
+
+
+def spawn_core_process(spec: dict, env: dict[str, str] | None = None):
+    """Start an engine-core process (env: a data-parallel rank's devices)."""
+    return spawn_python("jaxinfer.engine.core_client", spec, env)
 
 
 class _CoreConnection:

@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -138,34 +136,6 @@ class Addresses:
                 for r in range(len(self.core_in[k]))]
 
 
-def _spawn_python(module: str, payload, pass_fds=(), env=None) -> subprocess.Popen:
-    import jaxinfer
-
-    env = {**os.environ, **(env or {})}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxinfer.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, env=env,
-                            pass_fds=pass_fds)
-    data = pickle.dumps(payload)
-    proc.stdin.write(len(data).to_bytes(8, "little") + data)
-    proc.stdin.flush()  # stdin stays open: the child's lifeline
-    return proc
-
-
-def _read_payload():
-    stdin = sys.stdin.buffer
-    size = int.from_bytes(stdin.read(8), "little")
-    payload = pickle.loads(stdin.read(size))
-
-    def watch_parent():
-        while stdin.read(4096):
-            pass
-        os._exit(1)
-
-    threading.Thread(target=watch_parent, name="jaxinfer-watch", daemon=True).start()
-    return payload
-
-
 def _stop_all(procs) -> None:
     for p in procs:
         if p.poll() is None:
@@ -246,6 +216,7 @@ def run_launcher(args) -> int:
         return run_headless(args)
     from jaxinfer.config import resolve_config
     from jaxinfer.engine.coordinator import DPCoordinator
+    from jaxinfer.engine.core_client import spawn_python
     from jaxinfer.entrypoints.openai.api_server import engine_config_from_args
 
     n, k_count = args.data_parallel_size, args.api_server_count
@@ -279,8 +250,8 @@ def run_launcher(args) -> int:
                    "connections": addrs.server_spec(k), "coordinator": addrs.publish[1],
                    "listen_fd": listen.fileno(), "heartbeat_timeout": heartbeat_timeout(),
                    "metrics_role": "primary" if k == 0 else "secondary"}
-        servers.append(_spawn_python("jaxinfer.entrypoints.launcher", payload,
-                                     pass_fds=(listen.fileno(),)))
+        servers.append(spawn_python("jaxinfer.entrypoints.launcher", payload,
+                                    pass_fds=(listen.fileno(),)))
     listen.close()  # the API servers hold it now
     logger.info("%d API server(s) on %s:%d over %d data-parallel rank(s) (%d here)",
                 k_count, args.host, args.port, n, local)
@@ -399,7 +370,9 @@ def run_headless(args) -> int:
 
 def api_server_main() -> None:
     """One API server of several (a child of run_launcher)."""
-    payload = _read_payload()
+    from jaxinfer.engine.core_client import read_lifeline_payload
+
+    payload = read_lifeline_payload()
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s api{payload['client_index']} %(levelname)s "
                                f"%(message)s")
