@@ -13,6 +13,9 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    # The engine failed this request (an error while admitting it or building its inputs):
+    # it ends alone, the engine serves the others (vLLM's FinishReason.ERROR).
+    ERROR = "error"
 
     def __str__(self) -> str:
         return self.value
@@ -28,6 +31,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 5
     FINISHED_LENGTH_CAPPED = 6
     FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -42,6 +46,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json as _json
-import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-_MAX_LOGPROBS = 20
+from jaxinfer.validation import (FLOAT32_MAX, INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS,
+                                 MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                 FieldError, check_float, check_int, is_int, max_n_sequences)
 
-
-def max_n_sequences() -> int:
-    """The largest n a request may ask for: JAXINFER_MAX_N_SEQUENCES (default 16384, vLLM's
-    VLLM_MAX_N_SEQUENCES default)."""
-    return int(os.environ.get("JAXINFER_MAX_N_SEQUENCES", "16384"))
+__all__ = ["SamplingParams", "StructuredOutputsParams", "max_n_sequences"]
 
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -121,59 +118,76 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Keep only the prompt's last k tokens (vLLM's left truncation); -1: max_model_len.
+    truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # Per-request data for engine extensions (vLLM's extra_args); jaxinfer reads only
     # "kv_transfer_params" (disaggregated prefill/decode), other keys are refused by name.
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self):
+        """Every field checked against its documented range and the type it is packed into
+        (jaxinfer/validation.py); ValueError (a FieldError) naming the field and the limit."""
         def fail(field, msg):
-            raise ValueError(f"SamplingParams.{field} {msg}, got {getattr(self, field)!r}")
+            got = repr(getattr(self, field))
+            raise FieldError(field, f"SamplingParams.{field} {msg}, got {got[:200]}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            fail("n", "must be an integer >= 1")
+        own = "SamplingParams."
         max_n = max_n_sequences()
-        if self.n > max_n:
-            fail("n", f"must be at most {max_n} (raise JAXINFER_MAX_N_SEQUENCES to allow more)")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            fail("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            fail("frequency_penalty", "must be in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            fail("repetition_penalty", "must be > 0")
-        if not self.temperature >= 0.0:
-            fail("temperature", "must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            fail("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            fail("top_k", "must be an integer >= -1 (0 or -1 disables it)")
-        if not 0.0 <= self.min_p <= 1.0:
-            fail("min_p", "must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", "must be an integer or None")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
-                                            or self.max_tokens < 1):
-            fail("max_tokens", "must be an integer >= 1 or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            fail("min_tokens", "must be an integer >= 0")
+        check_int(own, "n", self.n, 1, max_n, " (JAXINFER_MAX_N_SEQUENCES sets the maximum)")
+        check_float(own, "presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_float(own, "frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_float(own, "repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX,
+                    lo_open=True)
+        check_float(own, "temperature", self.temperature, 0.0, FLOAT32_MAX)
+        check_float(own, "top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        check_int(own, "top_k", self.top_k, -1, INT32_MAX, " (0 or -1 disables it)")
+        check_float(own, "min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            check_int(own, "seed", self.seed, INT64_MIN, INT64_MAX)
+        if self.max_tokens is not None:
+            check_int(own, "max_tokens", self.max_tokens, 1, INT32_MAX, " or None")
+        check_int(own, "min_tokens", self.min_tokens, 0, INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be <= max_tokens={self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or not 0 <= v <= _MAX_LOGPROBS):
-                fail(name, f"must be an integer in [0, {_MAX_LOGPROBS}] or None")
+            if v is not None:
+                check_int(own, name, v, 0, MAX_LOGPROBS, " or None")
+        t = self.truncate_prompt_tokens
+        if t is not None and t != -1:
+            check_int(own, "truncate_prompt_tokens", t, 1, INT32_MAX,
+                      " (-1: the model's context length) or None")
         stop = self.stop
         if stop is None:
             stop = []
         elif isinstance(stop, str):
             stop = [stop]
+        elif not isinstance(stop, (list, tuple)):
+            fail("stop", "must be a string or a list of strings")
         stop = list(stop)
-        if any(not isinstance(s, str) or not s for s in stop):
-            fail("stop", "must be non-empty strings")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise FieldError("stop", f"SamplingParams.stop has {len(stop)} strings, more than "
+                                     f"the limit of {MAX_STOP_STRINGS}")
+        for i, s in enumerate(stop):
+            if not isinstance(s, str) or not s:
+                raise FieldError("stop", f"SamplingParams.stop[{i}] must be a non-empty string")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise FieldError("stop", f"SamplingParams.stop[{i}] has {len(s)} characters, "
+                                         f"more than the limit of {MAX_STOP_STRING_CHARS}")
         object.__setattr__(self, "stop", stop)
-        ids = list(self.stop_token_ids or [])
-        if any(not isinstance(i, int) or i < 0 for i in ids):
-            fail("stop_token_ids", "must be non-negative integers")
+        ids = self.stop_token_ids
+        if ids is not None and not isinstance(ids, (list, tuple)):
+            fail("stop_token_ids", "must be a list of token ids")
+        ids = list(ids or [])
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise FieldError("stop_token_ids", f"SamplingParams.stop_token_ids has {len(ids)} "
+                                               f"ids, more than the limit of "
+                                               f"{MAX_STOP_TOKEN_IDS}")
+        for i, t in enumerate(ids):
+            if not is_int(t) or not 0 <= t <= INT32_MAX:
+                raise FieldError("stop_token_ids", f"SamplingParams.stop_token_ids[{i}] must be "
+                                                   f"an integer in [0, {INT32_MAX}], got {t!r}")
         object.__setattr__(self, "stop_token_ids", ids)
         so = self.structured_outputs
         if isinstance(so, dict):
@@ -200,6 +214,11 @@ class SamplingParams:
         if self.temperature < 1e-5:
             # Greedy: the other sampling knobs do not apply (as in vLLM).
             object.__setattr__(self, "temperature", 0.0)
+
+    def validate(self) -> None:
+        """Check every field again (ValueError naming it): the engine core does, for requests
+        that did not come through a front end's checks."""
+        self.__post_init__()
 
     @property
     def greedy(self) -> bool:

@@ -9,6 +9,7 @@ requests are preempted (recompute) from the tail of running (fcfs) or by lowest 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Iterable
 
 from jaxinfer.config import SchedulerConfig
@@ -18,6 +19,8 @@ from jaxinfer.outputs import (CachedRequestData, EngineCoreOutput, NewRequestDat
                               SchedulerOutput)
 from jaxinfer.request import FinishReason, Request, RequestStatus
 
+
+logger = logging.getLogger(__name__)
 
 _BLOCKED = (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING_FOR_REMOTE_KVS)
 
@@ -43,6 +46,10 @@ class Scheduler:
         self._structured_rows: list[Request] = []
         # Outputs of requests finished outside a step (a grammar that failed to compile).
         self.extra_outputs: list[EngineCoreOutput] = []
+        # Requests that failed while this step's inputs were prepared (their grammar's mask):
+        # the engine core finishes them with an error once the step is dispatched.
+        self.step_failures: dict[str, str] = {}
+        self.num_failed_requests = 0  # finished with FINISHED_ERROR
         self.num_grammar_rejections = 0
         self.kv = kv_cache_manager
         # Scheduler side of a KV connector (None: none; jaxinfer/kv_connector/base.py). It
@@ -117,6 +124,36 @@ class Scheduler:
             self._free_request(request)
 
     abort = finish_requests
+
+    def fail_requests(self, errors: dict[str, str]) -> None:
+        """Finish requests with an error of their own (FINISHED_ERROR; the message is the
+        output's stop_reason): the engine failed them while admitting them, preparing their
+        inputs or applying their outputs, and keeps serving everyone else."""
+        for rid, error in errors.items():
+            request = self.requests.get(rid)
+            if request is None:  # finished already (or never known)
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            self.in_flight.discard(rid)
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = error
+            self.num_failed_requests += 1
+            try:
+                self._free_request(request)
+            except Exception:  # (a connector that fails on it: the blocks go back all the same)
+                logger.exception("freeing failed request %s", rid)
+                self.kv.free(request)
+                self.finished_req_ids.add(rid)
+                self.requests.pop(rid, None)
+            self.extra_outputs.append(EngineCoreOutput(rid, (), FinishReason.ERROR,
+                                                       stop_reason=error))
+
+    def take_step_failures(self) -> dict[str, str]:
+        failures, self.step_failures = self.step_failures, {}
+        return failures
 
     def _free_request(self, request: Request) -> dict | None:
         """Forget a finished request; its blocks go back unless the connector delays that.
@@ -360,7 +397,14 @@ class Scheduler:
                 num_hit = len(hit_blocks) * self.kv.block_size
                 self.kv.prefix_cache_stats.hits -= self.kv.block_size
             if self.kv_connector is not None and not request.kv_load_tried:
-                loading = self._start_kv_load(request, hit_blocks, num_hit)
+                try:
+                    loading = self._start_kv_load(request, hit_blocks, num_hit)
+                except Exception as e:  # that request's fault or the connector's: it fails
+                    logger.exception("KV connector failed on request %s", request.request_id)
+                    request.kv_load_tried = True
+                    self.step_failures[request.request_id] = (
+                        f"KV connector error: {type(e).__name__}: {e}")
+                    return 0  # (it stays in the queue; the core fails it after this step)
                 if loading != -1:
                     return loading  # None: no room; 0: it waits for its KV
         n = request.num_tokens - base - num_hit
@@ -471,7 +515,9 @@ class Scheduler:
         rows = self._structured_rows
         if not rows:
             return None
-        bitmask = self.structured_output_manager.grammar_bitmask(rows)
+        errors: dict[str, str] = {}
+        bitmask = self.structured_output_manager.grammar_bitmask(rows, errors)
+        self.step_failures.update(errors)  # (their rows allow EOS only; they end after the step)
         return [r.request_id for r in rows], bitmask
 
     def last_step_sampled_grammars(self) -> bool:
@@ -502,51 +548,23 @@ class Scheduler:
             self.in_flight.difference_update(scheduled)
         spec = so.scheduled_spec_decode_tokens
         logprobs, prompt_logprobs = ro.logprobs, ro.prompt_logprobs
+        errors: dict[str, str] = {}
         for rid, sampled in zip(ro.req_ids, ro.sampled_token_ids):
             request = requests.get(rid)
             if request is None or rid not in scheduled:
                 continue  # aborted while the step ran
-            prompt_lps = prompt_logprobs.get(rid) if prompt_logprobs else None
-            if spec and rid in spec:
-                # The step verified the drafts: it returns the accepted ones plus one token.
-                # Rejected drafts' KV is not computed; the next step recomputes from there.
-                num_draft = len(spec[rid])
-                num_accepted = len(sampled) - 1
-                request.num_computed_tokens -= num_draft - num_accepted
-                request.spec_token_ids = []
-                self.spec_num_drafts += 1
-                self.spec_num_draft_tokens += num_draft
-                self.spec_num_accepted_tokens += num_accepted
-                per_pos = self.spec_accepted_per_pos
-                if len(per_pos) < num_draft:  # (drafts set by hand, no speculative_config)
-                    per_pos.extend([0] * (num_draft - len(per_pos)))
-                for j in range(num_accepted):
-                    per_pos[j] += 1
-            if not sampled:
-                # A partial prefill: no output token.
-                if prompt_lps:
-                    outputs.append(EngineCoreOutput(rid, (), new_prompt_logprobs=prompt_lps))
+            try:
+                out = self._apply_step_output(request, sampled, spec, logprobs,
+                                              prompt_logprobs)
+            except Exception as e:  # this request's state: it fails, the others go on
+                logger.exception("applying the step's output to request %s failed", rid)
+                errors[rid] = (f"engine error while applying the step's output: "
+                               f"{type(e).__name__}: {e}")
                 continue
-            request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
-            new_ids = sampled
-            grammar = request.grammar
-            for i, tok in enumerate(sampled):
-                request.output_token_ids.append(tok)
-                request.all_token_ids.append(tok)
-                if self._check_stop(request) or (grammar is not None
-                                                 and self._advance_grammar(request, tok)):
-                    new_ids = sampled[: i + 1]
-                    break
-            lps = logprobs.get(rid, ())[: len(new_ids)] if logprobs else ()
-            status = request.status
-            reason = RequestStatus.finish_reason(status) if status > RequestStatus.PREEMPTED \
-                else None
-            outputs.append(EngineCoreOutput(
-                rid, tuple(new_ids), reason, request.stop_reason, tuple(lps), prompt_lps,
-                max(request.num_cached_tokens, 0),
-                grammar_terminated=grammar is not None and reason == FinishReason.STOP
-                and grammar.is_terminated() and new_ids[-1] != request.eos_token_id))
-            if reason is not None:
+            if out is None:
+                continue
+            outputs.append(out)
+            if out.finish_reason is not None:
                 finished.append((request, len(outputs) - 1))
         for request, k in finished:
             if request in self.running:
@@ -556,7 +574,54 @@ class Scheduler:
             params = self._free_request(request)
             if params is not None:
                 outputs[k] = dataclasses.replace(outputs[k], kv_transfer_params=params)
+        if errors:
+            self.fail_requests(errors)  # (their error outputs go out with the step's)
         return outputs
+
+    def _apply_step_output(self, request: Request, sampled, spec, logprobs,
+                           prompt_logprobs) -> EngineCoreOutput | None:
+        """One request's part of update_from_output: its new tokens, stop checks, grammar."""
+        rid = request.request_id
+        prompt_lps = prompt_logprobs.get(rid) if prompt_logprobs else None
+        if spec and rid in spec:
+            # The step verified the drafts: it returns the accepted ones plus one token.
+            # Rejected drafts' KV is not computed; the next step recomputes from there.
+            num_draft = len(spec[rid])
+            num_accepted = len(sampled) - 1
+            request.num_computed_tokens -= num_draft - num_accepted
+            request.spec_token_ids = []
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += num_draft
+            self.spec_num_accepted_tokens += num_accepted
+            per_pos = self.spec_accepted_per_pos
+            if len(per_pos) < num_draft:  # (drafts set by hand, no speculative_config)
+                per_pos.extend([0] * (num_draft - len(per_pos)))
+            for j in range(num_accepted):
+                per_pos[j] += 1
+        if not sampled:
+            # A partial prefill: no output token.
+            if prompt_lps:
+                return EngineCoreOutput(rid, (), new_prompt_logprobs=prompt_lps)
+            return None
+        request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
+        new_ids = sampled
+        grammar = request.grammar
+        for i, tok in enumerate(sampled):
+            request.output_token_ids.append(tok)
+            request.all_token_ids.append(tok)
+            if self._check_stop(request) or (grammar is not None
+                                             and self._advance_grammar(request, tok)):
+                new_ids = sampled[: i + 1]
+                break
+        lps = logprobs.get(rid, ())[: len(new_ids)] if logprobs else ()
+        status = request.status
+        reason = RequestStatus.finish_reason(status) if status > RequestStatus.PREEMPTED \
+            else None
+        return EngineCoreOutput(
+            rid, tuple(new_ids), reason, request.stop_reason, tuple(lps), prompt_lps,
+            max(request.num_cached_tokens, 0),
+            grammar_terminated=grammar is not None and reason == FinishReason.STOP
+            and grammar.is_terminated() and new_ids[-1] != request.eos_token_id)
 
     def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
         """Drafts from the proposer for the next step. Only running requests whose tokens are

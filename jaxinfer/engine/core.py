@@ -31,6 +31,7 @@ from jaxinfer.request import FinishReason, Request, RequestStatus
 from jaxinfer.runner.buckets import BucketTable
 from jaxinfer.runner.kv_cache import kv_cache_bytes_per_block
 from jaxinfer.runner.model_runner import ModelRunner
+from jaxinfer.validation import check_core_request
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +244,11 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a request (ValueError on what the front end should have refused)."""
+        """Queue a request (ValueError on what the front end should have refused: every
+        value is checked again here, so that a request that bypassed a front end fails alone
+        instead of failing a step)."""
+        check_core_request(req, vocab_size=self.model_config.vocab_size,
+                           max_model_len=self.resolved.max_model_len)
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
@@ -272,6 +277,7 @@ class EngineCore:
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
         handle = self.runner.dispatch(so, self.scheduler.get_grammar_bitmask())
+        self._fail_step_requests()
         t1 = time.perf_counter()
         ro = self.runner.collect(handle)
         t2 = time.perf_counter()
@@ -281,6 +287,14 @@ class EngineCore:
         if self.step_timings is not None and handle is not None:
             self.step_timings.append(((t1 - t0) + (time.perf_counter() - t2), t2 - t1))
         return self._finish_step(outs, handle is not None)
+
+    def _fail_step_requests(self) -> None:
+        """Requests that failed while the step was prepared (their grammar mask, their input
+        slot, the KV connector) end with their error; the step ran without them."""
+        errors = self.scheduler.take_step_failures()
+        errors.update(self.runner.take_failed_requests())
+        if errors:
+            self.scheduler.fail_requests(errors)
 
     def _finish_step(self, outs: list[EngineCoreOutput], ran: bool) -> list[EngineCoreOutput]:
         if self.kv_connector is not None:
@@ -310,6 +324,7 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests() and len(self._in_flight) < 2:
             so = self.scheduler.schedule()
             handle = self.runner.dispatch(so, self.scheduler.get_grammar_bitmask())
+            self._fail_step_requests()
             if handle is not None:
                 self._in_flight.append((so, handle))
                 dispatched = True
@@ -336,6 +351,7 @@ class EngineCore:
         if len(self._in_flight) < self.pipeline_depth and sched.has_schedulable_requests():
             so = sched.schedule()
             handle = self.runner.dispatch(so, sched.get_grammar_bitmask())
+            self._fail_step_requests()
             if handle is not None:
                 for _, (other, _h) in enumerate(self._in_flight):
                     # (the invariant the scheduler keeps; tests/engine asserts it too)
@@ -374,6 +390,7 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():
             so = self.scheduler.schedule()
             handle = self.runner.dispatch(so, self.scheduler.get_grammar_bitmask())
+            self._fail_step_requests()
             if handle is not None:
                 self._in_flight.append((so, handle))
         return self._finish_step(outs, True)
@@ -483,7 +500,11 @@ class EngineCore:
             except Exception as e:  # the front end validates first; never leave it waiting
                 logger.error("engine core refused request %s: %s", arg.request_id, e)
                 outputs.put(EngineCoreOutputs(outputs=[EngineCoreOutput(
-                    arg.request_id, (), FinishReason.ABORT, stop_reason=f"refused: {e}")]))
+                    arg.request_id, (), FinishReason.ERROR, stop_reason=f"refused: {e}")]))
+        elif kind == "refuse":  # a request the input thread could not decode
+            rid, error = arg
+            outputs.put(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                rid, (), FinishReason.ERROR, stop_reason=error)]))
         elif kind == "abort":
             self.abort_requests(arg)
         elif kind == "utility":

@@ -97,8 +97,15 @@ class ThreadedCoreClient:
         self._dead: BaseException | None = None
 
     def _run(self) -> None:
-        self.core.run_busy_loop(self._inputs, self._outputs)
+        try:
+            self.core.run_busy_loop(self._inputs, self._outputs)
+        except BaseException as e:  # noqa: BLE001 - reported as the core's death
+            logger.exception("engine core thread failed")
+            self._outputs.put(EngineCoreOutputs(engine_error=f"engine core thread failed: {e!r}"))
         self._outputs.put(None)
+
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
 
     def _ensure_pump(self) -> None:
         loop = asyncio.get_running_loop()
@@ -273,27 +280,45 @@ def run_engine_core(spec: dict) -> int:
         dec_req = request_decoder()
         while True:
             kind, payload = in_sock.recv_multipart()
-            if kind == RequestType.ADD.value:
+            try:
+                if kind == RequestType.SHUTDOWN.value:
+                    inputs.put(None)
+                    return
+                handle_input(kind, payload, dec_req, msgspec)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the reader
+                logger.exception("engine core could not handle a message of kind %r", kind)
+
+    def handle_input(kind, payload, dec_req, msgspec):
+        if kind == RequestType.ADD.value:
+            try:
                 req = dec_req.decode(payload)
-                owners[req.request_id] = req.client_index
-                if 0 <= req.client_index < n_clients:
-                    received[req.client_index] += 1
-                inputs.put(("add", req))
-                if coord is not None:  # the coordinator hears of arrivals at once
-                    publish(None)
-            elif kind == RequestType.ABORT.value:
-                ids = msgspec.msgpack.decode(payload)
-                for rid in ids:  # its front end forgets it: later outputs go nowhere
-                    owners.pop(rid, None)
-                inputs.put(("abort", ids))
-            elif kind == RequestType.UTILITY.value:
-                call_id, name, args, *client = msgspec.msgpack.decode(payload)
-                gid = next(call_ids)
-                calls[gid] = (client[0] if client else 0, call_id)
-                inputs.put(("utility", (gid, name, tuple(args))))
-            elif kind == RequestType.SHUTDOWN.value:
-                inputs.put(None)
+            except (msgspec.DecodeError, ValueError, TypeError) as e:
+                # A request that does not decode (or whose values SamplingParams refuses):
+                # it fails alone, if its id can be read at all.
+                fields = msgspec.msgpack.decode(payload)
+                rid = fields[0] if isinstance(fields, list) and fields else None
+                if not isinstance(rid, str):
+                    raise
+                client = fields[10] if len(fields) > 10 and isinstance(fields[10], int) else 0
+                owners[rid] = client
+                inputs.put(("refuse", (rid, f"refused: the request does not decode: {e}")))
                 return
+            owners[req.request_id] = req.client_index
+            if 0 <= req.client_index < n_clients:
+                received[req.client_index] += 1
+            inputs.put(("add", req))
+            if coord is not None:  # the coordinator hears of arrivals at once
+                publish(None)
+        elif kind == RequestType.ABORT.value:
+            ids = msgspec.msgpack.decode(payload)
+            for rid in ids:  # its front end forgets it: later outputs go nowhere
+                owners.pop(rid, None)
+            inputs.put(("abort", ids))
+        elif kind == RequestType.UTILITY.value:
+            call_id, name, args, *client = msgspec.msgpack.decode(payload)
+            gid = next(call_ids)
+            calls[gid] = (client[0] if client else 0, call_id)
+            inputs.put(("utility", (gid, name, tuple(args))))
 
     last_stats = [core.get_stats()]
     coord_enc = encoder()
@@ -722,6 +747,10 @@ class AsyncMPClient:
             if not fut.done():
                 fut.set_exception(err)
         self._aq.put_nowait(err)
+
+    def is_alive(self) -> bool:
+        """The core can still serve (its process runs, or its heartbeats come)."""
+        return self._dead is None and self.p.is_alive()
 
     def _check(self) -> None:
         if self._dead is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from jaxinfer.engine.messages import EngineCoreRequest
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxinfer.validation import INT64_MAX, INT64_MIN, check_for_model, check_int
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -54,6 +55,19 @@ class Processor:
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}: use a string, "
                          "{'prompt': str} or {'prompt_token_ids': [int, ...]}")
 
+    def check_params(self, params: SamplingParams) -> None:
+        """The limits that depend on this model (vocabulary, context): FieldError naming the
+        field."""
+        check_for_model(params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+
+    def truncate(self, ids: list[int], params: SamplingParams | None) -> list[int]:
+        """truncate_prompt_tokens: keep the prompt's last k tokens (vLLM's left truncation)."""
+        t = params.truncate_prompt_tokens if params is not None else None
+        if t is None:
+            return ids
+        k = self.max_model_len if t == -1 else t
+        return ids[-k:] if len(ids) > k else ids
+
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -74,6 +88,12 @@ class Processor:
         """The backend that will run `so`; ValueError naming the problem otherwise. Builds the
         grammar backend's tokenizer on first use (about half a second): async callers run it
         in a thread."""
+        from jaxinfer.config import StructuredOutputsConfig
+        from jaxinfer.structured_output.limits import check_spec_limits
+
+        config = self.structured_outputs_config or StructuredOutputsConfig()
+        check_spec_limits(so, max_spec_bytes=config.max_spec_bytes,
+                          max_schema_depth=config.max_schema_depth)
         key = so.key()
         backend = self._so_checked.get(key)
         if backend is not None:
@@ -106,10 +126,13 @@ class Processor:
         if self.tokenizer is None and params.stop:
             raise ValueError("stop: stop strings need the tokenizer, but the engine was started "
                              "with skip_tokenizer_init=True; use stop_token_ids")
+        self.check_params(params)
+        check_int("", "priority", priority, INT64_MIN, INT64_MAX)
         backend = None
         if params.structured_outputs is not None:
             backend = self.validate_structured_outputs(params.structured_outputs)
         text, ids = self.tokenize_prompt(prompt)
+        ids = self.truncate(ids, params)
         self.validate_prompt(ids)
         if not params.ignore_eos and self.extra_eos_token_ids:
             params = params.clone(stop_token_ids=[*params.stop_token_ids,

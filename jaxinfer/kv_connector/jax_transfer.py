@@ -112,7 +112,8 @@ class JaxTransferScheduler(KVConnectorScheduler):
             return False, None
         from jaxinfer.request import RequestStatus
 
-        if request.status == RequestStatus.FINISHED_ABORTED:
+        if request.status in (RequestStatus.FINISHED_ABORTED,
+                              RequestStatus.FINISHED_ERROR):
             return False, None
         n = min((request.num_prompt_tokens - 1) // self.block_size, len(block_ids))
         params = {"do_remote_prefill": True, "do_remote_decode": False,

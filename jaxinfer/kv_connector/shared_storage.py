@@ -114,7 +114,8 @@ class SharedStorageScheduler(KVConnectorScheduler):
         n = min(request.num_prompt_tokens, request.num_computed_tokens) // self.block_size
         params = None
         p = request.kv_transfer_params or {}
-        if p.get("do_remote_decode") and request.status != RequestStatus.FINISHED_ABORTED:
+        if p.get("do_remote_decode") and request.status not in (
+                RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
             # For a decode instance: how many blocks it will find (it waits for them).
             params = {"do_remote_prefill": True, "do_remote_decode": False,
                       "remote_num_blocks": min(n, (request.num_prompt_tokens - 1)

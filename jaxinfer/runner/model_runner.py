@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -623,6 +624,9 @@ class ModelRunner:
             self.proposer = NgramProposer(speculative_config.prompt_lookup_min,
                                           speculative_config.prompt_lookup_max, self.num_spec)
         self._last_sampled_rows: tuple[list[str], np.ndarray] = ([], np.zeros(0, np.int32))
+        # Requests whose inputs could not be prepared (request id -> error), left out of the
+        # step that dispatch() launched; the engine core finishes them with that error.
+        self.failed_requests: dict[str, str] = {}
         self.kv_connector = None  # a KV connector's worker side (set_kv_connector)
         self._compiled: dict[tuple[int, int, StepFeatures], object] = {}
         # Host step buffers per (T, R, prompt_logprobs, structured), two of each used in turn:
@@ -811,16 +815,26 @@ class ModelRunner:
                     progress(t, r)
 
     # -- one step -------------------------------------------------------------------------------
-    def _apply_diff(self, so: SchedulerOutput) -> None:
+    def _apply_diff(self, so: SchedulerOutput) -> dict[str, str]:
+        """Returns the new requests that could not be taken in (request id -> error): one
+        request whose values do not fit its slot fails alone."""
         b = self.batch
         for rid in so.finished_req_ids | so.preempted_req_ids:
             b.remove(rid)
+        failed = {}
         for new in so.scheduled_new_reqs:
             b.remove(new.req_id)  # a resumed request restarts from a clean slot
-            b.add(new)
+            try:
+                b.add(new)
+            except Exception as e:  # noqa: BLE001 - that request fails, the step goes on
+                logger.exception("preparing the inputs of request %s failed", new.req_id)
+                b.remove(new.req_id)
+                failed[new.req_id] = (f"engine error while preparing the request's inputs: "
+                                      f"{type(e).__name__}: {e}")
         for c in so.scheduled_cached_reqs:
             if c.new_block_ids:
                 b.append_blocks(b.req_id_to_slot[c.req_id], c.new_block_ids)
+        return failed
 
     def _buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool,
                  verify: bool = False) -> StepBatch:
@@ -920,7 +934,10 @@ class ModelRunner:
             # Loads, saves and cancels start before the step: a gather is enqueued before
             # the step can overwrite its blocks.
             self.kv_connector.bind_connector_metadata(so.kv_connector_metadata)
-        self._apply_diff(so)
+        failed = self._apply_diff(so)
+        if failed:
+            self.failed_requests.update(failed)
+            so, grammar = _without_requests(so, grammar, failed)
         if not so.num_scheduled_tokens:
             return None
         batch, features, req_ids, slots, computed, num_drafts = self._build(so, grammar)
@@ -986,6 +1003,10 @@ class ModelRunner:
             index = {rid: i for i, rid in enumerate(step.req_ids)}
             self._drafts = out["drafts"][[index[r] for r in rows]]
 
+    def take_failed_requests(self) -> dict[str, str]:
+        failed, self.failed_requests = self.failed_requests, {}
+        return failed
+
     def take_draft_token_ids(self) -> dict[str, list[int]]:
         """Drafts for the requests that sampled in the step collected last (speculative
         decoding; empty when off). The scheduler filters and caps them."""
@@ -997,7 +1018,11 @@ class ModelRunner:
         if self.proposer is None or not rows:
             return {}
         b = self.batch  # (the scheduler decides which requests may take drafts)
-        drafts = self.proposer.propose(b.token_ids, slots, b.num_tokens[slots])
+        try:
+            drafts = self.proposer.propose(b.token_ids, slots, b.num_tokens[slots])
+        except Exception:  # noqa: BLE001 - drafts are optional: this step goes without
+            logger.exception("the n-gram proposer failed; no drafts this step")
+            return {}
         return {rid: d for rid, d in zip(rows, drafts) if d}
 
     def set_kv_connector(self, worker) -> None:
@@ -1066,6 +1091,23 @@ class ModelRunner:
                     for tok, f in zip(toks, flat))
         return RunnerOutput(req_ids=tuple(step.req_ids), sampled_token_ids=tuple(sampled),
                             logprobs=logprobs, prompt_logprobs=prompt_lps)
+
+
+def _without_requests(so: SchedulerOutput, grammar, ids) -> tuple[SchedulerOutput, Any]:
+    """The step without the requests `ids` (and their grammar bitmask rows)."""
+    keep = {r: n for r, n in so.num_scheduled_tokens.items() if r not in ids}
+    so = dataclasses.replace(
+        so, scheduled_new_reqs=tuple(n for n in so.scheduled_new_reqs if n.req_id not in ids),
+        scheduled_cached_reqs=tuple(c for c in so.scheduled_cached_reqs
+                                    if c.req_id not in ids),
+        num_scheduled_tokens=keep, total_num_scheduled_tokens=sum(keep.values()),
+        scheduled_spec_decode_tokens={r: d for r, d in so.scheduled_spec_decode_tokens.items()
+                                      if r not in ids})
+    if grammar is not None:
+        grammar_ids, bitmask = grammar
+        rows = [i for i, r in enumerate(grammar_ids) if r not in ids]
+        grammar = ([grammar_ids[i] for i in rows], bitmask[rows]) if rows else None
+    return so, grammar
 
 
 @dataclasses.dataclass
