@@ -220,12 +220,18 @@ class StructuredOutputsConfig:
     imports torch) or "auto" (llguidance, falling back to xgrammar for what llguidance refuses
     when xgrammar is installed). "llguidance" is accepted as another name for "guidance".
     disable_any_whitespace / disable_additional_properties: defaults for every request's JSON.
-    compile_timeout_s: a grammar still compiling after this long fails its request."""
+    compile_timeout_s: a grammar still compiling (or validating) after this long fails its
+    request.
+    max_spec_bytes / max_schema_depth: larger specs, and JSON schemas nesting deeper (counting
+    the definitions their $refs lead to), are refused before a backend sees them (backends
+    recurse natively: jaxinfer/structured_output/limits.py)."""
 
     backend: str = "auto"
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     compile_timeout_s: float = 30.0
+    max_spec_bytes: int = 128 << 10
+    max_schema_depth: int = 256
 
     def __post_init__(self):
         if self.backend == "llguidance":
@@ -242,6 +248,11 @@ class StructuredOutputsConfig:
         if not self.compile_timeout_s > 0:
             raise ValueError("structured_outputs_config.compile_timeout_s must be > 0, got "
                              f"{self.compile_timeout_s}")
+        for name in ("max_spec_bytes", "max_schema_depth"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"structured_outputs_config.{name} must be an integer >= 1, "
+                                 f"got {v!r}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")

@@ -18,7 +18,8 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from jaxinfer.config import StructuredOutputsConfig
 from jaxinfer.sampling_params import StructuredOutputsParams
 from jaxinfer.structured_output.backends import (BACKENDS, Backend, Grammar, bitmask_width,
                                                  xgrammar_available)
+from jaxinfer.structured_output.limits import StackThreadPool, check_spec_limits
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +59,43 @@ class _Backends:
             return backend
 
 
+    def check_limits(self, params: StructuredOutputsParams) -> None:
+        check_spec_limits(params, max_spec_bytes=self.config.max_spec_bytes,
+                          max_schema_depth=self.config.max_schema_depth)
+
+
 class StructuredOutputValidator(_Backends):
+    def __init__(self, config: StructuredOutputsConfig, tokenizer_source, vocab_size: int):
+        super().__init__(config, tokenizer_source, vocab_size)
+        self._pool: StackThreadPool | None = None
+
     def validate(self, params: StructuredOutputsParams) -> str:
-        """The backend that will run `params` (ValueError naming the problem otherwise)."""
+        """The backend that will run `params` (ValueError naming the problem otherwise).
+        Within the size and depth limits, on a big-stack thread, within compile_timeout_s."""
+        self.check_limits(params)
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = StackThreadPool(2, "jaxinfer-grammar-check")
+        fut = self._pool.submit(self._validate, params)
+        try:
+            return fut.result(timeout=self.config.compile_timeout_s)
+        except FutureTimeout:
+            fut.cancel()
+            raise ValueError(f"structured_outputs.{params.kind}: checking the specification "
+                             f"took more than structured_outputs_config.compile_timeout_s="
+                             f"{self.config.compile_timeout_s:g} s") from None
+
+    def _validate(self, params: StructuredOutputsParams) -> str:
+        try:
+            return self._validate_with_backends(params)
+        except ValueError:
+            raise
+        except Exception as e:  # the spec's fault as far as the request is concerned
+            raise ValueError(f"structured_outputs.{params.kind}: could not be checked "
+                             f"({type(e).__name__}: {e})") from None
+
+    def _validate_with_backends(self, params: StructuredOutputsParams) -> str:
         name = self.config.backend
         if name != "auto":
             self.get(name).validate(params)
@@ -85,8 +121,9 @@ class StructuredOutputManager(_Backends):
     def __init__(self, config, tokenizer_source, vocab_size):
         super().__init__(config, tokenizer_source, vocab_size)
         self.width = bitmask_width(vocab_size)
-        self._executor = ThreadPoolExecutor(max(1, ((os.cpu_count() or 1) + 1) // 2),
-                                            thread_name_prefix="jaxinfer-grammar")
+        # (big stacks: backends recurse natively while compiling; limits.py)
+        self._executor = StackThreadPool(max(1, ((os.cpu_count() or 1) + 1) // 2),
+                                         "jaxinfer-grammar")
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._bitmask = np.full((0, self.width), -1, np.int32)
         self.num_compiles = 0
@@ -106,6 +143,7 @@ class StructuredOutputManager(_Backends):
         from jaxinfer.request import RequestStatus
 
         params = request.sampling_params.structured_outputs
+        self.check_limits(params)  # (ValueError: the core refuses the request)
         name = request.structured_backend or ("guidance" if self.config.backend == "auto"
                                               else self.config.backend)
         request.structured_backend = name
@@ -149,26 +187,32 @@ class StructuredOutputManager(_Backends):
                     f"{self.config.compile_timeout_s:g} s")
         return None
 
-    def grammar_bitmask(self, requests: list) -> np.ndarray:
+    def grammar_bitmask(self, requests: list, errors: dict[str, str] | None = None
+                        ) -> np.ndarray:
         """Rows in `requests` order (each has a grammar): the tokens allowed next. A view of a
-        reused buffer, valid until the next call."""
+        reused buffer, valid until the next call. With `errors`, a request whose matcher fails
+        to fill its row is recorded there (request id -> message) and gets an EOS-only row,
+        so that one broken grammar fails its own request, not the step."""
         n = len(requests)
         if self._bitmask.shape[0] < n:
             self._bitmask = np.full((max(n, 2 * self._bitmask.shape[0]), self.width), -1,
                                     np.int32)
         bm = self._bitmask[:n]
         bm.fill(0)
-        by_backend: dict[str, list[int]] = {}
-        for i, r in enumerate(requests):
-            by_backend.setdefault(r.structured_backend, []).append(i)
-        for name, rows in by_backend.items():
-            backend = self.get(name)
-            if len(by_backend) == 1:
-                backend.fill_bitmasks([r.grammar for r in requests], bm)
-            else:
-                sub = np.zeros((len(rows), self.width), np.int32)
-                backend.fill_bitmasks([requests[i].grammar for i in rows], sub)
-                bm[rows] = sub
+        try:
+            self._fill(requests, bm)
+        except Exception:
+            if errors is None:
+                raise
+            bm.fill(0)
+            for i, r in enumerate(requests):  # row by row: find the one(s) that fail
+                try:
+                    self.get(r.structured_backend).fill_bitmasks([r.grammar], bm[i:i + 1])
+                except Exception as e:  # noqa: BLE001 - reported to that request
+                    logger.exception("grammar bitmask of request %s failed", r.request_id)
+                    bm[i] = 0
+                    errors[r.request_id] = (f"structured output grammar failed: "
+                                            f"{type(e).__name__}: {e}")
         # A row with nothing allowed (a matcher in an error state) allows EOS, so the sampler
         # never has to pick among masked tokens.
         empty = ~bm.any(axis=1)
@@ -180,6 +224,19 @@ class StructuredOutputManager(_Backends):
                 else:
                     bm[i, eos // 32] = np.int32(np.uint32(1 << (eos % 32)).view(np.int32))
         return bm
+
+    def _fill(self, requests: list, bm: np.ndarray) -> None:
+        by_backend: dict[str, list[int]] = {}
+        for i, r in enumerate(requests):
+            by_backend.setdefault(r.structured_backend, []).append(i)
+        for name, rows in by_backend.items():
+            backend = self.get(name)
+            if len(by_backend) == 1:
+                backend.fill_bitmasks([r.grammar for r in requests], bm)
+            else:
+                sub = np.zeros((len(rows), self.width), np.int32)
+                backend.fill_bitmasks([requests[i].grammar for i in rows], sub)
+                bm[rows] = sub
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
