@@ -103,6 +103,11 @@ class EngineMetrics:
         self.api_requests = Counter(p + "api_server_requests",
                                     "Generation requests each API server took.",
                                     names + ["api_server"], registry=self.registry)
+        # 1 while an engine core (data-parallel rank) can serve, 0 once it is dead: a dead
+        # engine shows here as well as in /health (503).
+        self.engine_alive = Gauge(p + "engine_core_alive",
+                                  "1 while the engine core serves, 0 when it is dead.",
+                                  names + ["engine"], registry=self.registry)
         self._routed_seen: list[int] = []
         self._seen: dict[str, tuple[int, float]] = {}  # request -> (tokens so far, last time)
         self._last_stats: dict = {}
@@ -141,6 +146,12 @@ class EngineMetrics:
             if now > was:
                 self.dp_routed.labels(engine=str(rank), **self._lbl).inc(now - was)
         self._routed_seen = list(num_routed)
+
+    def set_engine_alive(self, alive: list[bool]) -> None:
+        if not self.feeds_engine_stats:
+            return
+        for rank, ok in enumerate(alive):
+            self.engine_alive.labels(engine=str(rank), **self._lbl).set(1 if ok else 0)
 
     def update_gauges(self, stats: dict) -> None:
         if not self.feeds_engine_stats:

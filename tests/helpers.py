@@ -79,7 +79,7 @@ def rel_err(a, b) -> float:
 class LiveServer:
     """An OpenAIServer on a free 127.0.0.1 port, served by uvicorn in a thread."""
 
-    def __init__(self, llm, model_name: str, log_level: str = "warning"):
+    def __init__(self, llm, model_name: str, log_level: str = "warning", **server_kwargs):
         import socket
         import threading
         import time
@@ -88,13 +88,15 @@ class LiveServer:
 
         from jaxinfer.entrypoints.openai.api_server import OpenAIServer
 
-        self.server = OpenAIServer(llm, model_name)
+        self.server = OpenAIServer(llm, model_name, **server_kwargs)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{port}"
         self._uv = uvicorn.Server(uvicorn.Config(self.server.app, host="127.0.0.1", port=port,
-                                                 log_level=log_level))
+                                                 log_level=log_level,
+                                                 timeout_graceful_shutdown=10))
+        self.server.uvicorn_server = self._uv  # (it exits when the engine dies, as in serve)
         self._thread = threading.Thread(target=self._uv.run, daemon=True)
         self._thread.start()
         deadline = time.time() + 30

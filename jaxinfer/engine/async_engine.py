@@ -55,6 +55,9 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.on_step = on_step  # called on the event loop after each batch of outputs (metrics)
         self.on_abort = on_abort  # called when a live request is aborted
+        # Called once, on the event loop, when the engine core is found dead (the server
+        # answers 503 from then on and exits).
+        self.on_dead: Callable[[BaseException], None] | None = None
         self._streams: dict[str, asyncio.Queue] = {}
         self._handler: asyncio.Task | None = None
         self._dead: BaseException | None = None
@@ -72,8 +75,41 @@ class AsyncLLM:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        """Nothing to do: the core is up after construction; the output handler starts with
-        the first request on the serving event loop."""
+        """Nothing to do: the core is up after construction; the output handler starts on the
+        serving event loop (start_output_handler, or the first request)."""
+
+    def start_output_handler(self) -> None:
+        """Start reading the core's outputs now (on the running event loop), so that a core
+        that dies is noticed at once, not when the next request comes."""
+        if self._dead is None:
+            self._ensure_handler()
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        """Why the engine core cannot serve any more (None while it can)."""
+        if self._dead is None:
+            alive = getattr(self.engine_core, "is_alive", None)
+            if alive is not None and not alive():
+                return EngineDeadError("the engine core process is gone")
+        return self._dead
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def _set_dead(self, err: BaseException) -> None:
+        if self._dead is not None:
+            return
+        logger.error("engine core is dead: %s", str(err).splitlines()[0] if str(err) else err)
+        self._dead = err
+        for q in self._streams.values():
+            q.put_nowait(err)
+        self._streams.clear()
+        if self.on_dead is not None:
+            try:
+                self.on_dead(err)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_dead callback failed")
 
     def shutdown(self) -> None:
         if self._handler is not None:
@@ -101,13 +137,21 @@ class AsyncLLM:
             try:
                 eo = await self.engine_core.get_output_async()
             except EngineDeadError as e:
-                logger.error("engine core is dead: %s", e)
-                self._dead = e
-                for q in self._streams.values():
-                    q.put_nowait(e)
-                self._streams.clear()
+                self._set_dead(e)
                 return
-            outputs, to_stop = self.output_processor.process_outputs(eo.outputs)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the client itself broke: nothing can come
+                logger.exception("reading the engine core's outputs failed")
+                self._set_dead(EngineDeadError(f"engine core output handling failed: {e!r}"))
+                return
+            try:
+                outputs, to_stop = self.output_processor.process_outputs(eo.outputs)
+            except Exception as e:  # noqa: BLE001 - a bug on some request's output: those
+                # requests fail (the others go on), nobody is left waiting.
+                logger.exception("processing engine core outputs failed")
+                await self._fail_requests({o.request_id for o in eo.outputs}, e)
+                continue
             if to_stop:  # stop strings: the core stops generating for them
                 await self.engine_core.abort_requests_async(to_stop)
             for out in outputs:
@@ -118,7 +162,22 @@ class AsyncLLM:
                     del self._streams[out.request_id]
                 q.put_nowait(out)
             if self.on_step is not None and outputs:
-                self.on_step(outputs, self.stats)
+                try:
+                    self.on_step(outputs, self.stats)
+                except Exception:  # noqa: BLE001 - metrics must not stop the outputs
+                    logger.exception("on_step callback failed")
+
+    async def _fail_requests(self, child_ids: set[str], err: BaseException) -> None:
+        """Fail the user requests these core requests belong to, and abort them in the core."""
+        parents = {self.output_processor.child_to_parent.get(c) for c in child_ids} - {None}
+        children = []
+        for rid in parents:
+            children += self.output_processor.abort(rid)
+            q = self._streams.pop(rid, None)
+            if q is not None:
+                q.put_nowait(RuntimeError(f"processing this request's output failed: {err!r}"))
+        if children:
+            await self.engine_core.abort_requests_async(children)
 
     # -- API for asyncio callers ----------------------------------------------------------------
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,

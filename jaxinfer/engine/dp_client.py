@@ -361,6 +361,13 @@ class DPAsyncClient(_DPBase):
             if out is not None:
                 return out
 
+    def is_alive(self) -> bool:
+        """Some rank can still serve."""
+        return any(self.lb.alive[r] and c.is_alive() for r, c in enumerate(self.clients))
+
+    def ranks_alive(self) -> list[bool]:
+        return [self.lb.alive[r] and c.is_alive() for r, c in enumerate(self.clients)]
+
     async def call_utility_async(self, name: str, *args) -> Any:
         results = [await c.call_utility_async(name, *args)
                    for r, c in enumerate(self.clients) if self.lb.alive[r]]

@@ -122,6 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--queue-timeout", type=float, default=None,
                    help="seconds a request may wait for its first token before it is aborted "
                         "with 503 (default: no limit)")
+    v.add_argument("--max-prompts-per-request", type=int, default=None,
+                   help="the most prompts one /v1/completions request may carry (default "
+                        "1024, or JAXINFER_MAX_PROMPTS_PER_REQUEST); prompts x n is also "
+                        "capped by JAXINFER_MAX_N_SEQUENCES (16384)")
+    v.add_argument("--keep-alive-on-engine-death", action="store_true",
+                   help="when the engine core dies, keep the server up answering 503 (for "
+                        "debugging; default: exit non-zero once requests in flight are "
+                        "answered, so that a supervisor restarts it; or set "
+                        "JAXINFER_KEEP_ALIVE_ON_ENGINE_DEATH=1)")
+    v.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat_template sent with a request (it is code: refused by "
+                        "default, as in vLLM)")
+    v.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="priority: requests with a lower `priority` field run first")
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model call tools on its own (tool_choice="auto"); needs '
                         "--tool-call-parser")

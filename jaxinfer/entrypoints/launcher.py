@@ -381,7 +381,8 @@ def api_server_main() -> None:
     from jaxinfer.engine.async_engine import AsyncLLM
     from jaxinfer.engine.core_client import _CoreConnection
     from jaxinfer.engine.dp_client import DPAsyncClient
-    from jaxinfer.entrypoints.openai.api_server import engine_config_from_args, make_server
+    from jaxinfer.entrypoints.openai.api_server import (engine_config_from_args, make_server,
+                                                        serve)
 
     import argparse
 
@@ -394,8 +395,7 @@ def api_server_main() -> None:
     server = make_server(llm, args, metrics_role=payload["metrics_role"])
     sock = socket.socket(fileno=payload["listen_fd"])
     config = uvicorn.Config(server.app, log_level="info")
-    uvicorn.Server(config).run(sockets=[sock])
-    os._exit(0)
+    os._exit(serve(server, config, sockets=[sock]))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def server(smollm2_dir):
     llm = AsyncLLM(EngineConfig(model=smollm2_dir, dtype="float32", max_model_len=256,
                                 max_num_seqs=16, max_num_batched_tokens=128, warmup=False,
                                 num_kv_blocks=300))
-    live = LiveServer(llm, MODEL)
+    live = LiveServer(llm, MODEL, trust_request_chat_template=True)
     srv = live.server
     srv.base_url = live.base_url
     yield srv
@@ -377,9 +377,14 @@ def test_n_is_capped_by_name(server, monkeypatch):
     r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "n": 5,
                                           "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
-    assert "at most 4" in r.json()["error"]["message"]
+    assert "[1, 4]" in r.json()["error"]["message"]
     assert _post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "n": 4,
                                              "max_tokens": 1}).status_code == 200
+    # prompts x n counts too
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": ["x", "y"], "n": 3,
+                                          "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert "6 sequences, more than the limit of 4" in r.json()["error"]["message"]
     wait_idle(server)
 
 

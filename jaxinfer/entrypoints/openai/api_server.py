@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -13,9 +15,13 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer.engine.async_engine import AsyncLLM
+from jaxinfer.engine.messages import EngineDeadError
+from jaxinfer.entrypoints.openai.body import (BodyError, check_list_limits, check_prompt,
+                                              parse_json_body)
 from jaxinfer.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   UnsupportedField)
 from jaxinfer.entrypoints.openai.tools import (TOOL_PARSERS, forced_tool_calls,
@@ -23,6 +29,10 @@ from jaxinfer.entrypoints.openai.tools import (TOOL_PARSERS, forced_tool_calls,
                                                named_tool, template_renders_tools)
 from jaxinfer.metrics import EngineMetrics
 from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.validation import FieldError, max_n_sequences
+from jaxinfer.validation import max_prompts_per_request as max_prompts_per_request_env
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -34,8 +44,19 @@ class APIError(Exception):
         self.err_type = err_type or {
             400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
             405: "MethodNotAllowedError", 413: "RequestTooLargeError",
-            422: "UnprocessableEntityError", 429: "RateLimitError",
+            422: "UnprocessableEntityError", 429: "RateLimitError", 499: "ClientDisconnected",
             503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+
+
+def _engine_dead(err: BaseException) -> APIError:
+    first = (str(err).splitlines() or [""])[0]
+    return APIError(f"the engine is dead and cannot serve requests ({first}); the server is "
+                    "shutting down", 503, None, "EngineDeadError")
+
+
+def _internal_error(err: BaseException) -> APIError:
+    return APIError(f"internal server error ({type(err).__name__}); see the server log", 500,
+                    None, "InternalServerError")
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -63,15 +84,29 @@ _GENERATE_RESPONSES = {
                          "(text/event-stream) with stream=true",
           "content": {"application/json": {"schema": {"type": "object",
                                                       "required": ["id", "choices"]}},
-                      "text/event-stream": {"schema": {"type": "string"}}}},
+                      # (each server-sent event: its data is a JSON chunk, an error object,
+                      # or [DONE])
+                      "text/event-stream": {"schema": {
+                          "type": "object", "required": ["data"],
+                          "properties": {"data": {"type": "string"},
+                                         "event": {"type": "string"}}}}}},
     400: {"description": "Bad request: the error names the field", **_ERROR},
     401: {"description": "Missing or wrong API key", **_ERROR},
     404: {"description": "Unknown model", **_ERROR},
     413: {"description": "Body over --max-request-body-bytes", **_ERROR},
     429: {"description": "Over --max-waiting-requests (Retry-After)", **_ERROR},
     499: {"description": "The client went away", **_ERROR},
-    503: {"description": "No first token within --queue-timeout (Retry-After)", **_ERROR},
+    500: {"description": "The engine failed this request (it alone); see the server log",
+          **_ERROR},
+    503: {"description": "No first token within --queue-timeout (Retry-After), or the engine "
+                         "is dead", **_ERROR},
 }
+
+
+def _request_body(model) -> dict:
+    """The OpenAPI requestBody of a route that parses its own body (body.py)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
 def _openapi_without_422(app: FastAPI) -> dict:
@@ -83,8 +118,13 @@ def _openapi_without_422(app: FastAPI) -> dict:
         for ops in spec.get("paths", {}).values():
             for op in ops.values():
                 op.get("responses", {}).pop("422", None)
+        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
-            spec.get("components", {}).get("schemas", {}).pop(name, None)
+            schemas.pop(name, None)
+        for model in (CompletionRequest, ChatCompletionRequest):  # bodies parsed by body.py
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(js.pop("$defs", {}))
+            schemas[model.__name__] = js
         app.openapi_schema = spec
     return app.openapi_schema
 
@@ -94,11 +134,28 @@ class OpenAIServer:
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  max_waiting_requests: int | None = None, queue_timeout: float | None = None,
-                 metrics_role: str = "only"):
+                 metrics_role: str = "only", max_prompts_per_request: int | None = None,
+                 keep_alive_on_engine_death: bool = False,
+                 trust_request_chat_template: bool = False):
         """metrics_role: "only" (the one API server), "primary" or "secondary" (one of
         several: Prometheus multiprocess mode; the engines' own counters are fed by the
-        primary alone, so that they are not counted once per API server)."""
+        primary alone, so that they are not counted once per API server).
+        keep_alive_on_engine_death: when the engine core dies, keep answering (503) instead
+        of shutting down (for debugging; a supervisor should restart a dead server)."""
         self.llm = llm
+        self.max_prompts_per_request = max_prompts_per_request or max_prompts_per_request_env()
+        if self.max_prompts_per_request < 1:
+            raise ValueError("--max-prompts-per-request must be >= 1, got "
+                             f"{self.max_prompts_per_request}")
+        self.keep_alive_on_engine_death = keep_alive_on_engine_death
+        # vLLM's --trust-request-chat-template: a request's chat_template is jinja code run in
+        # this process (a sandbox bounds what it reaches, not how long it runs), so it is
+        # refused unless the operator trusts the clients.
+        self.trust_request_chat_template = trust_request_chat_template
+        # The uvicorn.Server serving the app (set by whoever runs it): told to exit when the
+        # engine dies, unless keep_alive_on_engine_death.
+        self.uvicorn_server = None
+        self.engine_dead: BaseException | None = None
         # Admission: at most this many sequences waiting for their first token (429 past it),
         # and how long one may wait for it (then aborted, 503). None: no limit.
         if max_waiting_requests is not None and max_waiting_requests < 1:
@@ -119,7 +176,32 @@ class OpenAIServer:
         self.metrics = EngineMetrics(model_name, role=metrics_role)
         llm.on_step = self._on_step
         llm.on_abort = self.metrics.on_abort
+        llm.on_dead = self._on_engine_dead
         self.app = self._build_app()
+
+    def _on_engine_dead(self, err: BaseException) -> None:
+        """The engine core is gone: every stream has its error already; /health and every
+        request answer 503 from now on, and (unless kept alive) the server exits once the
+        requests in flight are answered, so that a supervisor restarts it."""
+        self.engine_dead = err
+        self.metrics.set_engine_alive(self._ranks_alive())
+        if self.keep_alive_on_engine_death:
+            logger.error("the engine core is dead; serving 503s (--keep-alive-on-engine-death)")
+            return
+        logger.error("the engine core is dead: shutting the server down")
+        if self.uvicorn_server is not None:
+            self.uvicorn_server.should_exit = True
+
+    def _ranks_alive(self) -> list[bool]:
+        ranks = getattr(self.llm.engine_core, "ranks_alive", None)
+        if ranks is not None:
+            return ranks()
+        return [not self.llm.errored]
+
+    def _check_alive(self) -> None:
+        err = self.llm.dead_error
+        if err is not None:
+            raise _engine_dead(err)
 
     # -- helpers --------------------------------------------------------------------------------
     def _on_step(self, outputs, stats) -> None:
@@ -148,11 +230,36 @@ class OpenAIServer:
                            f"prompt, {max_tokens} in the completion).", 400, "max_tokens")
 
     def _params(self, req):
+        """The request's SamplingParams, checked against every limit (the model's too)."""
         try:
-            return req.sampling_params()
+            params = req.sampling_params()
+            self.llm.processor.check_params(params)
         except ValueError as e:
-            field = str(e).split(" ")[0].removeprefix("SamplingParams.")
+            field = e.field if isinstance(e, FieldError) else \
+                str(e).split(" ")[0].removeprefix("SamplingParams.")
             raise APIError(str(e), 400, field) from None
+        if req.priority and self.llm.resolved.engine.scheduling_policy != "priority":
+            raise APIError(f"priority={req.priority}: priority scheduling is not enabled "
+                           "(--scheduling-policy priority)", 400, "priority")
+        return params
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        """What the Processor would refuse once the response had started (a stream's 200):
+        an empty prompt, one the whole KV cache cannot hold."""
+        if len(ids) > self.llm.max_model_len:
+            return  # (_check_length names both numbers)
+        try:
+            self.llm.processor.validate_prompt(ids)
+        except ValueError as e:
+            raise APIError(str(e), 400, "prompt") from None
+
+    def _check_min_tokens(self, n_prompt: int, params) -> None:
+        """min_tokens must leave room: within max_tokens (SamplingParams) and the context."""
+        room = self.llm.max_model_len - n_prompt
+        if params.min_tokens > room:
+            raise APIError(f"min_tokens={params.min_tokens} is more than the context leaves "
+                           f"for the completion ({room} tokens: {self.llm.max_model_len} in "
+                           f"the context, {n_prompt} in the prompt)", 400, "min_tokens")
 
     async def _check_structured(self, req, params) -> None:
         """A bad grammar / schema is a 400 naming the request field it came from (checked in
@@ -195,8 +302,10 @@ class OpenAIServer:
                                headers={"Retry-After": "1"}) from None
             finally:
                 ticket.release()
+            _raise_if_failed(first)
             yield first
             async for out in gen:
+                _raise_if_failed(out)
                 yield out
         except ValueError as e:
             raise APIError(str(e), 400, "prompt") from None
@@ -242,30 +351,30 @@ class OpenAIServer:
                 t.cancel()
 
     # -- completions ----------------------------------------------------------------------------
-    async def _encode(self, text: str) -> list[int]:
+    async def _encode(self, text: str, truncate: bool = False) -> list[int]:
         """Tokenize off the event loop (the Rust tokenizer releases the GIL): a huge prompt
         does not hold up /health or other requests. A text too long for the context whatever
-        its tokens are is refused without tokenizing it."""
+        its tokens are is refused without tokenizing it (unless it is to be truncated)."""
         tok, limit = self.llm.tokenizer, self.llm.max_model_len
         at_least = len(text) // tok.max_token_chars
-        if at_least > limit:
+        if at_least > limit and not truncate:
             raise APIError(f"The prompt has at least {at_least} tokens ({len(text)} characters), "
                            f"longer than the model's maximum context length of {limit} tokens.",
                            400, "prompt")
         return await asyncio.to_thread(tok.encode, text)
 
-    async def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(self, prompt, params) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) per prompt; the shape, count, lengths and token ids were
+        checked by body.check_prompt. truncate_prompt_tokens applies to each."""
+        truncate = params.truncate_prompt_tokens is not None
+        cut = self.llm.processor.truncate
         if isinstance(prompt, str):
-            return [(prompt, await self._encode(prompt))]
-        if not prompt:
-            raise APIError("prompt must not be empty", 400, "prompt")
-        if all(isinstance(p, int) for p in prompt):
-            return [(None, list(prompt))]
-        if all(isinstance(p, str) for p in prompt):
-            return [(p, await self._encode(p)) for p in prompt]
-        if all(isinstance(p, list) for p in prompt):
-            return [(None, list(p)) for p in prompt]
-        raise APIError("prompt must be a string, a list of strings, or token ids", 400, "prompt")
+            return [(prompt, cut(await self._encode(prompt, truncate), params))]
+        if isinstance(prompt[0], int):
+            return [(None, cut(list(prompt), params))]
+        if isinstance(prompt[0], str):
+            return [(p, cut(await self._encode(p, truncate), params)) for p in prompt]
+        return [(None, cut(list(p), params)) for p in prompt]
 
     def _prompt_logprobs(self, out: RequestOutput) -> dict:
         """echo + logprobs: the prompt's tokens with their logprobs (the first has none), in
@@ -307,11 +416,17 @@ class OpenAIServer:
         self._check_model(req.model)
         params = self._params(req)
         await self._check_structured(req, params)
-        prompts = await self._prompts(req.prompt)
+        prompts = await self._prompts(req.prompt, params)
         if req.kv_transfer_params is not None and len(prompts) != 1:
             raise APIError("kv_transfer_params needs a single prompt", 400, "kv_transfer_params")
+        if len(prompts) * params.n > max_n_sequences():
+            raise APIError(f"{len(prompts)} prompts x n={params.n} is {len(prompts) * params.n}"
+                           f" sequences, more than the limit of {max_n_sequences()} per request "
+                           "(JAXINFER_MAX_N_SEQUENCES)", 400, "n")
         for _, ids in prompts:
+            self._check_prompt(ids)
             self._check_length(len(ids), params.max_tokens)
+            self._check_min_tokens(len(ids), params)
         base = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         tickets = self._admit(len(prompts), params)
@@ -460,13 +575,18 @@ class OpenAIServer:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self._check_model(req.model)
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError("chat_template: a chat template passed with the request is not "
+                           "rendered unless the server runs with --trust-request-chat-template "
+                           "(a template is code)", 400, "chat_template")
         params = self._params(req)
         await self._check_structured(req, params)
         mode = self._tool_mode(req)
         conversation = messages_for_template(req.conversation())
         chars = sum(len(m["content"]) for m in conversation)
         at_least, limit = chars // self.llm.tokenizer.max_token_chars, self.llm.max_model_len
-        if at_least > limit:  # refused without rendering or tokenizing it
+        if at_least > limit and params.truncate_prompt_tokens is None:
+            # refused without rendering or tokenizing it
             raise APIError(f"The messages have at least {at_least} tokens ({chars} characters), "
                            f"longer than the model's maximum context length of {limit} tokens.",
                            400, "messages")
@@ -478,8 +598,11 @@ class OpenAIServer:
                 **extra)
         except Exception as e:  # template errors are the request's fault
             raise APIError(f"could not render the chat template: {e}", 400, "messages") from None
+        ids = self.llm.processor.truncate(ids, params)
+        self._check_prompt(ids)
         self._check_length(len(ids), params.max_tokens if (req.max_tokens or
                                                            req.max_completion_tokens) else None)
+        self._check_min_tokens(len(ids), params)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         (ticket,) = self._admit(1, params)
@@ -565,15 +688,59 @@ class OpenAIServer:
         return StreamingResponse(_guard(events()), media_type="text/event-stream")
 
     async def _with_disconnect(self, raw: Request, coro):
-        """Run a non-streaming request; if the client disconnects, cancel it (-> abort)."""
+        """Run a non-streaming request; the moment its client disconnects, cancel it, which
+        aborts every sequence of it in the engine (all prompts, all n) and frees their
+        blocks. The disconnect is heard on the ASGI receive channel (vLLM's
+        listen_for_disconnect): polling is_disconnected() misses it."""
         task = asyncio.ensure_future(coro)
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await raw.is_disconnected():
-                task.cancel()
-                raise APIError("client disconnected", 499, None, "ClientDisconnected")
+
+        async def listen():
+            while True:
+                message = await raw.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        watcher = asyncio.ensure_future(listen())
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            watcher.cancel()
+            raise
+        if task in done:
+            watcher.cancel()
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # (its aborts are sent)
+        raise APIError("client disconnected", 499, None, "ClientDisconnected")
+
+    async def parse(self, raw: Request, model):
+        """The request body as `model`: parsed and bounded by body.py, then validated; a 400
+        naming the field otherwise."""
+        self._check_alive()
+        try:
+            data = await raw.body()
+        except Exception:  # starlette's ClientDisconnect: gone before its body arrived
+            raise APIError("client disconnected", 499, None, "ClientDisconnected") from None
+        try:
+            obj = parse_json_body(data)
+            check_list_limits(obj)
+            if model is CompletionRequest:
+                check_prompt(obj, max_prompts=self.max_prompts_per_request,
+                             vocab_size=self.llm.processor.vocab_size,
+                             max_model_len=self.llm.max_model_len)
+            else:
+                messages = obj.get("messages")
+                if isinstance(messages, list) and len(messages) > self.llm.max_model_len:
+                    raise BodyError(f"messages has {len(messages)} messages, more than the "
+                                    f"model's maximum context length of "
+                                    f"{self.llm.max_model_len} tokens", "messages")
+        except BodyError as e:
+            raise APIError(str(e), 400, e.param) from None
+        try:
+            return model.model_validate(obj)
+        except ValidationError as e:
+            raise _validation_error(e.errors()) from None
 
     # -- the app --------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -584,18 +751,13 @@ class OpenAIServer:
         async def _api_error(request, exc: APIError):
             return _error_response(exc)
 
+        @app.exception_handler(EngineDeadError)
+        async def _dead_error(request, exc: EngineDeadError):
+            return _error_response(_engine_dead(exc))
+
         @app.exception_handler(RequestValidationError)
-        async def _validation_error(request, exc: RequestValidationError):
-            err = exc.errors()[0] if exc.errors() else {}
-            cause = (err.get("ctx") or {}).get("error")
-            if isinstance(cause, UnsupportedField):  # a field we cannot honour: say which
-                return _error_response(APIError(str(cause), 400, cause.field))
-            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-            param = ".".join(loc) or None
-            msg = err.get("msg", "invalid request")
-            if err.get("type") == "json_invalid":
-                msg = f"malformed JSON body: {msg}"
-            return _error_response(APIError(f"{param}: {msg}" if param else msg, 400, param))
+        async def _request_validation_error(request, exc: RequestValidationError):
+            return _error_response(_validation_error(exc.errors()))
 
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request, exc: StarletteHTTPException):
@@ -603,33 +765,27 @@ class OpenAIServer:
             msg = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
             if exc.status_code == 404:
                 msg = f"no route {request.method} {request.url.path}"
-            return _error_response(APIError(msg, exc.status_code))
+            # (a 405 keeps starlette's Allow header: RFC 9110)
+            return _error_response(APIError(msg, exc.status_code,
+                                            headers=dict(exc.headers or {}) or None))
 
-        @app.middleware("http")
-        async def _auth_and_size(request: Request, call_next):
-            if server.api_key and request.url.path.startswith("/v1"):
-                if request.headers.get("authorization") != f"Bearer {server.api_key}":
-                    return _error_response(APIError("invalid or missing API key", 401))
-            limit = server.max_request_body_bytes
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > limit:
-                return _error_response(APIError(
-                    f"request body of {int(length)} bytes exceeds the limit of {limit} bytes "
-                    "(--max-request-body-bytes)", 413, "body"))
-            if length is None and request.method == "POST":  # chunked: count as it arrives
-                body = b""
-                async for part in request.stream():
-                    body += part
-                    if len(body) > limit:
-                        return _error_response(APIError(
-                            f"request body exceeds the limit of {limit} bytes "
-                            "(--max-request-body-bytes)", 413, "body"))
-                request._body = body
-            return await call_next(request)
+        @app.exception_handler(Exception)
+        async def _unexpected(request, exc: Exception):
+            # Never plain text, never a stack trace to the client (it goes to the log).
+            logger.error("unhandled error in %s %s", request.method, request.url.path,
+                         exc_info=exc)
+            return _error_response(_internal_error(exc))
+
+        app.add_middleware(_AuthAndBodyLimit, server=server)
 
         @app.get("/health", response_class=Response,
-                 responses={200: {"description": "The server is up (empty body)"}})
+                 responses={200: {"description": "The server and its engine are up (empty "
+                                                 "body)"},
+                            503: {"description": "The engine is dead", **_ERROR}})
         async def health():
+            err = server.llm.dead_error
+            if err is not None:
+                return _error_response(_engine_dead(err))
             return Response(status_code=200)
 
         @app.get("/metrics", response_class=PlainTextResponse,
@@ -637,36 +793,131 @@ class OpenAIServer:
                                   "content": {"text/plain": {"schema": {"type": "string"}}}}})
         async def metrics():
             server.metrics.update_gauges(server.llm.stats)
+            server.metrics.set_engine_alive(server._ranks_alive())
             lb = getattr(server.llm.engine_core, "lb", None)
             if lb is not None:
                 server.metrics.update_routing(lb.num_routed)
             return Response(server.metrics.render(),
                             media_type="text/plain; version=0.0.4; charset=utf-8")
 
+        def model_card() -> dict:
+            return {"id": server.model_name, "object": "model", "created": int(time.time()),
+                    "owned_by": "jaxinfer", "root": server.model_name, "parent": None,
+                    "max_model_len": server.llm.max_model_len}
+
         @app.get("/v1/models", responses={401: {"description": "Missing or wrong API key",
                                                 **_ERROR}})
         async def models():
-            return {"object": "list", "data": [{
-                "id": server.model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "jaxinfer", "max_model_len": server.llm.max_model_len}]}
+            return {"object": "list", "data": [model_card()]}
 
-        @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
-        async def completions(req: CompletionRequest, raw: Request):
+        @app.get("/v1/models/{model:path}",
+                 responses={401: {"description": "Missing or wrong API key", **_ERROR},
+                            404: {"description": "Unknown model", **_ERROR}})
+        async def model(model: str):
+            if model != server.model_name:
+                raise APIError(f"The model `{model}` does not exist.", 404, "model",
+                               "NotFoundError")
+            return model_card()
+
+        @app.post("/v1/completions", responses=_GENERATE_RESPONSES,
+                  openapi_extra=_request_body(CompletionRequest))
+        async def completions(raw: Request):
             server._count_request()
+            req = await server.parse(raw, CompletionRequest)
             return await server.completions(req, raw)
 
-        @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
-        async def chat(req: ChatCompletionRequest, raw: Request):
+        @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES,
+                  openapi_extra=_request_body(ChatCompletionRequest))
+        async def chat(raw: Request):
             server._count_request()
+            req = await server.parse(raw, ChatCompletionRequest)
             return await server.chat(req, raw)
 
         app.openapi = lambda: _openapi_without_422(app)
+
+        @app.on_event("startup")
+        async def _startup():
+            # Read the core's outputs from now on: a core that dies is noticed at once.
+            server.llm.start_output_handler()
 
         @app.on_event("shutdown")
         async def _shutdown():
             server.llm.shutdown()
 
         return app
+
+
+def _validation_error(errors: list[dict]) -> APIError:
+    """pydantic's first error as a 400 naming the field (UnsupportedField: its own message)."""
+    err = errors[0] if errors else {}
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, UnsupportedField):  # a field we cannot honour: say which
+        return APIError(str(cause), 400, cause.field)
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    # (pydantic names union members in loc: "stop.str", "stop.list[...]"; keep the field path)
+    loc = [x for x in loc if not (x[:1].isalpha() and ("[" in x or x in _TYPE_NAMES))]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid request")
+    if err.get("type") == "json_invalid":
+        msg = f"malformed JSON body: {msg}"
+    ctx = err.get("ctx") or {}
+    if "le" in ctx or "ge" in ctx or "lt" in ctx or "gt" in ctx or "max_length" in ctx:
+        got = repr(err.get("input"))
+        msg = f"{msg}, got {got[:60]}"
+    return APIError(f"{param}: {msg}" if param else msg, 400, param)
+
+
+_TYPE_NAMES = ("str", "int", "float", "bool", "list", "dict", "none", "constrained-str",
+               "constrained-int", "function-after", "function-before", "function-wrap")
+
+
+class _AuthAndBodyLimit:
+    """Pure ASGI middleware (starlette's BaseHTTPMiddleware hides http.disconnect from the
+    app, so a client that left could not abort its request): Bearer auth for /v1, and the
+    body read whole here, refused past --max-request-body-bytes (413) whether or not a
+    content-length announced it, then replayed to the app; the app's later receive() calls
+    reach the client's connection (its disconnect)."""
+
+    def __init__(self, app, server: "OpenAIServer"):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        server = self.server
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", ())}
+        if server.api_key and scope["path"].startswith("/v1"):
+            if headers.get("authorization") != f"Bearer {server.api_key}":
+                return await _error_response(APIError("invalid or missing API key", 401))(
+                    scope, receive, send)
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        limit = server.max_request_body_bytes
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await _error_response(APIError(
+                f"request body of {int(length)} bytes exceeds the limit of {limit} bytes "
+                "(--max-request-body-bytes)", 413, "body"))(scope, receive, send)
+        parts, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # gone before its body arrived: nothing to answer
+            part = message.get("body", b"")
+            size += len(part)
+            if size > limit:
+                return await _error_response(APIError(
+                    f"request body exceeds the limit of {limit} bytes "
+                    "(--max-request-body-bytes)", 413, "body"))(scope, receive, send)
+            parts.append(part)
+            more = message.get("more_body", False)
+        replay = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+        async def replay_receive():
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replay_receive, send)
 
 
 def _kv_params(outs: list[RequestOutput]) -> dict:
@@ -683,6 +934,14 @@ def _check_kv_transfer(outs: list[RequestOutput]) -> None:
             if (c.finish_reason == "abort" and isinstance(c.stop_reason, str)
                     and c.stop_reason.startswith("KV ")):
                 raise APIError(c.stop_reason, 503, "kv_transfer_params")
+
+
+def _raise_if_failed(out: RequestOutput) -> None:
+    """A request the engine failed (finish_reason "error": it alone; the engine serves on)."""
+    for c in out.outputs:
+        if c.finish_reason == "error":
+            raise APIError(f"the engine failed this request: {c.stop_reason}", 500, None,
+                           "InternalServerError")
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -707,12 +966,25 @@ class _Ticket:
 
 
 async def _guard(events):
-    """Errors after the response started go out as an SSE error event."""
+    """Errors after the response started go out as an SSE error event in OpenAI's error shape,
+    then `data: [DONE]` (as vLLM ends a failed stream): a client never waits on a stream that
+    ended without its terminator."""
     try:
         async for e in events:
             yield e
-    except APIError as err:
-        yield _sse({"error": {"message": err.message, "type": err.err_type, "code": err.status}})
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every error becomes an event
+        if isinstance(exc, APIError):
+            err = exc
+        elif isinstance(exc, EngineDeadError):
+            err = _engine_dead(exc)
+        else:
+            logger.error("error in a response stream", exc_info=exc)
+            err = _internal_error(exc)
+        yield _sse({"error": {"message": err.message, "type": err.err_type, "param": err.param,
+                              "code": err.status}})
+        yield "data: [DONE]\n\n"
 
 
 def engine_config_from_args(args):
@@ -734,20 +1006,41 @@ def engine_config_from_args(args):
                         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
                         data_parallel_size=args.data_parallel_size,
                         data_parallel_prefix_affinity=not
-                        args.no_data_parallel_prefix_affinity)
+                        args.no_data_parallel_prefix_affinity,
+                        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
 
 
 def make_server(llm: AsyncLLM, args, metrics_role: str = "only") -> OpenAIServer:
-    import os
-
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model))
                                       if args.model else "SmolLM2-135M-Instruct")
+    keep_alive = (getattr(args, "keep_alive_on_engine_death", False)
+                  or os.environ.get("JAXINFER_KEEP_ALIVE_ON_ENGINE_DEATH", "0") not in ("", "0"))
     return OpenAIServer(llm, name, api_key=args.api_key or os.environ.get("JAXINFER_API_KEY"),
                         max_request_body_bytes=args.max_request_body_bytes,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser,
                         max_waiting_requests=args.max_waiting_requests,
-                        queue_timeout=args.queue_timeout, metrics_role=metrics_role)
+                        queue_timeout=args.queue_timeout, metrics_role=metrics_role,
+                        max_prompts_per_request=getattr(args, "max_prompts_per_request", None),
+                        keep_alive_on_engine_death=keep_alive,
+                        trust_request_chat_template=getattr(
+                            args, "trust_request_chat_template", False))
+
+
+def serve(server: OpenAIServer, config, sockets=None) -> int:
+    """Run `server` under uvicorn (config: a uvicorn.Config of server.app) until it stops;
+    the exit code is 1 when it stopped because the engine died (a supervisor restarts it)."""
+    import uvicorn
+
+    config.timeout_graceful_shutdown = config.timeout_graceful_shutdown or 10
+    uv = uvicorn.Server(config)
+    server.uvicorn_server = uv
+    uv.run(sockets=sockets)
+    if server.engine_dead is not None:
+        logger.error("exiting: the engine core died (%s)",
+                     (str(server.engine_dead).splitlines() or [""])[0])
+        return 1
+    return 0
 
 
 def run_server(args) -> int:
@@ -760,5 +1053,5 @@ def run_server(args) -> int:
     llm = AsyncLLM(engine_config_from_args(args))
     server = make_server(llm, args)
     llm.start()
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level="info")
-    return 0
+    return serve(server, uvicorn.Config(server.app, host=args.host, port=args.port,
+                                        log_level="info"))

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation, model_validator
 
 from jaxinfer.entrypoints.openai.tools import (ToolError, named_tool, tool_choice_schema,
                                                validate_tools)
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxinfer.validation import (FLOAT32_MAX, INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS,
+                                 MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                 MAX_TOOLS)
+
+# The documented ranges (what /openapi.json shows, so generated requests probe the edges):
+# the range of the type each value is packed into, or its own narrower range. Limits that
+# depend on the model or the server (vocabulary, context, n) are checked after these.
+Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+
+
+def _float(lo: float | None = None, hi: float | None = None, *, gt: float | None = None):
+    return Field(None, ge=lo, le=hi, gt=gt, allow_inf_nan=False)
 
 # Fields OpenAI clients send routinely that change nothing about the generated text: accepted
 # and ignored. Any other field the models below do not declare is refused with a 400 naming it.
@@ -25,7 +39,7 @@ class UnsupportedField(ValueError):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (not supported)
@@ -39,26 +53,32 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # strict: a value of the wrong JSON type is a 400 ("0.5" is not a temperature), not coerced.
+    model_config = ConfigDict(extra="allow", strict=True)
     _structured: Any = PrivateAttr(default=None)
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: float | None = _float(0.0, FLOAT32_MAX)
+    top_p: float | None = _float(hi=1.0, gt=0.0)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = _float(0.0, 1.0)
+    n: int = Field(1, ge=1, le=INT32_MAX)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None \
+        = None
+    stop_token_ids: Annotated[list[Int32], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    seed: Int64 | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = _float(hi=FLOAT32_MAX, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: lower runs first under --scheduling-policy priority (must be 0 otherwise).
+    priority: Int64 = 0
+    # vLLM's: keep only the prompt's last k tokens (-1: the model's context length).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Structured outputs: OpenAI's response_format (text, json_object, json_schema; vLLM's
@@ -74,7 +94,7 @@ class _Common(BaseModel):
     # Accepted only at their no-op values (None, empty): a request that needs them gets a 400
     # naming the field instead of output that ignores them.
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=INT32_MAX)
     # Disaggregated prefill/decode (vLLM's field): {"do_remote_decode": true} asks a prefill
     # instance to keep the prompt's KV for a decode instance; the params a prefill instance
     # answers with tell the decode instance where to pull it from.
@@ -165,6 +185,7 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             structured_outputs=StructuredOutputsParams(**self._structured[1])
             if self._structured else None,
             extra_args=None if self.kv_transfer_params is None
@@ -172,9 +193,11 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    # Checked by body.check_prompt before validation (fast loops instead of a union over
+    # a million ids); the annotation documents it.
+    prompt: SkipValidation[str | list[str] | list[int] | list[list[int]]]
+    max_tokens: int | None = Field(16, ge=0, le=INT32_MAX)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
 
@@ -209,7 +232,7 @@ _EMPTY_MESSAGE_FIELDS = ("refusal", "audio", "function_call", "annotations", "re
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -229,12 +252,12 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
@@ -243,6 +266,23 @@ class ChatCompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _chat_fields(self):
+        if self.top_logprobs and not self.logprobs:
+            raise UnsupportedField("top_logprobs", "when using `top_logprobs`, `logprobs` must "
+                                   "be set to true")
+        for i, m in enumerate(self.messages):
+            if not isinstance(m.content, list):
+                continue
+            for j, part in enumerate(m.content):
+                kind = part.get("type")
+                where = f"messages[{i}].content[{j}]"
+                if kind != "text":
+                    what = (f"a {kind!r} content part" if isinstance(kind, str)
+                            else "a content part without a type")
+                    raise UnsupportedField(where, f"{where}: {what} cannot be used: this model "
+                                           "takes text only (content parts of type 'text')")
+                if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                    raise UnsupportedField(where, f"{where}: a text part is "
+                                           "{\"type\": \"text\", \"text\": <string>}")
         if self.functions:
             raise UnsupportedField("functions", "functions (deprecated by OpenAI) is not "
                                    "supported: use tools")
@@ -283,9 +323,8 @@ class ChatCompletionRequest(_Common):
         conv = []
         for m in self.messages:
             content = m.content
-            if isinstance(content, list):  # OpenAI content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content
-                                  if p.get("type") == "text")
+            if isinstance(content, list):  # OpenAI content parts (text only: checked above)
+                content = "".join(p["text"] for p in content)
             msg = {"role": m.role, "content": content or ""}
             for key in ("name", "tool_calls", "tool_call_id"):
                 if getattr(m, key) is not None:
