@@ -121,12 +121,17 @@ def _same(got, base):
     assert got["num_preemptions"] > 0
 
 
-def test_pp_matches_single_stage(tmp_path, smollm2_dir):
+_PP_CASES = {"ci": ((2, 1, "-", [3, 2]), (2, 2, "-", [3, 2])),
+             "slow": ((3, 1, "-", [2, 2, 1]), (2, 1, "4,1", [4, 1]))}
+
+
+@pytest.mark.parametrize("cases", [
+    "ci", pytest.param("slow", marks=pytest.mark.slow)])  # (suite time: PP=3 and 4+1 slow)
+def test_pp_matches_single_stage(tmp_path, smollm2_dir, cases):
     make_tiny_model_dir(tmp_path, "llama", smollm2_dir, num_hidden_layers=5)
     base = run_pp(str(tmp_path), 1)
     assert base["num_preemptions"] > 0 and not base["leaked"]
-    for pp, tp, partition, parts in ((2, 1, "-", [3, 2]), (3, 1, "-", [2, 2, 1]),
-                                     (2, 2, "-", [3, 2]), (2, 1, "4,1", [4, 1])):
+    for pp, tp, partition, parts in _PP_CASES[cases]:
         got = run_pp(str(tmp_path), pp, tp, partition)
         _same(got, base)
         assert got["partition"] == parts and got["max_in_flight"] == pp
