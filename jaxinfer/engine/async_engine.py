@@ -147,8 +147,8 @@ class AsyncLLM:
                 return
             try:
                 outputs, to_stop = self.output_processor.process_outputs(eo.outputs)
-            except Exception as e:  # noqa: BLE001 - a bug on some request's output: those
-                # requests fail (the others go on), nobody is left waiting.
+            except Exception as e:  # noqa: BLE001 - a bug on some output of this batch: the
+                # requests of the batch fail (the others go on), nobody is left waiting.
                 logger.exception("processing engine core outputs failed")
                 await self._fail_requests({o.request_id for o in eo.outputs}, e)
                 continue

@@ -35,6 +35,8 @@ import zmq
 from jaxinfer.config import ResolvedConfig
 from jaxinfer.engine.messages import (EngineCoreOutputs, EngineCoreRequest, EngineDeadError,
                                       RequestType, encoder, outputs_decoder, request_decoder)
+from jaxinfer.outputs import EngineCoreOutput
+from jaxinfer.request import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +133,8 @@ class ThreadedCoreClient:
 
     def _deliver(self, item: EngineCoreOutputs | None) -> None:
         if item is None or item.engine_error:
+            if self._dead is not None:  # (the stop after an error: the error says why)
+                return
             self._dead = EngineDeadError(item.engine_error if item else "engine core stopped")
             for fut in self._futures.values():
                 if not fut.done():
@@ -363,30 +367,45 @@ def run_engine_core(spec: dict) -> int:
                 stats = item.stats
             if coord is not None:
                 publish(stats)
-            if n_clients == 1 and item.utility_output is None:
-                for out in item.outputs:
-                    if out.finish_reason is not None:
-                        owners.pop(out.request_id, None)
-                out_socks[0].send(enc.encode(item))
-            elif item.utility_output is not None:
-                gid, result, err = item.utility_output
-                client, call_id = calls.pop(gid, (0, gid))
-                out_socks[client].send(enc.encode(EngineCoreOutputs(
-                    utility_output=(call_id, result, err), stats=item.stats)))
-            elif item.engine_error or not item.outputs:
-                send_all(item)
-            else:
-                groups: dict[int, list] = {}
-                for out in item.outputs:
-                    if out.finish_reason is not None:
-                        client = owners.pop(out.request_id, None)
-                    else:
-                        client = owners.get(out.request_id)
-                    if client is not None:  # else aborted by its front end: nobody waits
-                        groups.setdefault(client, []).append(out)
-                for client, outs in groups.items():
-                    out_socks[client].send(enc.encode(EngineCoreOutputs(outputs=outs,
-                                                                        stats=item.stats)))
+            try:
+                deliver(item)
+            except Exception as e:  # noqa: BLE001 - (an output that does not encode) its
+                # requests or utility call fail; the writer goes on, nobody is left waiting.
+                logger.exception("engine core could not send an output")
+                error = f"the engine core could not send this output: {type(e).__name__}: {e}"
+                if item.utility_output is not None:
+                    deliver(EngineCoreOutputs(utility_output=(
+                        item.utility_output[0], None, error)))
+                elif item.outputs:
+                    deliver(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                        o.request_id, (), FinishReason.ERROR, stop_reason=error)
+                        for o in item.outputs]))
+
+    def deliver(item: EngineCoreOutputs) -> None:
+        if n_clients == 1 and item.utility_output is None:
+            out_socks[0].send(enc.encode(item))
+            for out in item.outputs:
+                if out.finish_reason is not None:
+                    owners.pop(out.request_id, None)
+        elif item.utility_output is not None:
+            gid, result, err = item.utility_output
+            client, call_id = calls.pop(gid, (0, gid))
+            out_socks[client].send(enc.encode(EngineCoreOutputs(
+                utility_output=(call_id, result, err), stats=item.stats)))
+        elif item.engine_error or not item.outputs:
+            send_all(item)
+        else:
+            groups: dict[int, list] = {}
+            for out in item.outputs:
+                client = owners.get(out.request_id)
+                if client is not None:  # else aborted by its front end: nobody waits
+                    groups.setdefault(client, []).append(out)
+            for client, outs in groups.items():
+                out_socks[client].send(enc.encode(EngineCoreOutputs(outputs=outs,
+                                                                    stats=item.stats)))
+            for out in item.outputs:  # (once sent: a failed send is answered with an error)
+                if out.finish_reason is not None:
+                    owners.pop(out.request_id, None)
 
     threading.Thread(target=read_inputs, name="jaxinfer-core-in", daemon=True).start()
     writer = threading.Thread(target=write_outputs, name="jaxinfer-core-out", daemon=True)
