@@ -27,7 +27,7 @@ CASES = {
 
 
 def time_case(runner, seqs, iters: int) -> float:
-    from jaxinfer.runner.model_runner import PLAIN, empty_step_batch, fill_step_inputs
+    from jaxinfer.runner.step_inputs import PLAIN, empty_step_batch, fill_step_inputs
 
     n_req = len(seqs)
     q_lens = np.array([q for q, _ in seqs], np.int32)
@@ -46,7 +46,7 @@ def time_case(runner, seqs, iters: int) -> float:
     batch = empty_step_batch(t, r, runner.max_blocks, runner.max_num_seqs)
     fill_step_inputs(batch, tokens, table, np.arange(n_req, dtype=np.int32), computed, q_lens,
                      bs)
-    compiled = runner._get_compiled(t, r, PLAIN)
+    compiled = runner.compiled.get(t, r, PLAIN)
     times = []
     for i in range(iters + 1):
         t0 = time.perf_counter()

@@ -12,7 +12,7 @@ A step is P compiled functions, one per stage and bucket: stage s reads the resi
 [T, H] of stage s - 1, moved with jax.device_put onto its devices (a device-to-device copy),
 and the last stage samples. Every call is dispatched asynchronously, so while stage 1 runs
 batch k the host has already dispatched stage 0 of batch k + 1: EngineCore keeps up to P
-batches in flight (vLLM's step_with_batch_queue), and the scheduler never puts a request into
+batches in flight (one step loop, vLLM's step_with_batch_queue), and the scheduler never puts a request into
 a batch while it is in another one in flight.
 
 Multi-host (jax.distributed): each stage sits within one process, which alone holds its
@@ -23,46 +23,14 @@ _PipelinePlan), and so do the sampled outputs back to process 0, which schedules
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-
-
-def get_pp_partition(num_layers: int, pp_size: int, override: str | None = None) -> list[int]:
-    """Layers per stage."""
-    if pp_size < 1:
-        raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp_size}")
-    if num_layers < pp_size:
-        raise ValueError(f"pipeline_parallel_size={pp_size} exceeds the model's "
-                         f"{num_layers} layers (every stage needs at least one)")
-    override = override or os.environ.get("JAXINFER_PP_LAYER_PARTITION") or None
-    if override is not None:
-        try:
-            parts = [int(x) for x in str(override).split(",")]
-        except ValueError:
-            raise ValueError(f"pp_layer_partition={override!r}: expected comma-separated "
-                             f"layer counts, e.g. '4,4,5,3'") from None
-        if len(parts) != pp_size:
-            raise ValueError(f"pp_layer_partition={override!r} has {len(parts)} stages, "
-                             f"pipeline_parallel_size is {pp_size}")
-        if sum(parts) != num_layers or min(parts) < 1:
-            raise ValueError(f"pp_layer_partition={override!r} must give every stage >= 1 "
-                             f"layer and sum to the model's {num_layers} layers "
-                             f"(sums to {sum(parts)})")
-        return parts
-    parts = [num_layers // pp_size] * pp_size
-    for i in range(2, num_layers % pp_size + 2):
-        parts[-i] += 1
-    return parts
-
-
-def stage_bounds(parts: list[int]) -> list[tuple[int, int]]:
-    starts = np.concatenate([[0], np.cumsum(parts)]).tolist()
-    return [(int(starts[s]), int(starts[s + 1])) for s in range(len(parts))]
+from jaxinfer.config.parallel import stage_bounds
+from jaxinfer.layers import module_list
+from jaxinfer.layers.rotary import rope_cos_sin, rope_inv_freq
 
 
 def stage_devices(pp: int, tp: int, devices=None) -> list[list]:
@@ -79,12 +47,10 @@ class PipelineStage(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, layers, *, embed=None, norm=None, lm_head=None,
                  tied_embed=None, mesh=None):
-        from jaxinfer.models.llama import _module_list
-
         self.config = cfg
         self.mesh = mesh
         self.embed_tokens = embed
-        self.layers = _module_list(layers)
+        self.layers = module_list(layers)
         self.norm = norm
         self.lm_head = lm_head
         self.tied_embed = tied_embed  # the last stage's copy of a tied embedding
@@ -96,8 +62,6 @@ class PipelineStage(nnx.Module):
     def __call__(self, x, positions, kv_caches, md):
         """Stage 0: x = token ids [T]; others: the residual stream [T, H]. Returns the
         residual stream (last stage: normalised) and the stage's updated KV caches."""
-        from jaxinfer.layers.rotary import rope_cos_sin, rope_inv_freq
-
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
         cfg = self.config

@@ -102,8 +102,7 @@ class Request:
         # Skip prefix-cache hits when every prompt position's logits are needed, or when
         # penalties need every token to pass through the step (cached tokens do not).
         p = sampling_params
-        self.skip_prefix_cache = (p.prompt_logprobs is not None or p.repetition_penalty != 1.0
-                                  or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
+        self.skip_prefix_cache = (p.prompt_logprobs is not None or p.uses_penalties)
         # KV connectors (disaggregated prefill/decode): the request's kv_transfer_params, and
         # whether the connector was asked already (once per request: a preempted request
         # recomputes); during a load, the prefix-cache hit it started from.

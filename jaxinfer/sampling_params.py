@@ -224,5 +224,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Repetition, frequency or presence penalties: the step keeps per-request token counts
+        (so such requests skip prefix-cache hits and take no drafts)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
     def clone(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)

@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.runner.kv_cache import allocate_kv_caches
-from jaxinfer.runner.model_runner import empty_step_batch, fill_step_inputs
+from jaxinfer.runner.step_inputs import empty_step_batch, fill_step_inputs
 
 
 @jax.jit
@@ -20,7 +20,7 @@ def _forward_all_logits(graphdef, state, kv_caches, input_ids, positions, md):
 
 class PagedRunner:
     """Feeds chunks of several sequences through the model with a paged cache, building each
-    step with the production builder (model_runner.fill_step_inputs).
+    step with the production builder (step_inputs.fill_step_inputs).
 
     Each sequence gets consecutive fresh blocks; `step` takes {seq: new_token_ids} and returns
     {seq: logits [len(new), V]} (numpy float32).

@@ -636,8 +636,7 @@ class Scheduler:
                     or request.grammar is not None
                     or request.num_computed_tokens != request.num_tokens - 1):
                 continue
-            p = request.sampling_params
-            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            if request.sampling_params.uses_penalties:
                 continue
             room = min(request.max_tokens - request.num_output_tokens,
                        self.max_model_len - request.num_tokens) - 1

@@ -14,8 +14,9 @@ import itertools
 import logging
 from typing import Any, AsyncIterator, Callable
 
-from jaxinfer.config import EngineConfig, multiprocessing_enabled, resolve_config
-from jaxinfer.engine.engine import in_process_only, make_processor
+from jaxinfer.config import EngineConfig, resolve_config
+from jaxinfer.engine.engine import make_processor, use_multiprocessing
+from jaxinfer.engine.engine import make_client as default_client
 from jaxinfer.engine.messages import EngineDeadError
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.outputs import RequestOutput
@@ -32,25 +33,14 @@ class AsyncLLM:
                  make_client: Callable[[Any], Any] | None = None):
         """make_client(resolved config): the engine-core client to use instead of the one the
         config implies (an API server of several gets a client of the shared cores)."""
-        from jaxinfer.engine.core_client import AsyncMPClient, ThreadedCoreClient
 
         config = config or EngineConfig()
         self.resolved = rc = resolve_config(config)
         self.tokenizer = Tokenizer.from_pretrained(rc.tokenizer_dir) if rc.tokenizer_dir else None
         self.max_model_len = rc.max_model_len
-        self.multiprocessing = multiprocessing_enabled(config) and not in_process_only()
-        if make_client is not None:
-            self.engine_core = make_client(rc)
-        elif config.data_parallel_size > 1:
-            from jaxinfer.engine.dp_client import DPAsyncClient
-
-            if not self.multiprocessing:
-                raise ValueError("data_parallel_size > 1 needs the engine cores in their own "
-                                 "processes (multiprocessing on, single-host)")
-            self.engine_core = DPAsyncClient(rc, config.data_parallel_size)
-        else:
-            self.engine_core = (AsyncMPClient(rc) if self.multiprocessing
-                                else ThreadedCoreClient(rc))
+        self.multiprocessing = use_multiprocessing(rc)
+        self.engine_core = (make_client(rc) if make_client is not None
+                            else default_client(rc, asyncio_api=True))
         self.processor = make_processor(rc, self.tokenizer, self.engine_core.info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.on_step = on_step  # called on the event loop after each batch of outputs (metrics)

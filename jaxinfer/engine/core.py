@@ -1,13 +1,16 @@
-"""EngineCore: the scheduler and the model runner, with no tokenizer (vLLM V1's engine core).
+"""EngineCore: a scheduler and a worker, with no tokenizer (vLLM V1's engine core).
 
 It takes EngineCoreRequests (token ids + sampling parameters) and returns EngineCoreOutputs
 (new token ids, finish reasons, logprobs). The front end (LLMEngine / AsyncLLM) does text.
-A client drives it: in this process (InprocClient) or in its own process (core_client.py),
-where `run_busy_loop` serves two queues fed by socket I/O threads.
+A client drives it: in this process (InprocClient) or in its own process (core_proc.py),
+where `run_busy_loop` serves two queues fed by socket I/O threads. The worker (runner/
+worker.py) holds the devices, the model and the runner; this module imports no jax.
 
-Async scheduling (`async_scheduling=True`): `step_async` dispatches step N+1 before reading
-step N's sampled ids. The runner patches the ids of step N into step N+1's inputs on the
-device; the scheduler counts the token in flight (Request.num_output_placeholders).
+One step loop for every mode, keyed by how many step batches may be in flight: 1
+(synchronous), 2 (async scheduling: step N+1 is dispatched before step N's sampled ids are
+read; the runner patches them into N+1's inputs on the device and the scheduler counts the
+token in flight, Request.num_output_placeholders) or P (pipeline parallelism: P batches, no
+request in two of them).
 """
 
 from __future__ import annotations
@@ -19,46 +22,15 @@ import time
 import traceback
 from collections import deque
 
-import jax
-import numpy as np
-
 from jaxinfer.config import ResolvedConfig
 from jaxinfer.core.kv_cache_manager import KVCacheManager
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxinfer.outputs import EngineCoreOutput
 from jaxinfer.request import FinishReason, Request, RequestStatus
-from jaxinfer.runner.buckets import BucketTable
-from jaxinfer.runner.kv_cache import kv_cache_bytes_per_block
-from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.validation import check_core_request
 
 logger = logging.getLogger(__name__)
-
-_CPU_KV_BYTES = 1 << 30  # default KV budget on CPU (as vLLM's CPU backend has a fixed space)
-
-
-def _on_gpu(devices) -> bool:
-    return devices[0].platform in ("gpu", "cuda", "rocm")
-
-
-def enable_compilation_cache(path: str | None) -> None:
-    import os
-
-    from jaxinfer.models.default_model import cache_dir
-
-    if path == "":
-        return
-    path = path or os.path.join(cache_dir(), "xla")
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
-def jnp_dtype(name: str):
-    import jax.numpy as jnp
-
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
 def _tokenizer_source(tokenizer_dir: str):
@@ -73,68 +45,18 @@ def _tokenizer_source(tokenizer_dir: str):
 
 
 class EngineCore:
-    """Scheduler + runner over `devices` (default: all of this process's JAX devices; a data-
+    """Scheduler + worker over `devices` (default: all of this process's JAX devices; a data-
     parallel rank passes its own subset)."""
 
     def __init__(self, rc: ResolvedConfig, devices=None):
-        from jaxinfer.models.loader import load_model
-        from jaxinfer.parallel import make_mesh
+        from jaxinfer.runner.worker import Worker
 
         cfg = rc.engine
         self.resolved = rc
-        enable_compilation_cache(cfg.compilation_cache_dir)
-        self.devices = list(devices) if devices is not None else jax.devices()
-        pp = cfg.pipeline_parallel_size
-        stage_groups = stage_meshes = None
-        if pp > 1:
-            from jaxinfer.pipeline import stage_devices
-
-            stage_groups = stage_devices(pp, cfg.tensor_parallel_size, self.devices)
-            stage_meshes = [make_mesh(cfg.tensor_parallel_size, g)
-                            if cfg.tensor_parallel_size > 1 else None for g in stage_groups]
-            self.mesh = None  # (each stage has its own; parameters stay on the host here)
-        else:
-            self.mesh = make_mesh(cfg.tensor_parallel_size, self.devices)
-        model, mcfg, dtype = load_model(rc.model_dir, dtype=rc.dtype,
-                                        load_format=cfg.load_format,
-                                        attention_backend=rc.attention_backend, seed=cfg.seed,
-                                        model_config=rc.model_config, mesh=self.mesh,
-                                        to_host=pp > 1, tp_size=cfg.tensor_parallel_size)
-        self.pp_partition = None
-        if pp > 1:  # the loaded model -> P stages, each on its own devices
-            from jaxinfer.pipeline import get_pp_partition, split_model
-
-            self.pp_partition = get_pp_partition(mcfg.num_hidden_layers, pp,
-                                                 cfg.pp_layer_partition)
-            model = split_model(model, self.pp_partition, stage_groups, stage_meshes)
-        self.model_config = mcfg  # as built (KV heads replicated up to tp where needed)
-        self.kv_dtype = jnp_dtype(rc.kv_cache_dtype)
-        spec = cfg.speculative_config
-        self.draft_model = eagle_head = None
-        if spec is not None and spec.method in ("eagle", "eagle3"):
-            from jaxinfer.spec_decode.eagle import load_eagle_head
-
-            eagle_head = load_eagle_head(spec.model, spec.method, mcfg, dtype=rc.dtype,
-                                         attention_backend=rc.attention_backend)
-        if spec is not None and spec.method == "draft_model":
-            self.draft_model, _, _ = load_model(spec.model, dtype=rc.dtype,
-                                                load_format=cfg.load_format,
-                                                attention_backend=rc.attention_backend,
-                                                seed=cfg.seed, mesh=self.mesh)
-        self._eagle_head = eagle_head
-        num_blocks = self._num_kv_blocks()
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            if cfg.tensor_parallel_size * pp != jax.device_count():
-                raise ValueError(
-                    f"multi-host runs need tensor_parallel_size x pipeline_parallel_size == "
-                    f"all devices ({jax.device_count()} over {jax.process_count()} processes), "
-                    f"got {cfg.tensor_parallel_size} x {pp}")
-            # Every process must size the cache as process 0 did.
-            num_blocks = int(multihost_utils.broadcast_one_to_all(np.int64(num_blocks)))
+        self.worker = Worker(rc, devices)
+        self.runner = self.worker.runner
         cache, sched = rc.cache, rc.scheduler
-        kv = KVCacheManager(num_blocks, cache.block_size, rc.max_model_len,
+        kv = KVCacheManager(self.worker.num_kv_blocks, cache.block_size, rc.max_model_len,
                             enable_caching=cache.enable_prefix_caching,
                             hash_algo=cache.prefix_caching_hash_algo, hash_seed=cache.hash_seed)
         self.structured_output_manager = None
@@ -149,91 +71,60 @@ class EngineCore:
         if kvt is not None:
             from jaxinfer.kv_connector import create_connector, model_fingerprint
 
-            if jax.process_count() > 1:
+            if self.worker.num_processes > 1:
                 raise ValueError("kv_transfer_config is not supported with multi-host engines "
                                  "yet (the connector runs on process 0 only)")
             kv_sched, kv_worker = create_connector(
-                kvt, block_size=cache.block_size, device=self.devices[0],
+                kvt, block_size=cache.block_size, device=self.worker.devices[0],
                 fingerprint=model_fingerprint(os.path.basename(os.path.normpath(rc.model_dir)),
                                               self.model_config, cache.block_size,
-                                              self.kv_dtype))
+                                              self.worker.kv_dtype))
+        spec = cfg.speculative_config
         self.scheduler = Scheduler(sched, kv, kv_connector=kv_sched,
                                    structured_output_manager=self.structured_output_manager,
                                    speculative_config=spec)
         if kvt is not None:
             self.scheduler.kv_load_failure_policy = kvt.kv_load_failure_policy
-        buckets = BucketTable.build(sched.max_num_batched_tokens, sched.max_num_seqs,
-                                    min_tokens=cfg.min_token_bucket, growth=cfg.bucket_growth)
-        self.runner = ModelRunner(model, num_kv_blocks=num_blocks, block_size=cache.block_size,
-                                  max_model_len=rc.max_model_len,
-                                  max_num_seqs=sched.max_num_seqs,
-                                  max_num_batched_tokens=sched.max_num_batched_tokens,
-                                  kv_dtype=self.kv_dtype, buckets=buckets,
-                                  speculative_config=spec, draft_model=self.draft_model,
-                                  eagle_head=eagle_head, stage_devices=stage_groups)
-        # Pipeline parallelism: up to P step batches in flight, no request in two of them.
-        self.pipeline_depth = pp
+        pp = cfg.parallel.pipeline_parallel_size
+        # Step batches in flight at most: 1 (sync), 2 (async scheduling), P (pipeline
+        # parallelism; the scheduler then puts no request into two batches in flight).
+        self.max_in_flight = pp if pp > 1 else (2 if cfg.async_scheduling else 1)
         self.scheduler.pipeline_depth = pp
         self.max_batches_in_flight = 0  # (the most seen; benchmarks/pipeline_parallel.py)
         if kv_worker is not None:
             self.runner.set_kv_connector(kv_worker)
         self.kv_connector = kv_worker
         self.speculative = spec is not None
+        self.async_scheduling = cfg.async_scheduling
         if cfg.warmup:
             self.runner.warmup()
-        self.async_scheduling = cfg.async_scheduling
-        # Steps dispatched and not yet collected (async scheduling keeps at most two).
+        # Steps dispatched and not yet collected: (SchedulerOutput, the runner's handle).
         self._in_flight: deque = deque()
         # Host time per step (schedule + build + dispatch + collect bookkeeping + update), and
         # the time the host waited on the device: for benchmarks/async_scheduling.py.
         self.step_timings: list[tuple[float, float]] | None = None
 
+    # -- the worker's facts (tests and benchmarks read them here) -------------------------------
+    @property
+    def model_config(self):
+        return self.worker.model_config
+
+    @property
+    def pp_partition(self):
+        return self.worker.pp_partition
+
+    @property
+    def devices(self):
+        return self.worker.devices
+
     @property
     def is_worker(self) -> bool:
         """Multi-host: processes > 0 only replay process 0's steps (run_worker_loop)."""
-        return jax.process_index() > 0
+        return self.worker.is_follower
 
     def run_worker_loop(self) -> None:
         """Multi-host, processes > 0: execute process 0's steps until it shuts down."""
         self.runner.serve_remote_steps()
-
-    def _num_kv_blocks(self) -> int:
-        rc, c = self.resolved, self.resolved.engine
-        per_block = kv_cache_bytes_per_block(self.model_config, c.block_size, self.kv_dtype)
-        if self.draft_model is not None:  # its cache has as many blocks, with the same ids
-            per_block += kv_cache_bytes_per_block(self.draft_model.config, c.block_size,
-                                                  self.kv_dtype)
-        if self._eagle_head is not None:
-            import dataclasses
-
-            head = self._eagle_head
-            per_block += kv_cache_bytes_per_block(
-                dataclasses.replace(head.config, num_hidden_layers=head.num_kv_layers),
-                c.block_size, self.kv_dtype)
-        if c.num_kv_blocks is not None:
-            return c.num_kv_blocks
-        if c.kv_cache_memory_bytes is not None:
-            budget = c.kv_cache_memory_bytes
-        elif _on_gpu(self.devices):
-            stats = self.devices[0].memory_stats() or {}
-            limit = stats.get("bytes_limit", 0)
-            in_use = stats.get("bytes_in_use", 0)
-            mcfg = self.model_config
-            # Activations and sampler state of the largest step, with a 2x margin.
-            act = 2 * 4 * rc.scheduler.max_num_batched_tokens * (
-                4 * mcfg.hidden_size + 3 * mcfg.intermediate_size)
-            act += 2 * 4 * c.max_num_seqs * mcfg.vocab_size * 8
-            # Per device: with tensor parallelism each device holds 1/tp of every block.
-            budget = (int(c.gpu_memory_utilization * limit) - in_use - act) * c.tensor_parallel_size
-            if self.pp_partition:  # a stage's devices hold only its layers' part of a block
-                budget = budget * self.model_config.num_hidden_layers // max(self.pp_partition)
-        else:
-            budget = _CPU_KV_BYTES
-        blocks = budget // per_block + 1
-        if blocks < 2:
-            raise ValueError(f"no memory left for the KV cache (budget {budget} bytes, "
-                             f"{per_block} bytes per block)")
-        return int(blocks)
 
     def ready_info(self) -> dict:
         """What the front end learns at start-up (it validates requests against it)."""
@@ -269,24 +160,66 @@ class EngineCore:
 
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        """Synchronous: schedule, run, read back, update."""
-        if self.pipeline_depth > 1:
-            return self.step_with_batch_queue()
-        if self.async_scheduling:
-            return self.step_async()
+        """One turn of the loop: while fewer than max_in_flight batches are in flight and some
+        request can go into a new one, schedule and dispatch a batch (the device runs it
+        while the host goes on); once the queue is full, or nothing more can go in, collect
+        the oldest batch and apply its outputs (oldest first). Synchronous stepping is the
+        case of one batch: schedule, run, read back, update.
+
+        The grammar barrier (async scheduling): a request with a grammar that samples in the
+        step in flight needs that step's token before its next mask can be filled, so every
+        step in flight is collected first (pipeline parallelism never schedules a request
+        that is in flight, so it needs no barrier)."""
+        sched = self.scheduler
+        depth = self.max_in_flight
+        if self.async_scheduling and self._in_flight and sched.last_step_sampled_grammars():
+            return self._grammar_barrier()
         t0 = time.perf_counter()
-        so = self.scheduler.schedule()
-        handle = self.runner.dispatch(so, self.scheduler.get_grammar_bitmask())
-        self._fail_step_requests()
+        dispatched = False
+        # (one batch: schedule whenever stepped, even with only KV transfers under way: the
+        # scheduler output carries the connector's work)
+        if len(self._in_flight) < depth and (depth == 1 or sched.has_schedulable_requests()):
+            so = sched.schedule()
+            handle = self.runner.dispatch(so, sched.get_grammar_bitmask())
+            self._fail_step_requests()
+            if handle is not None or depth == 1:
+                for other, _ in (self._in_flight if sched.pipeline_depth > 1 else ()):
+                    # (pipeline: the invariant the scheduler keeps; tests assert it too)
+                    assert not (other.num_scheduled_tokens.keys()
+                                & so.num_scheduled_tokens.keys()), "request in two batches"
+                self._in_flight.append((so, handle))
+                self.max_batches_in_flight = max(self.max_batches_in_flight,
+                                                 len(self._in_flight))
+                dispatched = handle is not None
+        if not self._in_flight:
+            return self._finish_step([], dispatched)
+        if dispatched and len(self._in_flight) < depth and sched.has_schedulable_requests():
+            return self._finish_step([], True)  # fill the queue first
+        so, handle = self._in_flight.popleft()
         t1 = time.perf_counter()
         ro = self.runner.collect(handle)
         t2 = time.perf_counter()
-        outs = self.scheduler.update_from_output(so, ro)
+        outs = sched.update_from_output(so, ro)
         if self.speculative:
-            self.scheduler.update_draft_token_ids(self.runner.take_draft_token_ids())
+            sched.update_draft_token_ids(self.runner.take_draft_token_ids())
         if self.step_timings is not None and handle is not None:
             self.step_timings.append(((t1 - t0) + (time.perf_counter() - t2), t2 - t1))
         return self._finish_step(outs, handle is not None)
+
+    def _grammar_barrier(self) -> list[EngineCoreOutput]:
+        """Collect every step in flight, then fill the masks and dispatch the next step (it
+        runs while the caller processes these outputs)."""
+        outs: list[EngineCoreOutput] = []
+        while self._in_flight:
+            so, handle = self._in_flight.popleft()
+            outs += self.scheduler.update_from_output(so, self.runner.collect(handle))
+        if self.scheduler.has_unfinished_requests():
+            so = self.scheduler.schedule()
+            handle = self.runner.dispatch(so, self.scheduler.get_grammar_bitmask())
+            self._fail_step_requests()
+            if handle is not None:
+                self._in_flight.append((so, handle))
+        return self._finish_step(outs, True)
 
     def _fail_step_requests(self) -> None:
         """Requests that failed while the step was prepared (their grammar mask, their input
@@ -313,87 +246,9 @@ class EngineCore:
             time.sleep(0.0005 if self.scheduler.get_num_unfinished_requests() else 0.005)
         return outs
 
-    def step_async(self) -> list[EngineCoreOutput]:
-        """Pipelined: dispatch the next step, then collect the oldest one in flight (while the
-        device already runs the next). Outputs lag one step behind dispatch."""
-        # (Between calls at most one step is in flight: the one scheduled last.)
-        if self._in_flight and self.scheduler.last_step_sampled_grammars():
-            return self._step_async_structured()
-        t0 = time.perf_counter()
-        dispatched = False
-        if self.scheduler.has_unfinished_requests() and len(self._in_flight) < 2:
-            so = self.scheduler.schedule()
-            handle = self.runner.dispatch(so, self.scheduler.get_grammar_bitmask())
-            self._fail_step_requests()
-            if handle is not None:
-                self._in_flight.append((so, handle))
-                dispatched = True
-        if not self._in_flight or (dispatched and len(self._in_flight) < 2):
-            return self._finish_step([], dispatched)
-        so, handle = self._in_flight.popleft()
-        t1 = time.perf_counter()
-        ro = self.runner.collect(handle)
-        t2 = time.perf_counter()
-        outs = self.scheduler.update_from_output(so, ro)
-        if self.step_timings is not None:
-            self.step_timings.append(((t1 - t0) + (time.perf_counter() - t2), t2 - t1))
-        return self._finish_step(outs, True)
-
-    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
-        """Pipeline parallelism (vLLM's step_with_batch_queue): while fewer than P batches
-        are in flight and some request is not in one, schedule and dispatch another batch and
-        return; else wait for the oldest batch and apply its outputs. Batches are disjoint in
-        requests (the scheduler skips requests in flight), outputs are applied in dispatch
-        order."""
-        t0 = time.perf_counter()
-        dispatched = False
-        sched = self.scheduler
-        if len(self._in_flight) < self.pipeline_depth and sched.has_schedulable_requests():
-            so = sched.schedule()
-            handle = self.runner.dispatch(so, sched.get_grammar_bitmask())
-            self._fail_step_requests()
-            if handle is not None:
-                for _, (other, _h) in enumerate(self._in_flight):
-                    # (the invariant the scheduler keeps; tests/engine asserts it too)
-                    assert not (other.num_scheduled_tokens.keys()
-                                & so.num_scheduled_tokens.keys()), "request in two batches"
-                self._in_flight.append((so, handle))
-                self.max_batches_in_flight = max(self.max_batches_in_flight,
-                                                 len(self._in_flight))
-                dispatched = True
-        if not self._in_flight:
-            return self._finish_step([], dispatched)
-        if dispatched and len(self._in_flight) < self.pipeline_depth \
-                and sched.has_schedulable_requests():
-            return self._finish_step([], True)  # fill the pipeline first
-        so, handle = self._in_flight.popleft()
-        t1 = time.perf_counter()
-        ro = self.runner.collect(handle)
-        t2 = time.perf_counter()
-        outs = sched.update_from_output(so, ro)
-        if self.step_timings is not None:
-            self.step_timings.append(((t1 - t0) + (time.perf_counter() - t2), t2 - t1))
-        return self._finish_step(outs, True)
-
     def batches_in_flight(self) -> list[list[str]]:
         """The request ids of each batch in flight, oldest first."""
         return [list(so.num_scheduled_tokens) for so, _ in self._in_flight]
-
-    def _step_async_structured(self) -> list[EngineCoreOutput]:
-        """A grammar's next mask needs the tokens still in flight: collect every step in
-        flight first, then fill the masks and dispatch the next step (it runs while the
-        caller processes these outputs)."""
-        outs: list[EngineCoreOutput] = []
-        while self._in_flight:
-            so, handle = self._in_flight.popleft()
-            outs += self.scheduler.update_from_output(so, self.runner.collect(handle))
-        if self.scheduler.has_unfinished_requests():
-            so = self.scheduler.schedule()
-            handle = self.runner.dispatch(so, self.scheduler.get_grammar_bitmask())
-            self._fail_step_requests()
-            if handle is not None:
-                self._in_flight.append((so, handle))
-        return self._finish_step(outs, True)
 
     # -- utilities (callable from clients by name) ----------------------------------------------
     def get_stats(self) -> dict:

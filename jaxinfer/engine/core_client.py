@@ -6,12 +6,9 @@
     AsyncMPClient       core in a child process; asyncio calls (AsyncLLM / the server)
     DPSyncClient, DPAsyncClient (dp_client.py)  N cores, one per data-parallel rank
 
-The child process (run_engine_core): an input thread decodes requests from the front ends'
-PUSH sockets into a queue, the main thread runs EngineCore.run_busy_loop over that queue, an
-output thread encodes and sends EngineCoreOutputs (to the front end each request came from,
-when several API servers share the core; launcher.py). It exits when its parent dies (a pipe
-closes), and a core that fails or vanishes is reported to the front end as EngineDeadError,
-never a hang (a front end that did not start the core goes by its heartbeats).
+engine.make_client() picks one for a front end. The child process itself is core_proc.py; a core
+that fails or vanishes is reported to the front end as EngineDeadError, never a hang (a front
+end that did not start the core goes by its heartbeats).
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import queue
 import tempfile
 import threading
 import time
-import traceback
 import uuid
 import weakref
 from concurrent.futures import Future
@@ -33,16 +29,13 @@ from typing import Any
 import zmq
 
 from jaxinfer.config import ResolvedConfig
+from jaxinfer.engine.core_proc import core_spec, spawn_core_process
 from jaxinfer.engine.messages import (EngineCoreOutputs, EngineCoreRequest, EngineDeadError,
-                                      RequestType, encoder, outputs_decoder, request_decoder)
-from jaxinfer.outputs import EngineCoreOutput
-from jaxinfer.request import FinishReason
+                                      RequestType, encoder, outputs_decoder)
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100  # how often a waiting front end checks that the core process is alive
-# JAX options a child process must share with its parent (numerics of the tests, platform).
-_JAX_OPTIONS = ("jax_default_matmul_precision", "jax_enable_x64")
 
 
 # -- in this process ------------------------------------------------------------------------------
@@ -193,283 +186,6 @@ def _route(item: EngineCoreOutputs, futures: dict, out_queue, holder) -> None:
                 fut.set_result(result)
         return
     out_queue.put_nowait(item)
-
-
-# -- the engine-core process ----------------------------------------------------------------------
-def core_process_main() -> None:
-    """Entry point of the child process (`python -m jaxinfer.engine.core_client`). Its stdin
-    is the lifeline: the start-up spec arrives there (pickled), and its end of file means the
-    parent is gone, so the core exits too."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
-    spec = read_lifeline_payload()
-    os._exit(run_engine_core(spec))
-
-
-def core_spec(rc: ResolvedConfig, inputs: list[str], outputs: list[str], *, rank: int = 0,
-              coordinator: str | None = None, heartbeat: float | None = None,
-              jax_options: dict | None = None) -> dict:
-    """What an engine-core process needs: its config, one (input, output) address pair per
-    front end it serves (client index = position), the coordinator's stats address, and
-    whether to send heartbeats (front ends that did not start it watch those)."""
-    if jax_options is None:
-        import jax
-
-        jax_options = {name: getattr(jax.config, name) for name in _JAX_OPTIONS}
-    return {"rc": rc, "inputs": list(inputs), "outputs": list(outputs), "rank": rank,
-            "coordinator": coordinator, "heartbeat": heartbeat, "jax_options": jax_options}
-
-
-def run_engine_core(spec: dict) -> int:
-    """Run one engine core until told to stop; returns the exit code. With several front ends
-    (API servers), each request's outputs go back to the front end that sent it (its
-    client_index) and utility results to their caller; stats go to all, and to the DP
-    coordinator (waiting, running, KV usage, requests held per front end) every 100 ms."""
-    rc = spec["rc"]
-    ctx = zmq.Context()
-    out_socks = []
-    for addr in spec["outputs"]:
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 5000)
-        sock.connect(addr)
-        out_socks.append(sock)
-    in_sock = ctx.socket(zmq.PULL)  # fair-queued over every front end
-    for addr in spec["inputs"]:
-        in_sock.connect(addr)
-    coord = None
-    if spec.get("coordinator"):
-        coord = ctx.socket(zmq.PUSH)
-        coord.setsockopt(zmq.LINGER, 0)
-        coord.setsockopt(zmq.SNDHWM, 16)
-        coord.connect(spec["coordinator"])
-    rank, heartbeat, n_clients = spec.get("rank", 0), spec.get("heartbeat"), len(out_socks)
-    enc = encoder()
-
-    def close_all():
-        for sock in out_socks + [in_sock] + ([coord] if coord is not None else []):
-            sock.close()
-        ctx.term()
-
-    def send_all(msg: EngineCoreOutputs) -> None:
-        data = enc.encode(msg)
-        for sock in out_socks:
-            sock.send(data)
-
-    try:
-        import jax
-
-        for name, value in spec["jax_options"].items():
-            jax.config.update(name, value)
-        from jaxinfer.engine.core import EngineCore
-
-        core = EngineCore(rc)
-    except BaseException as e:
-        kind = "ValueError" if isinstance(e, ValueError) else type(e).__name__
-        send_all(EngineCoreOutputs(engine_error=f"{kind}: {e}\n{traceback.format_exc()}"))
-        close_all()
-        return 1
-    ready = dict(core.ready_info(), data_parallel_rank=rank)
-    send_all(EngineCoreOutputs(ready=ready, stats=core.get_stats()))
-    inputs: queue.Queue = queue.Queue()
-    outputs: queue.Queue = queue.Queue()
-    owners: dict[str, int] = {}  # request id -> the front end it came from
-    received = [0] * n_clients  # requests received from each front end, ever
-    coord_lock = threading.Lock()  # (the reader and the writer both publish)
-    last_pub = [0.0]
-    calls: dict[int, tuple[int, int]] = {}  # utility call -> (front end, its call id)
-    call_ids = itertools.count()
-
-    def read_inputs():
-        import msgspec
-
-        dec_req = request_decoder()
-        while True:
-            kind, payload = in_sock.recv_multipart()
-            try:
-                if kind == RequestType.SHUTDOWN.value:
-                    inputs.put(None)
-                    return
-                handle_input(kind, payload, dec_req, msgspec)
-            except Exception:  # noqa: BLE001 - one bad message must not stop the reader
-                logger.exception("engine core could not handle a message of kind %r", kind)
-
-    def handle_input(kind, payload, dec_req, msgspec):
-        if kind == RequestType.ADD.value:
-            try:
-                req = dec_req.decode(payload)
-            except (msgspec.DecodeError, ValueError, TypeError) as e:
-                # A request that does not decode (or whose values SamplingParams refuses):
-                # it fails alone, if its id can be read at all.
-                fields = msgspec.msgpack.decode(payload)
-                rid = fields[0] if isinstance(fields, list) and fields else None
-                if not isinstance(rid, str):
-                    raise
-                client = fields[10] if len(fields) > 10 and isinstance(fields[10], int) else 0
-                owners[rid] = client
-                inputs.put(("refuse", (rid, f"refused: the request does not decode: {e}")))
-                return
-            owners[req.request_id] = req.client_index
-            if 0 <= req.client_index < n_clients:
-                received[req.client_index] += 1
-            inputs.put(("add", req))
-            if coord is not None:  # the coordinator hears of arrivals at once
-                publish(None)
-        elif kind == RequestType.ABORT.value:
-            ids = msgspec.msgpack.decode(payload)
-            for rid in ids:  # its front end forgets it: later outputs go nowhere
-                owners.pop(rid, None)
-            inputs.put(("abort", ids))
-        elif kind == RequestType.UTILITY.value:
-            call_id, name, args, *client = msgspec.msgpack.decode(payload)
-            gid = next(call_ids)
-            calls[gid] = (client[0] if client else 0, call_id)
-            inputs.put(("utility", (gid, name, tuple(args))))
-
-    last_stats = [core.get_stats()]
-    coord_enc = encoder()
-
-    def publish(stats: dict | None, min_interval: float = 0.02) -> None:
-        """This rank's load to the coordinator (at most every min_interval seconds)."""
-        import time
-
-        if stats is not None:
-            last_stats[0] = stats
-        with coord_lock:
-            now = time.monotonic()
-            if now - last_pub[0] < min_interval:
-                return
-            last_pub[0] = now
-            held = [0] * n_clients
-            for c in list(owners.values()):
-                if 0 <= c < n_clients:
-                    held[c] += 1
-            st = last_stats[0]
-            try:
-                coord.send(coord_enc.encode((
-                    rank, st.get("num_waiting_reqs", 0), st.get("num_running_reqs", 0),
-                    st.get("kv_cache_usage", 0.0), held, list(received))), zmq.NOBLOCK)
-            except zmq.Again:  # the coordinator is behind: the next update says the same
-                pass
-
-    def write_outputs():
-        stats = last_stats[0]
-        while True:
-            try:
-                item = outputs.get(timeout=heartbeat if heartbeat else 1.0)
-            except queue.Empty:
-                if heartbeat:  # idle: tell the front ends (and the coordinator) we are alive
-                    send_all(EngineCoreOutputs(stats=stats))
-                if coord is not None:
-                    publish(stats, 0.0)
-                continue
-            if item is None:
-                return
-            if item.stats is not None:
-                stats = item.stats
-            if coord is not None:
-                publish(stats)
-            try:
-                deliver(item)
-            except Exception as e:  # noqa: BLE001 - (an output that does not encode) its
-                # requests or utility call fail; the writer goes on, nobody is left waiting.
-                logger.exception("engine core could not send an output")
-                error = f"the engine core could not send this output: {type(e).__name__}: {e}"
-                if item.utility_output is not None:
-                    deliver(EngineCoreOutputs(utility_output=(
-                        item.utility_output[0], None, error)))
-                elif item.outputs:
-                    deliver(EngineCoreOutputs(outputs=[EngineCoreOutput(
-                        o.request_id, (), FinishReason.ERROR, stop_reason=error)
-                        for o in item.outputs]))
-
-    def deliver(item: EngineCoreOutputs) -> None:
-        if n_clients == 1 and item.utility_output is None:
-            out_socks[0].send(enc.encode(item))
-            for out in item.outputs:
-                if out.finish_reason is not None:
-                    owners.pop(out.request_id, None)
-        elif item.utility_output is not None:
-            gid, result, err = item.utility_output
-            client, call_id = calls.pop(gid, (0, gid))
-            out_socks[client].send(enc.encode(EngineCoreOutputs(
-                utility_output=(call_id, result, err), stats=item.stats)))
-        elif item.engine_error or not item.outputs:
-            send_all(item)
-        else:
-            groups: dict[int, list] = {}
-            for out in item.outputs:
-                client = owners.get(out.request_id)
-                if client is not None:  # else aborted by its front end: nobody waits
-                    groups.setdefault(client, []).append(out)
-            for client, outs in groups.items():
-                out_socks[client].send(enc.encode(EngineCoreOutputs(outputs=outs,
-                                                                    stats=item.stats)))
-            for out in item.outputs:  # (once sent: a failed send is answered with an error)
-                if out.finish_reason is not None:
-                    owners.pop(out.request_id, None)
-
-    threading.Thread(target=read_inputs, name="jaxinfer-core-in", daemon=True).start()
-    writer = threading.Thread(target=write_outputs, name="jaxinfer-core-out", daemon=True)
-    writer.start()
-    code = 0
-    try:
-        core.run_busy_loop(inputs, outputs)
-    except BaseException:
-        outputs.put(EngineCoreOutputs(engine_error=f"engine core failed:\n"
-                                                   f"{traceback.format_exc()}"))
-        code = 1
-    outputs.put(None)
-    writer.join(timeout=10)
-    try:
-        core.shutdown()
-    finally:
-        close_all()
-    return code
-
-
-def spawn_python(module: str, payload, env: dict[str, str] | None = None, pass_fds=()):
-    """Start `python -m module` (a fresh interpreter: no fork of a JAX process, and no
-    `if __name__ == "__main__"` guard needed in the user's script) with `payload` pickled on
-    its stdin, which stays open as its lifeline: when this process goes, so does the child
-    (read_lifeline_payload)."""
-    import pickle
-    import subprocess
-    import sys
-
-    import jaxinfer  # the child imports this very jaxinfer, wherever the parent found it
-
-    env = {**os.environ, **(env or {})}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(jaxinfer.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, env=env,
-                            pass_fds=pass_fds)
-    data = pickle.dumps(payload)
-    proc.stdin.write(len(data).to_bytes(8, "little") + data)
-    proc.stdin.flush()
-    return proc
-
-
-def read_lifeline_payload():
-    """The child's side of spawn_python: the payload, and a thread that exits the process
-    when stdin closes (the parent is gone)."""
-    import pickle
-    import sys
-
-    stdin = sys.stdin.buffer
-    size = int.from_bytes(stdin.read(8), "little")
-    payload = pickle.loads(stdin.read(size))
-
-    def watch_parent():
-        while stdin.read(4096):
-            pass
-        os._exit(1)
-
-    threading.Thread(target=watch_parent, name="jaxinfer-watch", daemon=True).start()
-    return payload
-
-
-def spawn_core_process(spec: dict, env: dict[str, str] | None = None):
-    """Start an engine-core process (env: a data-parallel rank's devices)."""
-    return spawn_python("jaxinfer.engine.core_client", spec, env)
 
 
 class _CoreConnection:
@@ -825,5 +541,3 @@ class AsyncMPClient:
         self.p.shutdown()
 
 
-if __name__ == "__main__":
-    core_process_main()

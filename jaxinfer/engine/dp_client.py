@@ -1,6 +1,6 @@
 """Data parallelism: N engine-core processes behind one load-balancing client.
 
-Each rank is an ordinary engine-core process (core_client._CoreProcess) with its own devices
+Each rank is an ordinary engine-core process (core_client._CoreProcess running core_proc.py) with its own devices
 (on GPU, CUDA_VISIBLE_DEVICES set to the rank's tensor_parallel_size devices before JAX
 starts; on CPU each process has the host device) and its own KV cache and scheduler. Dense
 models need no lockstep between ranks: no dummy batches, no all-reduce (MoE expert

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from jaxinfer.config import EngineConfig, multiprocessing_enabled, resolve_config
+from jaxinfer.config import EngineConfig, ResolvedConfig, multiprocessing_enabled, resolve_config
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.processor import Processor, PromptType
 from jaxinfer.outputs import RequestOutput
@@ -37,28 +37,44 @@ def in_process_only() -> bool:
     return distributed.is_initialized()
 
 
+def use_multiprocessing(rc: ResolvedConfig, devices=None) -> bool:
+    """Whether a front end runs its engine core(s) in child processes."""
+    return (multiprocessing_enabled(rc.engine) and devices is None
+            and not in_process_only())
+
+
+def make_client(rc: ResolvedConfig, *, asyncio_api: bool, devices=None):
+    """The engine-core client a front end uses: data_parallel_size cores in processes of
+    their own (DP clients), one core in a child process (SyncMPClient / AsyncMPClient), or in
+    this process (InprocClient, stepped by the caller / ThreadedCoreClient, a background
+    thread)."""
+    dp = rc.engine.parallel.data_parallel_size
+    mp = use_multiprocessing(rc, devices)
+    if dp > 1:
+        if not mp:
+            raise ValueError("data_parallel_size > 1 needs the engine cores in their own "
+                             "processes (multiprocessing on, single-host, no devices=)")
+        from jaxinfer.engine.dp_client import DPAsyncClient, DPSyncClient
+
+        return (DPAsyncClient if asyncio_api else DPSyncClient)(rc, dp)
+    from jaxinfer.engine.core_client import (AsyncMPClient, InprocClient, SyncMPClient,
+                                             ThreadedCoreClient)
+
+    if mp:
+        return AsyncMPClient(rc) if asyncio_api else SyncMPClient(rc)
+    return ThreadedCoreClient(rc, devices) if asyncio_api else InprocClient(rc, devices)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, devices=None):
-        from jaxinfer.engine.core_client import InprocClient, SyncMPClient
-
         self.config = config
         self.resolved = rc = resolve_config(config)
         self.model_dir, self.model_config = rc.model_dir, rc.model_config
         self.max_model_len, self.dtype = rc.max_model_len, rc.dtype
         self.attention_backend = rc.attention_backend
         self.tokenizer = Tokenizer.from_pretrained(rc.tokenizer_dir) if rc.tokenizer_dir else None
-        self.multiprocessing = (multiprocessing_enabled(config) and devices is None
-                                and not in_process_only())
-        if config.data_parallel_size > 1:
-            from jaxinfer.engine.dp_client import DPSyncClient
-
-            if not self.multiprocessing:
-                raise ValueError("data_parallel_size > 1 needs the engine cores in their own "
-                                 "processes (multiprocessing on, single-host, no devices=)")
-            self.engine_core = DPSyncClient(rc, config.data_parallel_size)
-        else:
-            self.engine_core = (SyncMPClient(rc) if self.multiprocessing
-                                else InprocClient(rc, devices))
+        self.multiprocessing = use_multiprocessing(rc, devices)
+        self.engine_core = make_client(rc, asyncio_api=False, devices=devices)
         self.processor = make_processor(rc, self.tokenizer, self.engine_core.info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0

@@ -150,7 +150,7 @@ def _stop_all(procs) -> None:
 
 
 def _spawn_local_rank(rc, addrs: Addresses, rank: int, local_index: int) -> subprocess.Popen:
-    from jaxinfer.engine.core_client import core_spec, spawn_core_process
+    from jaxinfer.engine.core_proc import core_spec, spawn_core_process
     from jaxinfer.engine.dp_client import rank_env
 
     env = rank_env(rc, local_index)
@@ -216,7 +216,7 @@ def run_launcher(args) -> int:
         return run_headless(args)
     from jaxinfer.config import resolve_config
     from jaxinfer.engine.coordinator import DPCoordinator
-    from jaxinfer.engine.core_client import spawn_python
+    from jaxinfer.engine.process import spawn_python
     from jaxinfer.entrypoints.openai.api_server import engine_config_from_args
 
     n, k_count = args.data_parallel_size, args.api_server_count
@@ -307,7 +307,7 @@ def run_launcher(args) -> int:
 def run_headless(args) -> int:
     """Engine cores only, for a head on another node."""
     from jaxinfer.config import resolve_config
-    from jaxinfer.engine.core_client import core_spec, spawn_core_process
+    from jaxinfer.engine.core_proc import core_spec, spawn_core_process
     from jaxinfer.engine.dp_client import rank_env
     from jaxinfer.entrypoints.openai.api_server import engine_config_from_args
 
@@ -370,7 +370,7 @@ def run_headless(args) -> int:
 
 def api_server_main() -> None:
     """One API server of several (a child of run_launcher)."""
-    from jaxinfer.engine.core_client import read_lifeline_payload
+    from jaxinfer.engine.process import read_lifeline_payload
 
     payload = read_lifeline_payload()
     logging.basicConfig(level=logging.INFO,

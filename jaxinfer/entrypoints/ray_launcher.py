@@ -23,7 +23,7 @@ def _actor_class():
     @ray.remote
     class EngineCoreActor:
         def run(self, spec: dict) -> int:
-            from jaxinfer.engine.core_client import run_engine_core
+            from jaxinfer.engine.core_proc import run_engine_core
 
             logging.basicConfig(level=logging.INFO)
             return run_engine_core(spec)
@@ -39,7 +39,7 @@ class RayRanks:
             raise ValueError("--data-parallel-backend ray needs Ray: pip install "
                              "'jaxinfer[ray]'") from None
         import jaxinfer
-        from jaxinfer.engine.core_client import core_spec
+        from jaxinfer.engine.core_proc import core_spec
 
         self.ray = ray
         root = os.path.dirname(os.path.dirname(os.path.abspath(jaxinfer.__file__)))

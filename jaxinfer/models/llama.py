@@ -16,16 +16,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.layers import module_list
 from jaxinfer.layers.attention import AttentionMetadata, paged_attention
 from jaxinfer.layers.linear import Embedding, GatedMLP, Linear
 from jaxinfer.layers.norms import RMSNorm
 from jaxinfer.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 
 KVCache = tuple[jax.Array, jax.Array]  # k, v: [num_blocks, block_size, Hkv, D]
-
-
-def _module_list(items):
-    return nnx.List(items) if hasattr(nnx, "List") else list(items)
 
 
 class LlamaAttention(nnx.Module):
@@ -83,7 +80,7 @@ class LlamaModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs,
                  mesh=None):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = _module_list(
+        self.layers = module_list(
             LlamaDecoderLayer(cfg, dtype=dtype, attention_backend=attention_backend, rngs=rngs,
                               mesh=mesh)
             for _ in range(cfg.num_hidden_layers)

@@ -29,6 +29,7 @@ class InputBatch:
         self.repetition_penalty = np.ones(max_num_reqs, np.float32)
         self.frequency_penalty = np.zeros(max_num_reqs, np.float32)
         self.presence_penalty = np.zeros(max_num_reqs, np.float32)
+        self.uses_penalties = np.zeros(max_num_reqs, bool)  # SamplingParams.uses_penalties
         self.seed = np.zeros(max_num_reqs, np.uint32)
         self.num_logprobs = np.full(max_num_reqs, -1, np.int32)  # -1: not requested
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, np.int32)
@@ -60,6 +61,7 @@ class InputBatch:
         self.repetition_penalty[s] = p.repetition_penalty
         self.frequency_penalty[s] = p.frequency_penalty
         self.presence_penalty[s] = p.presence_penalty
+        self.uses_penalties[s] = p.uses_penalties
         self.seed[s] = new.sampling_seed & 0xFFFFFFFF
         self.num_logprobs[s] = -1 if p.logprobs is None else p.logprobs
         self.num_prompt_logprobs[s] = -1 if p.prompt_logprobs is None else p.prompt_logprobs

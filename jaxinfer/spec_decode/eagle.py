@@ -32,11 +32,12 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.layers import module_list
 from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.layers.linear import Embedding, GatedMLP, Linear
 from jaxinfer.layers.norms import RMSNorm
 from jaxinfer.layers.rotary import rope_cos_sin, rope_inv_freq
-from jaxinfer.models.llama import LlamaAttention, LlamaDecoderLayer, _module_list
+from jaxinfer.models.llama import LlamaAttention, LlamaDecoderLayer
 
 
 class _Identity(nnx.Module):
@@ -104,7 +105,7 @@ class EagleHead(nnx.Module):
             layers = [LlamaDecoderLayer(cfg, dtype=dtype, attention_backend=attention_backend,
                                         rngs=rngs) for _ in range(cfg.num_hidden_layers)]
             layers[0].input_layernorm = _Identity()
-            self.layers = _module_list(layers)
+            self.layers = module_list(layers)
             self.norm = None
         else:
             fc_in = spec.target_hidden_size * len(spec.aux_layers)

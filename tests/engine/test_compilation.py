@@ -13,7 +13,7 @@ def test_no_compilation_after_warmup(tmp_path, smollm2_dir, caplog):
     a log line, and never again."""
     import logging
 
-    from jaxinfer.runner.model_runner import PLAIN
+    from jaxinfer.runner.step_inputs import PLAIN
 
     make_tiny_model_dir(tmp_path, "qwen3", smollm2_dir, head_dim=32)
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_seqs=4,
@@ -39,9 +39,9 @@ def test_no_compilation_after_warmup(tmp_path, smollm2_dir, caplog):
                      use_tqdm=False)
         assert events == [], events
         assert runner.num_compilations == len(runner.buckets.all_pairs())
-        with caplog.at_level(logging.INFO, logger="jaxinfer.runner.model_runner"):
+        with caplog.at_level(logging.INFO, logger="jaxinfer.runner.compiled_steps"):
             llm.generate(*variant_workload, use_tqdm=False)
-        variants = [k for k in runner._compiled if k[2] != PLAIN]
+        variants = [k for k in runner.compiled.keys() if k[2] != PLAIN]
         assert variants and all(k[2].logprobs and k[2].penalties for k in variants)
         assert runner.num_compilations == len(runner.buckets.all_pairs()) + len(variants)
         assert sum("on first use" in r.message for r in caplog.records) == len(variants)
@@ -58,14 +58,14 @@ def test_donated_step_never_copies_the_kv_cache(tmp_path, smollm2_dir):
     and no copy instruction produces a KV-cache-shaped array."""
     import re
 
-    from jaxinfer.runner.model_runner import StepFeatures
+    from jaxinfer.runner.step_inputs import StepFeatures
 
     make_tiny_model_dir(tmp_path, "llama", smollm2_dir)
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=2,
               max_num_batched_tokens=16, warmup=False, num_kv_blocks=10,
               compilation_cache_dir="", enable_multiprocessing=False)
     runner = llm.llm_engine.runner
-    hlo = runner._compile(16, 2, StepFeatures(penalties=True)).as_text()
+    hlo = runner.compiled.compile(16, 2, StepFeatures(penalties=True)).as_text()
     num_params = len(jax.tree.leaves(runner.state))
     donated = len(jax.tree.leaves(runner.kv_caches)) + len(jax.tree.leaves(runner.sampler_state))
     alias = re.search(r"input_output_alias=\{([^\n]*?)\}, entry", hlo).group(1)

@@ -55,7 +55,7 @@ def main():
     core = llm.llm_engine.engine_core.core
     seen_overlap = []
     if pp > 1:  # every dispatch: no request in two batches in flight
-        step = core.step_with_batch_queue
+        step = core.step
 
         def checked():
             batches = core.batches_in_flight()
@@ -63,7 +63,7 @@ def main():
             seen_overlap.append(len(ids) != len(set(ids)))
             return step()
 
-        core.step_with_batch_queue = checked
+        core.step = checked
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=6 if smollm2 else 10,
                                        ignore_eos=True, logprobs=3), use_tqdm=False)

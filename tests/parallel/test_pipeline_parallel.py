@@ -15,7 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from jaxinfer.pipeline import get_pp_partition, stage_bounds, stage_devices
+from jaxinfer.config.parallel import get_pp_partition, stage_bounds
+from jaxinfer.pipeline import stage_devices
 from tests.core.fake import FakeRunner, make_request, make_scheduler
 from tests.engine.conftest import make_tiny_model_dir
 

@@ -238,7 +238,7 @@ def test_no_recompilation_after_warmup(perm_target):
     stats = llm.llm_engine.get_stats()
     assert stats["spec_decode_num_draft_tokens"] > 0
     assert stats["num_compilations"] == before
-    assert all(k[2].spec for k in _core(llm).runner._compiled)
+    assert all(k[2].spec for k in _core(llm).runner.compiled.keys())
     llm.shutdown()
 
 

@@ -104,7 +104,7 @@ def test_bitmask_masks_exactly_and_no_masked_token_is_ever_sampled():
     import llguidance.numpy as llnp
 
     from jaxinfer.layers.sampler import SamplingMetadata, sample_tokens
-    from jaxinfer.runner.model_runner import apply_token_bitmask
+    from jaxinfer.runner.step_fn import apply_token_bitmask
 
     rng = np.random.default_rng(0)
     r, v = 24, 1003  # a vocab that is not a multiple of 32, and a padded bitmask word

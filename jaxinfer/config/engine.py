@@ -1,0 +1,284 @@
+"""EngineConfig (the user-facing options), the cache and scheduler configs, and their resolution
+against the model folder (ResolvedConfig: what the front end and the engine core are built
+from)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+from jaxinfer.config.features import (KVTransferConfig, SpeculativeConfig,
+                                      StructuredOutputsConfig)
+from jaxinfer.config.model import ModelConfig, resolve_dtype
+from jaxinfer.config.parallel import ParallelConfig, get_pp_partition
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block geometry and prefix caching."""
+
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # total blocks incl. the null block (None: sized by the runner)
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # "sha256" (stable across processes) | "builtin"
+    hash_seed: int = 0  # root of the chained block hashes
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"CacheConfig.block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"CacheConfig.num_blocks must be >= 2, got {self.num_blocks}")
+        if self.prefix_caching_hash_algo not in ("sha256", "builtin"):
+            raise ValueError("CacheConfig.prefix_caching_hash_algo must be 'sha256' or 'builtin', "
+                             f"got {self.prefix_caching_hash_algo!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits and policy of the scheduler."""
+
+    max_model_len: int  # longest sequence (prompt + output) in tokens
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 64  # running requests at most
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # >0: a prefill chunk takes at most this many tokens
+    policy: str = "fcfs"  # "fcfs" | "priority" (lower value first, then arrival)
+    # Admit a waiting request only if its whole sequence fits in the free blocks (vLLM's
+    # scheduler_reserve_full_isl, default on): fewer preemptions under chunked prefill.
+    scheduler_reserve_full_isl: bool = True
+
+    def __post_init__(self):
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("SchedulerConfig.long_prefill_token_threshold must be >= 0, got "
+                             f"{self.long_prefill_token_threshold}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"SchedulerConfig.policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.policy!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_model_len={self.max_model_len}: without chunked prefill a long prompt could "
+                "never be scheduled; raise max_num_batched_tokens or enable chunked prefill"
+            )
+
+def _sub_config(value, cls, name: str):
+    """An EngineConfig option given as `cls`, a dict of its fields (unknown keys refused by
+    name) or None."""
+    if value is None or isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a {cls.__name__} or a dict, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown option(s) {unknown}; known: {sorted(known)}")
+    return cls(**value)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything LLMEngine is built from (the user-facing options of LLM(...))."""
+
+    model: str | None = None  # HF folder; None = the embedded SmolLM2
+    tokenizer: str | None = None  # tokenizer folder; None = the model folder
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts must be token ids, no output text
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_num_seqs), chunked prefill
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "bfloat16" | "float16" | "float32"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    load_format: str = "auto"
+    attention_backend: str | None = None  # None: "xla" (pallas: not yet verified on GPU)
+    tensor_parallel_size: int = 1
+    num_kv_blocks: int | None = None  # explicit KV cache size in blocks (incl. null block)
+    kv_cache_memory_bytes: int | None = None  # or a byte budget for the KV cache
+    gpu_memory_utilization: float = 0.9  # on GPU: fraction of device memory the engine may use
+    compilation_cache_dir: str | None = None  # None: <cache>/xla; "" disables the cache
+    warmup: bool = True  # compile every bucket at start-up
+    min_token_bucket: int = 16
+    bucket_growth: int = 2
+    # Engine core in a child process behind a ZeroMQ client (vLLM's V1 layout). None: the env
+    # var JAXINFER_ENABLE_MULTIPROCESSING (default "1"); False: the core runs in this process.
+    enable_multiprocessing: bool | None = None
+    # Overlap the host's scheduling with the device's step: step N+1 is dispatched before step
+    # N's sampled ids are read back (they are patched into N+1's inputs on the device).
+    async_scheduling: bool = False
+    # Structured outputs (JSON schema, regex, choice, grammar): a StructuredOutputsConfig or a
+    # dict of its fields, e.g. {"backend": "xgrammar"}.
+    structured_outputs_config: StructuredOutputsConfig | dict | None = None
+    # Speculative decoding: a SpeculativeConfig or a dict of its fields, e.g.
+    # {"method": "ngram", "num_speculative_tokens": 4}. None: off.
+    speculative_config: SpeculativeConfig | dict | None = None
+    # A KV connector: a KVTransferConfig or a dict of its fields, e.g. {"kv_connector":
+    # "JaxTransferConnector", "kv_role": "kv_producer"}. None: off.
+    kv_transfer_config: KVTransferConfig | dict | None = None
+    # Data parallelism: this many engine-core processes (each with tensor_parallel_size
+    # devices of its own), one load-balancing front end; prefix affinity sends prompts that
+    # share their first blocks to the same rank.
+    data_parallel_size: int = 1
+    data_parallel_prefix_affinity: bool = True
+    # Pipeline parallelism: the decoder layers split over this many stages (each stage on
+    # its own tensor_parallel_size devices), up to this many step batches in flight.
+    pipeline_parallel_size: int = 1
+    # Layers per stage, e.g. "4,4,5,3" (vLLM's VLLM_PP_LAYER_PARTITION, also read from the
+    # env var JAXINFER_PP_LAYER_PARTITION); None: even, the remainder on the middle stages.
+    pp_layer_partition: str | None = None
+
+    # (tensor_parallel_size, pipeline_parallel_size, data_parallel_size, pp_layer_partition,
+    # data_parallel_prefix_affinity) as one ParallelConfig, built and checked at construction
+    parallel: ParallelConfig = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "parallel", ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            pp_layer_partition=self.pp_layer_partition,
+            data_parallel_prefix_affinity=self.data_parallel_prefix_affinity))
+        if self.pipeline_parallel_size > 1:
+            for name, bad in (("async_scheduling", self.async_scheduling),
+                              ("speculative_config", self.speculative_config is not None),
+                              ("kv_transfer_config", self.kv_transfer_config is not None)):
+                if bad:
+                    raise ValueError(f"pipeline_parallel_size > 1 cannot be combined with "
+                                     f"{name} yet (the pipeline keeps its own queue of "
+                                     f"pipeline_parallel_size batches in flight)")
+        if self.data_parallel_size > 1 and self.enable_multiprocessing is False:
+            raise ValueError("data_parallel_size > 1 runs one engine-core process per rank: it "
+                             "needs enable_multiprocessing (not False)")
+        kvt = _sub_config(self.kv_transfer_config, KVTransferConfig, "kv_transfer_config")
+        object.__setattr__(self, "kv_transfer_config", kvt)
+        spec = _sub_config(self.speculative_config, SpeculativeConfig, "speculative_config")
+        object.__setattr__(self, "speculative_config", spec)
+        if spec is not None and self.async_scheduling:
+            raise ValueError("speculative_config cannot be combined with async_scheduling yet: "
+                             "the drafts of a step depend on the tokens it accepts")
+        soc = _sub_config(self.structured_outputs_config, StructuredOutputsConfig,
+                          "structured_outputs_config")
+        object.__setattr__(self, "structured_outputs_config", soc or StructuredOutputsConfig())
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported "
+                             f"(supported: {', '.join(KV_CACHE_DTYPES)})")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+
+ATTENTION_BACKENDS = ("xla", "pallas", "reference")
+
+
+def multiprocessing_enabled(config: EngineConfig) -> bool:
+    if config.enable_multiprocessing is not None:
+        return config.enable_multiprocessing
+    value = os.environ.get("JAXINFER_ENABLE_MULTIPROCESSING", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes", ""):
+        raise ValueError(f"JAXINFER_ENABLE_MULTIPROCESSING={value!r}: use 0 or 1")
+    return value not in ("0", "false", "no")
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """EngineConfig with every default resolved against the model folder: what both the front
+    end (tokenizer, validation) and the engine core (model, cache, scheduler) are built from.
+    Pure data: it crosses to the engine-core process as is."""
+
+    engine: EngineConfig  # what the user asked for
+    model_dir: str  # resolved model folder (the embedded default converted on demand)
+    tokenizer_dir: str | None  # None: skip_tokenizer_init
+    model_config: ModelConfig  # from the folder's config.json
+    dtype: str  # concrete weight dtype ("float32" | "bfloat16" | "float16")
+    kv_cache_dtype: str  # concrete KV cache dtype
+    attention_backend: str
+    max_model_len: int
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+    eos_token_ids: tuple[int, ...]  # config.json's and generation_config.json's, in order
+
+
+def _generation_eos_ids(model_dir: str) -> tuple[int, ...]:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return ()
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+
+def resolve_config(config: EngineConfig) -> ResolvedConfig:
+    """Resolve the defaults of `config` (reads the model's config.json; loads no weights and
+    needs no device). Raises ValueError naming the option on an impossible combination."""
+    if config.model is None:
+        from jaxinfer.models.default_model import ensure_default_model
+
+        model_dir = ensure_default_model()
+    else:
+        model_dir = config.model
+    mcfg = ModelConfig.from_pretrained(model_dir)
+    backend = config.attention_backend or "xla"
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={backend!r} is not supported "
+                         f"(supported: {', '.join(ATTENTION_BACKENDS)})")
+    dtype = resolve_dtype(config.dtype, mcfg)
+    kv_dtype = dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+    max_model_len = config.max_model_len or mcfg.max_position_embeddings
+    if max_model_len > mcfg.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={mcfg.max_position_embeddings}")
+    max_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+    if not config.enable_chunked_prefill:
+        max_tokens = max(max_tokens, max_model_len)
+    if max_tokens < config.max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens={max_tokens} must be >= max_num_seqs="
+                         f"{config.max_num_seqs}")
+    cache = CacheConfig(block_size=config.block_size, num_blocks=config.num_kv_blocks,
+                        enable_prefix_caching=config.enable_prefix_caching,
+                        hash_seed=config.seed)
+    sched = SchedulerConfig(max_model_len=max_model_len, max_num_batched_tokens=max_tokens,
+                            max_num_seqs=config.max_num_seqs,
+                            enable_chunked_prefill=config.enable_chunked_prefill,
+                            long_prefill_token_threshold=config.long_prefill_token_threshold,
+                            policy=config.scheduling_policy)
+    if config.pipeline_parallel_size > 1:
+        get_pp_partition(mcfg.num_hidden_layers, config.pipeline_parallel_size,
+                         config.pp_layer_partition)  # (the errors name the numbers)
+    spec = config.speculative_config
+    if spec is not None and spec.method in ("eagle", "eagle3") and config.tensor_parallel_size > 1:
+        raise ValueError(f"speculative_config.method={spec.method!r} does not support "
+                         "tensor_parallel_size > 1 yet")
+    if spec is not None and spec.method == "draft_model":
+        dcfg = ModelConfig.from_pretrained(spec.model)
+        if dcfg.vocab_size != mcfg.vocab_size:
+            raise ValueError(f"speculative_config.model has vocab_size={dcfg.vocab_size}, the "
+                             f"target {mcfg.vocab_size}: a draft model must share the vocabulary")
+        if dcfg.max_position_embeddings < max_model_len:
+            raise ValueError(f"speculative_config.model has max_position_embeddings="
+                             f"{dcfg.max_position_embeddings} < max_model_len={max_model_len}")
+    tokenizer_dir = None if config.skip_tokenizer_init else (config.tokenizer or model_dir)
+    eos = mcfg.eos_token_ids + tuple(t for t in _generation_eos_ids(model_dir)
+                                     if t not in mcfg.eos_token_ids)
+    return ResolvedConfig(engine=config, model_dir=model_dir, tokenizer_dir=tokenizer_dir,
+                          model_config=mcfg, dtype=dtype, kv_cache_dtype=kv_dtype,
+                          attention_backend=backend, max_model_len=max_model_len,
+                          scheduler=sched, cache=cache, eos_token_ids=eos)

@@ -1,0 +1,170 @@
+"""Worker: the device world of one engine core. It owns what the scheduler never sees: the
+devices and their mesh, the model (and a draft model or EAGLE head), the pipeline's stages,
+the KV cache's size in blocks (from device memory, the same on every process of a multi-host
+engine) and the ModelRunner that steps over them. The engine core holds a scheduler and a
+worker; only the worker imports jax."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+import numpy as np
+
+from jaxinfer.config import ResolvedConfig
+from jaxinfer.runner.buckets import BucketTable
+from jaxinfer.runner.kv_cache import kv_cache_bytes_per_block
+from jaxinfer.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_BYTES = 1 << 30  # default KV budget on CPU (as vLLM's CPU backend has a fixed space)
+
+
+def on_gpu(devices) -> bool:
+    return devices[0].platform in ("gpu", "cuda", "rocm")
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    from jaxinfer.models.default_model import cache_dir
+
+    if path == "":
+        return
+    path = path or os.path.join(cache_dir(), "xla")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def jnp_dtype(name: str):
+    import jax.numpy as jnp
+
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+
+
+class Worker:
+    """Devices, weights and KV cache of one engine core (default devices: all of this
+    process's JAX devices; a data-parallel rank passes its own subset)."""
+
+    def __init__(self, rc: ResolvedConfig, devices=None):
+        from jaxinfer.models.loader import load_model
+        from jaxinfer.parallel import make_mesh
+
+        cfg = rc.engine
+        par = cfg.parallel
+        self.resolved = rc
+        enable_compilation_cache(cfg.compilation_cache_dir)
+        self.devices = list(devices) if devices is not None else jax.devices()
+        pp, tp = par.pipeline_parallel_size, par.tensor_parallel_size
+        self.stage_groups = stage_meshes = None
+        if pp > 1:
+            from jaxinfer.pipeline import stage_devices
+
+            self.stage_groups = stage_devices(pp, tp, self.devices)
+            stage_meshes = [make_mesh(tp, g) if tp > 1 else None for g in self.stage_groups]
+            self.mesh = None  # (each stage has its own; parameters stay on the host here)
+        else:
+            self.mesh = make_mesh(tp, self.devices)
+        model, mcfg, dtype = load_model(rc.model_dir, dtype=rc.dtype,
+                                        load_format=cfg.load_format,
+                                        attention_backend=rc.attention_backend, seed=cfg.seed,
+                                        model_config=rc.model_config, mesh=self.mesh,
+                                        to_host=pp > 1, tp_size=tp)
+        self.pp_partition = None
+        if pp > 1:  # the loaded model -> P stages, each on its own devices
+            from jaxinfer.config.parallel import get_pp_partition
+            from jaxinfer.pipeline import split_model
+
+            self.pp_partition = get_pp_partition(mcfg.num_hidden_layers, pp,
+                                                 par.pp_layer_partition)
+            model = split_model(model, self.pp_partition, self.stage_groups, stage_meshes)
+        self.model = model
+        self.model_config = mcfg  # as built (KV heads replicated up to tp where needed)
+        self.kv_dtype = jnp_dtype(rc.kv_cache_dtype)
+        spec = cfg.speculative_config
+        self.draft_model = self.eagle_head = None
+        if spec is not None and spec.method in ("eagle", "eagle3"):
+            from jaxinfer.spec_decode.eagle import load_eagle_head
+
+            self.eagle_head = load_eagle_head(spec.model, spec.method, mcfg, dtype=rc.dtype,
+                                              attention_backend=rc.attention_backend)
+        if spec is not None and spec.method == "draft_model":
+            self.draft_model, _, _ = load_model(spec.model, dtype=rc.dtype,
+                                                load_format=cfg.load_format,
+                                                attention_backend=rc.attention_backend,
+                                                seed=cfg.seed, mesh=self.mesh)
+        num_blocks = self._num_kv_blocks()
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            if tp * pp != jax.device_count():
+                raise ValueError(
+                    f"multi-host runs need tensor_parallel_size x pipeline_parallel_size == "
+                    f"all devices ({jax.device_count()} over {jax.process_count()} processes), "
+                    f"got {tp} x {pp}")
+            # Every process must size the cache as process 0 did.
+            num_blocks = int(multihost_utils.broadcast_one_to_all(np.int64(num_blocks)))
+        self.num_kv_blocks = num_blocks
+        self.runner = self._make_runner()
+
+    @property
+    def num_processes(self) -> int:
+        return jax.process_count()
+
+    @property
+    def is_follower(self) -> bool:
+        """Multi-host: processes > 0 only replay process 0's steps."""
+        return jax.process_index() > 0
+
+    def _make_runner(self) -> ModelRunner:
+        """The runner over this worker's model and a KV cache of num_kv_blocks blocks."""
+        rc, sched = self.resolved, self.resolved.scheduler
+        cfg = rc.engine
+        buckets = BucketTable.build(sched.max_num_batched_tokens, sched.max_num_seqs,
+                                    min_tokens=cfg.min_token_bucket, growth=cfg.bucket_growth)
+        return ModelRunner(self.model, num_kv_blocks=self.num_kv_blocks,
+                           block_size=rc.cache.block_size, max_model_len=rc.max_model_len,
+                           max_num_seqs=sched.max_num_seqs,
+                           max_num_batched_tokens=sched.max_num_batched_tokens,
+                           kv_dtype=self.kv_dtype, buckets=buckets,
+                           speculative_config=cfg.speculative_config,
+                           draft_model=self.draft_model, eagle_head=self.eagle_head,
+                           stage_devices=self.stage_groups)
+
+    def _num_kv_blocks(self) -> int:
+        rc, c = self.resolved, self.resolved.engine
+        per_block = kv_cache_bytes_per_block(self.model_config, c.block_size, self.kv_dtype)
+        if self.draft_model is not None:  # its cache has as many blocks, with the same ids
+            per_block += kv_cache_bytes_per_block(self.draft_model.config, c.block_size,
+                                                  self.kv_dtype)
+        if self.eagle_head is not None:
+            head = self.eagle_head
+            per_block += kv_cache_bytes_per_block(
+                dataclasses.replace(head.config, num_hidden_layers=head.num_kv_layers),
+                c.block_size, self.kv_dtype)
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_memory_bytes is not None:
+            budget = c.kv_cache_memory_bytes
+        elif on_gpu(self.devices):
+            stats = self.devices[0].memory_stats() or {}
+            limit = stats.get("bytes_limit", 0)
+            in_use = stats.get("bytes_in_use", 0)
+            mcfg = self.model_config
+            # Activations and sampler state of the largest step, with a 2x margin.
+            act = 2 * 4 * rc.scheduler.max_num_batched_tokens * (
+                4 * mcfg.hidden_size + 3 * mcfg.intermediate_size)
+            act += 2 * 4 * c.max_num_seqs * mcfg.vocab_size * 8
+            # Per device: with tensor parallelism each device holds 1/tp of every block.
+            budget = (int(c.gpu_memory_utilization * limit) - in_use - act) * c.tensor_parallel_size
+            if self.pp_partition:  # a stage's devices hold only its layers' part of a block
+                budget = budget * self.model_config.num_hidden_layers // max(self.pp_partition)
+        else:
+            budget = CPU_KV_BYTES
+        blocks = budget // per_block + 1
+        if blocks < 2:
+            raise ValueError(f"no memory left for the KV cache (budget {budget} bytes, "
+                             f"{per_block} bytes per block)")
+        return int(blocks)
