@@ -115,7 +115,7 @@ def run_probe(url, path, raw) -> dict:
 
 
 def kill_core(url, server) -> dict:
-    core = int(subprocess.run(["pgrep", "-P", str(server.pid), "-f", "core_client"],
+    core = int(subprocess.run(["pgrep", "-P", str(server.pid), "-f", "core_proc"],
                               capture_output=True, text=True).stdout.split()[0])
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 500, "ignore_eos": True,
             "stream": True}

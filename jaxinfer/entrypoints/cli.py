@@ -31,8 +31,11 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    from jaxinfer.entrypoints.openai.api_server import run_server
+    from jaxinfer.entrypoints.launcher import needs_launcher, run_launcher
+    from jaxinfer.entrypoints.serve import run_server
 
+    if needs_launcher(args):  # several API servers, ranks on other hosts, or engines only
+        return run_launcher(args)
     return run_server(args)
 
 

@@ -217,7 +217,7 @@ def run_launcher(args) -> int:
     from jaxinfer.config import resolve_config
     from jaxinfer.engine.coordinator import DPCoordinator
     from jaxinfer.engine.process import spawn_python
-    from jaxinfer.entrypoints.openai.api_server import engine_config_from_args
+    from jaxinfer.entrypoints.serve import engine_config_from_args
 
     n, k_count = args.data_parallel_size, args.api_server_count
     ray = args.data_parallel_backend == "ray"
@@ -309,7 +309,7 @@ def run_headless(args) -> int:
     from jaxinfer.config import resolve_config
     from jaxinfer.engine.core_proc import core_spec, spawn_core_process
     from jaxinfer.engine.dp_client import rank_env
-    from jaxinfer.entrypoints.openai.api_server import engine_config_from_args
+    from jaxinfer.entrypoints.serve import engine_config_from_args
 
     n = args.data_parallel_size
     local = n if args.data_parallel_size_local is None else args.data_parallel_size_local
@@ -381,8 +381,7 @@ def api_server_main() -> None:
     from jaxinfer.engine.async_engine import AsyncLLM
     from jaxinfer.engine.core_client import _CoreConnection
     from jaxinfer.engine.dp_client import DPAsyncClient
-    from jaxinfer.entrypoints.openai.api_server import (engine_config_from_args, make_server,
-                                                        serve)
+    from jaxinfer.entrypoints.serve import engine_config_from_args, make_server, serve
 
     import argparse
 

@@ -410,7 +410,7 @@ class ServeProcess:
             self.log.append(line.decode(errors="replace"))
 
     def core_pids(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-f", "core_client"],
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-f", "core_proc"],
                              capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 

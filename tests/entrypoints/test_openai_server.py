@@ -534,7 +534,7 @@ def test_tool_choice_auto_with_a_parser(server, client, monkeypatch):
     req = openai_request(common)
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": ' \
            '{"city": "Oslo", "unit": "C"}}\n</tool_call>'
-    msg, fin = server._chat_message(req, "auto", CompletionOutput(
+    msg, fin = server.chat._chat_message(req, "auto", CompletionOutput(
         index=0, text=text, token_ids=[1], cumulative_logprob=None, logprobs=None,
         finish_reason="stop"))
     assert fin == "tool_calls" and msg["content"] == "Let me check."

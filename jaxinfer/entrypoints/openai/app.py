@@ -1,0 +1,235 @@
+"""The FastAPI app of an OpenAIServer: routes, the body-limit and auth middleware, error
+handlers (every error in OpenAI's shape) and the OpenAPI document."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxinfer.engine.messages import EngineDeadError
+from jaxinfer.entrypoints.openai.errors import (APIError, engine_dead, error_response,
+                                                internal_error, validation_error)
+from jaxinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 << 20
+
+
+# What /openapi.json says the routes answer (schemathesis checks the server against it).
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
+
+
+_ERROR = {"content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+
+
+_GENERATE_RESPONSES = {
+    200: {"description": "The completion (application/json), or its server-sent events "
+                         "(text/event-stream) with stream=true",
+          "content": {"application/json": {"schema": {"type": "object",
+                                                      "required": ["id", "choices"]}},
+                      # (each server-sent event: its data is a JSON chunk, an error object,
+                      # or [DONE])
+                      "text/event-stream": {"schema": {
+                          "type": "object", "required": ["data"],
+                          "properties": {"data": {"type": "string"},
+                                         "event": {"type": "string"}}}}}},
+    400: {"description": "Bad request: the error names the field", **_ERROR},
+    401: {"description": "Missing or wrong API key", **_ERROR},
+    404: {"description": "Unknown model", **_ERROR},
+    413: {"description": "Body over --max-request-body-bytes", **_ERROR},
+    429: {"description": "Over --max-waiting-requests (Retry-After)", **_ERROR},
+    499: {"description": "The client went away", **_ERROR},
+    500: {"description": "The engine failed this request (it alone); see the server log",
+          **_ERROR},
+    503: {"description": "No first token within --queue-timeout (Retry-After), or the engine "
+                         "is dead", **_ERROR},
+}
+
+
+def _request_body(model) -> dict:
+    """The OpenAPI requestBody of a route that parses its own body (body.py)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi_without_422(app: FastAPI) -> dict:
+    """FastAPI documents 422 for request bodies; this server answers 400 in OpenAI's shape."""
+    from fastapi.openapi.utils import get_openapi
+
+    if app.openapi_schema is None:
+        spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for ops in spec.get("paths", {}).values():
+            for op in ops.values():
+                op.get("responses", {}).pop("422", None)
+        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        for model in (CompletionRequest, ChatCompletionRequest):  # bodies parsed by body.py
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(js.pop("$defs", {}))
+            schemas[model.__name__] = js
+        app.openapi_schema = spec
+    return app.openapi_schema
+
+
+# -- the app --------------------------------------------------------------------------------
+def build_app(server) -> FastAPI:
+    app = FastAPI(title="jaxinfer OpenAI-compatible server")
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead_error(request, exc: EngineDeadError):
+        return error_response(engine_dead(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation_error(request, exc: RequestValidationError):
+        return error_response(validation_error(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        # Unknown routes (404), wrong methods (405) and the like, in OpenAI's error shape.
+        msg = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            msg = f"no route {request.method} {request.url.path}"
+        # (a 405 keeps starlette's Allow header: RFC 9110)
+        return error_response(APIError(msg, exc.status_code,
+                                        headers=dict(exc.headers or {}) or None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):
+        # Never plain text, never a stack trace to the client (it goes to the log).
+        logger.error("unhandled error in %s %s", request.method, request.url.path,
+                     exc_info=exc)
+        return error_response(internal_error(exc))
+
+    app.add_middleware(_AuthAndBodyLimit, server=server)
+
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "The server and its engine are up (empty "
+                                             "body)"},
+                        503: {"description": "The engine is dead", **_ERROR}})
+    async def health():
+        err = server.llm.dead_error
+        if err is not None:
+            return error_response(engine_dead(err))
+        return Response(status_code=200)
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def metrics():
+        server.metrics.update_gauges(server.llm.stats)
+        server.metrics.set_engine_alive(server._ranks_alive())
+        lb = getattr(server.llm.engine_core, "lb", None)
+        if lb is not None:
+            server.metrics.update_routing(lb.num_routed)
+        return Response(server.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict:
+        return {"id": server.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "jaxinfer", "root": server.model_name, "parent": None,
+                "max_model_len": server.llm.max_model_len}
+
+    @app.get("/v1/models", responses={401: {"description": "Missing or wrong API key",
+                                            **_ERROR}})
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}",
+             responses={401: {"description": "Missing or wrong API key", **_ERROR},
+                        404: {"description": "Unknown model", **_ERROR}})
+    async def model(model: str):
+        if model != server.model_name:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model",
+                           "NotFoundError")
+        return model_card()
+
+    @app.post("/v1/completions", responses=_GENERATE_RESPONSES,
+              openapi_extra=_request_body(CompletionRequest))
+    async def completions(raw: Request):
+        server._count_request()
+        req = await server.parse(raw, CompletionRequest)
+        return await server.completion.create(req, raw)
+
+    @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES,
+              openapi_extra=_request_body(ChatCompletionRequest))
+    async def chat(raw: Request):
+        server._count_request()
+        req = await server.parse(raw, ChatCompletionRequest)
+        return await server.chat.create(req, raw)
+
+    app.openapi = lambda: _openapi_without_422(app)
+
+    @app.on_event("startup")
+    async def _startup():
+        # Read the core's outputs from now on: a core that dies is noticed at once.
+        server.llm.start_output_handler()
+
+    @app.on_event("shutdown")
+    async def _shutdown():
+        server.llm.shutdown()
+
+    return app
+
+
+class _AuthAndBodyLimit:
+    """Pure ASGI middleware (starlette's BaseHTTPMiddleware hides http.disconnect from the
+    app, so a client that left could not abort its request): Bearer auth for /v1, and the
+    body read whole here, refused past --max-request-body-bytes (413) whether or not a
+    content-length announced it, then replayed to the app; the app's later receive() calls
+    reach the client's connection (its disconnect)."""
+
+    def __init__(self, app, server: object):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        server = self.server
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", ())}
+        if server.api_key and scope["path"].startswith("/v1"):
+            if headers.get("authorization") != f"Bearer {server.api_key}":
+                return await error_response(APIError("invalid or missing API key", 401))(
+                    scope, receive, send)
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        limit = server.max_request_body_bytes
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await error_response(APIError(
+                f"request body of {int(length)} bytes exceeds the limit of {limit} bytes "
+                "(--max-request-body-bytes)", 413, "body"))(scope, receive, send)
+        parts, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # gone before its body arrived: nothing to answer
+            part = message.get("body", b"")
+            size += len(part)
+            if size > limit:
+                return await error_response(APIError(
+                    f"request body exceeds the limit of {limit} bytes "
+                    "(--max-request-body-bytes)", 413, "body"))(scope, receive, send)
+            parts.append(part)
+            more = message.get("more_body", False)
+        replay = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+        async def replay_receive():
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replay_receive, send)

@@ -1,0 +1,194 @@
+"""POST /v1/chat/completions (vLLM's serving_chat): messages through the chat template, tools
+(named / required calls constrained by structured outputs, auto calls found by a tool-call
+parser), logprobs, streamed or not. A ChatServing answers through the OpenAIServer it was
+given."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from jaxinfer.entrypoints.openai.errors import APIError, check_kv_transfer
+from jaxinfer.entrypoints.openai.protocol import ChatCompletionRequest
+from jaxinfer.entrypoints.openai.streaming import DeltaTracker, guard, sse
+from jaxinfer.entrypoints.openai.tools import (forced_tool_calls, make_tool_call_id,
+                                               messages_for_template, named_tool,
+                                               template_renders_tools)
+from jaxinfer.outputs import CompletionOutput
+
+
+class ChatServing:
+    def __init__(self, server):
+        self.server = server  # the OpenAIServer: its checks, admission, engine and model name
+
+    async def create(self, req: ChatCompletionRequest, raw: Request):
+        self.server.check_model(req.model)
+        if req.chat_template is not None and not self.server.trust_request_chat_template:
+            raise APIError("chat_template: a chat template passed with the request is not "
+                           "rendered unless the server runs with --trust-request-chat-template "
+                           "(a template is code)", 400, "chat_template")
+        params = self.server.sampling_params(req)
+        await self.server.check_structured(req, params)
+        mode = self._tool_mode(req)
+        conversation = messages_for_template(req.conversation())
+        chars = sum(len(m["content"]) for m in conversation)
+        at_least, limit = chars // self.server.llm.tokenizer.max_token_chars, self.server.llm.max_model_len
+        if at_least > limit and params.truncate_prompt_tokens is None:
+            # refused without rendering or tokenizing it
+            raise APIError(f"The messages have at least {at_least} tokens ({chars} characters), "
+                           f"longer than the model's maximum context length of {limit} tokens.",
+                           400, "messages")
+        try:
+            extra = {"tools": req.tools} if req.tools else {}
+            ids = await asyncio.to_thread(
+                self.server.llm.tokenizer.apply_chat_template, conversation,
+                chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
+                **extra)
+        except Exception as e:  # template errors are the request's fault
+            raise APIError(f"could not render the chat template: {e}", 400, "messages") from None
+        ids = self.server.llm.processor.truncate(ids, params)
+        self.server.check_prompt(ids)
+        self.server.check_length(len(ids), params.max_tokens if (req.max_tokens or
+                                                           req.max_completion_tokens) else None)
+        self.server.check_min_tokens(len(ids), params)
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        (ticket,) = self.server.admit(1, params)
+        gen = self.server.run(ids, params, base, ticket)
+        top_n = req.top_logprobs or 0
+        if not req.stream:
+            (out,) = await self.server.with_disconnect(raw, self.server.collect([gen]))
+            completion = sum(len(c.token_ids) for c in out.outputs)
+            choices = []
+            for c in out.outputs:
+                message, finish = self._chat_message(req, mode, c)
+                choices.append({"index": c.index, "message": message,
+                                "logprobs": self._chat_logprobs(c, 0, top_n),
+                                "finish_reason": finish, "stop_reason": c.stop_reason})
+            check_kv_transfer([out])
+            return {"id": base, "object": "chat.completion", "created": created,
+                    "model": self.server.model_name, "choices": choices,
+                    "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
+                              "total_tokens": len(ids) + completion},
+                    **self.server.kv_params([out])}
+
+        def chunk(choices, **extra):
+            return sse({"id": base, "object": "chat.completion.chunk", "created": created,
+                         "model": self.server.model_name, "choices": choices, **extra})
+
+        async def events():
+            tracker = DeltaTracker(params.stop)
+            call_ids: dict[int, str] = {}
+            for k in range(params.n):
+                yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            named = named_tool(req.tool_choice) if mode == "forced" else None
+            async for _, out in self.server.merge([gen]):
+                for c in out.outputs:
+                    done = c.finish_reason is not None
+                    limit = None
+                    if mode == "auto" and not done:  # a call may be starting: hold it back
+                        limit = self.server.tool_parser.safe_prefix(c.text)
+                    elif mode == "forced" and named is None:  # required: the calls at the end
+                        limit = 0
+                    d = tracker.next(c.index, c, limit)
+                    if d is None:
+                        continue
+                    piece, t0, k0 = d.text, d.start, d.start_tokens
+                    finish = c.finish_reason
+                    delta: dict[str, Any] = {}
+                    if named is not None:  # the arguments, as they come
+                        if t0 == 0 and (piece or done):
+                            call_ids[c.index] = make_tool_call_id()
+                            delta["tool_calls"] = [{"index": 0, "id": call_ids[c.index],
+                                                    "type": "function", "function": {
+                                                        "name": named, "arguments": piece}}]
+                        elif piece:
+                            delta["tool_calls"] = [{"index": 0,
+                                                    "function": {"arguments": piece}}]
+                    elif piece:
+                        delta["content"] = piece
+                    if done and mode != "none" and named is None:
+                        message, finish = self._chat_message(req, mode, c)
+                        calls = message.get("tool_calls")
+                        if calls:
+                            delta["tool_calls"] = [{"index": i, **call}
+                                                   for i, call in enumerate(calls)]
+                            rest = (message["content"] or "")[tracker.sent(c.index):]
+                        else:
+                            rest = c.text[tracker.sent(c.index):]
+                        if rest:
+                            delta["content"] = delta.get("content", "") + rest
+                    yield chunk([{"index": c.index, "delta": delta,
+                                  "logprobs": self._chat_logprobs(c, k0, top_n),
+                                  "finish_reason": finish, "stop_reason": c.stop_reason}])
+            if req.stream_options and req.stream_options.include_usage:
+                completion = tracker.completion_tokens
+                yield chunk([], usage={"prompt_tokens": len(ids), "completion_tokens": completion,
+                                       "total_tokens": len(ids) + completion})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(guard(events()), media_type="text/event-stream")
+
+    # -- chat -----------------------------------------------------------------------------------
+    def _chat_logprobs(self, c: CompletionOutput, start: int, top_n: int):
+        if c.logprobs is None:
+            return None
+        content = []
+        for tid, d in zip(c.token_ids[start:], c.logprobs[start:]):
+            chosen = d[tid]
+            tok = chosen.decoded_token or ""
+            tops = sorted(d.items(), key=lambda kv: kv[1].rank or 0)[:top_n]
+            content.append({"token": tok, "logprob": chosen.logprob,
+                            "bytes": list(tok.encode()),
+                            "top_logprobs": [{"token": p.decoded_token or "",
+                                              "logprob": p.logprob,
+                                              "bytes": list((p.decoded_token or "").encode())}
+                                             for _, p in tops]})
+        return {"content": content}
+
+    def _tool_mode(self, req: ChatCompletionRequest) -> str:
+        """ "none" (plain text), "forced" (named / required: the output is the calls) or
+        "auto" (a parser looks for calls in the text)."""
+        if req.forced_tool_choice:
+            return "forced"
+        if req.tool_choice == "auto" and req.tools:
+            if self.server.tool_parser is None:
+                raise APIError('tool_choice="auto" (the default when tools are given) requires '
+                               "--enable-auto-tool-choice and --tool-call-parser to be set",
+                               400, "tool_choice")
+            template = req.chat_template or self.server.llm.tokenizer.chat_template
+            if not template_renders_tools(template):
+                raise APIError("tool_choice='auto': the chat template does not render tools, "
+                               "so the model would never see them; pass a chat_template that "
+                               "does, or use tool_choice='required' / a named function", 400,
+                               "tools")
+            return "auto"
+        return "none"
+
+    def _chat_message(self, req, mode: str, c: CompletionOutput) -> tuple[dict, str | None]:
+        """The assistant message and finish_reason of one finished choice."""
+        text, finish = c.text, c.finish_reason
+        calls: list[dict] = []
+        content: str | None = text
+        if mode == "forced":
+            try:
+                calls = forced_tool_calls(text, req.tool_choice)
+                content = None
+            except (ValueError, KeyError, TypeError):  # cut short (length): not a whole call
+                calls = []
+        elif mode == "auto":
+            content, calls = self.server.tool_parser.parse(text)
+        if calls and req.parallel_tool_calls is False:
+            calls = calls[:1]
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+            if finish == "stop" and (mode == "auto" or req.tool_choice == "required"):
+                finish = "tool_calls"
+        return message, finish
