@@ -85,6 +85,7 @@ class Request:
         self.num_preemptions = 0
         # Tokens sampled by scheduled steps whose results have not come back yet (async
         # scheduling keeps one in flight; synchronous stepping is back to 0 before scheduling).
+        # (The runner's InputBatch.pending counts them too, to read their ids on the device.)
         self.num_output_placeholders = 0
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

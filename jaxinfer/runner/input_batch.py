@@ -15,11 +15,16 @@ class InputBatch:
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), np.int32)  # [S, L+1]
         # Tokens per slot, counting the ones sampled by steps still in flight (their ids are
-        # written into token_ids when the step is collected; `pending` counts them).
+        # written into token_ids when the step is collected; `pending` counts them). The
+        # scheduler counts the same tokens (Request.num_output_placeholders) for another
+        # purpose: not to schedule past max_tokens; here they say which input ids are not on
+        # the host yet (the step reads them on the device). Different facts, both needed.
         self.num_tokens = np.zeros(max_num_reqs, np.int32)
         self.pending = np.zeros(max_num_reqs, np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
-        self.num_computed = np.zeros(max_num_reqs, np.int32)  # KV written (or being written)
+        # Tokens whose KV is computed before the step being built: the scheduler's count,
+        # brought by each step's diff (NewRequestData / CachedRequestData).
+        self.num_computed = np.zeros(max_num_reqs, np.int32)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), np.int32)  # [S, B]
         self.num_blocks = np.zeros(max_num_reqs, np.int32)
         self.temperature = np.zeros(max_num_reqs, np.float32)

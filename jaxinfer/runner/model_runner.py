@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -231,8 +231,13 @@ class ModelRunner:
                 failed[new.req_id] = (f"engine error while preparing the request's inputs: "
                                       f"{type(e).__name__}: {e}")
         for c in so.scheduled_cached_reqs:
+            s = b.req_id_to_slot[c.req_id]
+            # The scheduler keeps the count of computed tokens (it advances it when it
+            # schedules, rolls rejected drafts back when it applies a step); each step's diff
+            # brings it here, so the runner never keeps a count of its own.
+            b.num_computed[s] = c.num_computed_tokens
             if c.new_block_ids:
-                b.append_blocks(b.req_id_to_slot[c.req_id], c.new_block_ids)
+                b.append_blocks(s, c.new_block_ids)
         return failed
 
     def _buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool,
@@ -318,8 +323,8 @@ class ModelRunner:
         # The token sampled by the step in flight (async scheduling) is read on the device.
         batch.from_last_sampled[:n_tok] = ((b.pending[tok_slot] > 0)
                                            & (pos == b.num_tokens[tok_slot] - 1))
-        b.num_computed[slots] = computed + q_lens
-        return batch, features, req_ids, slots, computed, num_drafts
+        samples = computed + q_lens >= b.num_tokens[slots]  # else a partial prefill
+        return _Built(batch, features, req_ids, slots, computed, samples, num_drafts)
 
     def dispatch(self, so: SchedulerOutput, grammar=None) -> "_InFlightStep | None":
         """Apply the diff, build the inputs and launch the step; does not wait for it. The
@@ -337,7 +342,7 @@ class ModelRunner:
             so, grammar = _without_requests(so, grammar, failed)
         if not so.num_scheduled_tokens:
             return None
-        batch, features, req_ids, slots, computed, num_drafts = self._build(so, grammar)
+        batch, features, req_ids, slots, computed, samples, num_drafts = self._build(so, grammar)
         t, r = batch.input_ids.shape[0], batch.req_slots.shape[0]
         compiled = self.compiled.get(t, r, features)
         if self._multiprocess:
@@ -347,7 +352,6 @@ class ModelRunner:
                                                device_batch)
         self._set_kv(kv)
         b = self.batch
-        samples = b.num_computed[slots] >= b.num_tokens[slots]  # else a partial prefill
         positions = b.num_tokens[slots].copy()  # where each sampled token goes
         b.num_tokens[slots] += samples
         b.pending[slots] += samples
@@ -390,8 +394,7 @@ class ModelRunner:
             n = step.positions[i]
             m = min(e, b.token_ids.shape[1] - n)
             b.token_ids[s, n : n + m] = tokens[i, :m]
-            b.num_tokens[s] += e - 1
-            b.num_computed[s] -= int(step.num_drafts[i]) - (e - 1)
+            b.num_tokens[s] += e - 1  # (the rejected drafts' KV: the scheduler rolls back)
             b.pending[s] -= 1
             rows.append(rid)
             slots.append(s)
@@ -488,6 +491,18 @@ class ModelRunner:
                     for tok, f in zip(toks, flat))
         return RunnerOutput(req_ids=tuple(step.req_ids), sampled_token_ids=tuple(sampled),
                             logprobs=logprobs, prompt_logprobs=prompt_lps)
+
+
+class _Built(NamedTuple):
+    """One step's inputs as _build made them."""
+
+    batch: StepBatch
+    features: StepFeatures
+    req_ids: list[str]  # in row order
+    slots: np.ndarray  # int32 [n_req]
+    computed: np.ndarray  # int32 [n_req] tokens computed before the step
+    samples: np.ndarray  # bool [n_req] the row samples a token (not a partial prefill)
+    num_drafts: np.ndarray | None  # int32 [n_req] drafts to verify (spec decoding)
 
 
 def _without_requests(so: SchedulerOutput, grammar, ids) -> tuple[SchedulerOutput, Any]:
