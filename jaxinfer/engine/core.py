@@ -96,8 +96,11 @@ class EngineCore:
         self.kv_connector = kv_worker
         self.speculative = spec is not None
         self.async_scheduling = cfg.async_scheduling
+        t0 = time.perf_counter()
         if cfg.warmup:
             self.runner.warmup()
+        self.startup = dict(self.worker.timings, warmup_s=time.perf_counter() - t0,
+                            warmup_compilations=self.runner.num_compilations)
         # Steps dispatched and not yet collected: (SchedulerOutput, the runner's handle).
         self._in_flight: deque = deque()
         # Host time per step (schedule + build + dispatch + collect bookkeeping + update), and
@@ -131,7 +134,8 @@ class EngineCore:
         return {"num_kv_blocks": self.runner.num_kv_blocks,
                 "num_usable_kv_blocks": self.scheduler.kv.num_usable_blocks,
                 "block_size": self.scheduler.kv.block_size,
-                "num_compilations": self.runner.num_compilations}
+                "num_compilations": self.runner.num_compilations,
+                "startup": dict(self.startup)}
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -257,6 +261,7 @@ class EngineCore:
         stats["num_kv_blocks"] = self.runner.num_kv_blocks
         stats["num_compilations"] = self.runner.num_compilations
         stats["compile_seconds"] = self.runner.compile_seconds
+        stats.update(self.worker.cache_counts())
         som = self.structured_output_manager
         if som is not None:
             stats["num_grammar_compiles"] = som.num_compiles

@@ -92,9 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: latency | throughput | serve | roofline")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    from jaxinfer.bench import offline, roofline, serve
+    from jaxinfer.bench import offline, roofline, serve, startup
 
     offline.add_parsers(bsub)
+    startup.add_parser(bsub)
     serve.add_parser(bsub)
     roofline.add_parser(bsub)
     b.set_defaults(func=lambda a: (a.bench(a), 0)[1])

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
+import time
 
 import jax
 import numpy as np
@@ -27,9 +29,42 @@ def on_gpu(devices) -> bool:
     return devices[0].platform in ("gpu", "cuda", "rocm")
 
 
+_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
+_HITS = "/jax/compilation_cache/cache_hits"
+_CACHE_EVENTS = {_REQUESTS: 0, _HITS: 0}
+_cache_listener_lock = threading.Lock()
+_cache_listener_on = False
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """This process's compilations that asked the persistent cache, and those it answered
+    (jax.monitoring events; counted from the first Worker on)."""
+    return {"compile_cache_requests": _CACHE_EVENTS[_REQUESTS],
+            "compile_cache_hits": _CACHE_EVENTS[_HITS]}
+
+
+def _count_cache_events() -> None:
+    global _cache_listener_on
+    with _cache_listener_lock:
+        if _cache_listener_on:
+            return
+        _cache_listener_on = True
+
+    def listener(event: str, **kwargs) -> None:
+        if event in _CACHE_EVENTS:
+            _CACHE_EVENTS[event] += 1
+
+    jax.monitoring.register_event_listener(listener)
+
+
 def enable_compilation_cache(path: str | None) -> None:
+    """The persistent compilation cache in `path` ("": off; None: JAXINFER_COMPILATION_CACHE_DIR,
+    else <jaxinfer cache>/xla)."""
     from jaxinfer.models.default_model import cache_dir
 
+    _count_cache_events()
+    if path is None:
+        path = os.environ.get("JAXINFER_COMPILATION_CACHE_DIR")
     if path == "":
         return
     path = path or os.path.join(cache_dir(), "xla")
@@ -55,6 +90,7 @@ class Worker:
         cfg = rc.engine
         par = cfg.parallel
         self.resolved = rc
+        t0 = time.perf_counter()
         enable_compilation_cache(cfg.compilation_cache_dir)
         self.devices = list(devices) if devices is not None else jax.devices()
         pp, tp = par.pipeline_parallel_size, par.tensor_parallel_size
@@ -95,6 +131,8 @@ class Worker:
                                                 load_format=cfg.load_format,
                                                 attention_backend=rc.attention_backend,
                                                 seed=cfg.seed, mesh=self.mesh)
+        # Start-up phases in seconds (jaxinfer bench startup reports them).
+        self.timings = {"load_weights_s": time.perf_counter() - t0}
         num_blocks = self._num_kv_blocks()
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
@@ -107,7 +145,13 @@ class Worker:
             # Every process must size the cache as process 0 did.
             num_blocks = int(multihost_utils.broadcast_one_to_all(np.int64(num_blocks)))
         self.num_kv_blocks = num_blocks
+        t1 = time.perf_counter()
         self.runner = self._make_runner()
+        self.timings["allocate_kv_cache_s"] = time.perf_counter() - t1
+
+    @staticmethod
+    def cache_counts() -> dict[str, int]:
+        return compile_cache_counts()
 
     @property
     def num_processes(self) -> int:

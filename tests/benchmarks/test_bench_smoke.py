@@ -135,3 +135,28 @@ def test_compare_cpu_jaxinfer_only(tmp_path):
     j = r["results"]["jaxinfer"]
     assert j["output_tokens"] == 2 * 4 and j["elapsed_s"] > 0 and j["batch_ttft_s"] > 0
     assert r["jaxinfer_over_peer"] == {"jaxinfer": 1.0}
+
+
+def test_startup_cold_then_warm(tmp_path, smollm2_dir):
+    """`jaxinfer bench startup --modes llm`: a cold run compiles into an empty cache, the warm
+    run on that cache finds the steps there (counts, not timings)."""
+    from tests.engine.conftest import make_tiny_model_dir
+
+    model = tmp_path / "tiny"
+    make_tiny_model_dir(model, "llama", smollm2_dir)
+    out = tmp_path / "startup.json"
+    assert cli(["bench", "startup", "--model", str(model), "--modes", "llm",
+                "--num-iters-cold", "1", "--num-iters-warm", "1",
+                "--compilation-cache-dir", str(tmp_path / "xla"), *ENGINE,
+                "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    (cold,), (warm,) = r["llm"]["cold"], r["llm"]["warm"]
+    assert cold["compile_cache_hits"] == 0 and cold["num_compilations"] >= 1
+    # every step compiled warm came from the cache the cold run left
+    assert warm["compile_cache_hits"] >= warm["num_compilations"] >= 1
+    for run in (cold, warm):
+        assert set(run["engine_phases"]) >= {"load_weights_s", "allocate_kv_cache_s",
+                                             "warmup_s", "warmup_compilations"}
+        assert run["total_s"] >= run["engine_init_s"] > 0
+    with pytest.raises(SystemExit):  # a serve run cannot honour --load-format: refused
+        cli(["bench", "startup", "--load-format", "dummy", *ENGINE])
