@@ -28,6 +28,9 @@ def engine_args(p) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-warmup", action="store_true")
+    from jaxinfer.config.engine import add_compilation_args
+
+    add_compilation_args(p)
     p.add_argument("--async-scheduling", action="store_true",
                    help="dispatch step N+1 before reading step N's tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -45,7 +48,8 @@ def make_llm(args, max_model_len: int):
                attention_backend=args.attention_backend, num_kv_blocks=args.num_kv_blocks,
                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
                warmup=not args.no_warmup,
-               async_scheduling=getattr(args, "async_scheduling", False))
+               async_scheduling=getattr(args, "async_scheduling", False),
+               step_compilation=args.step_compilation, warmup_buckets=args.warmup_buckets)
 
 
 def environment(llm=None) -> dict:

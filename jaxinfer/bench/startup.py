@@ -48,6 +48,8 @@ def _engine_flags(args) -> list[str]:
             flags += [flag, str(getattr(args, name))]
     if args.no_warmup:
         flags.append("--no-warmup")
+    flags += ["--step-compilation", args.step_compilation,
+              "--warmup-buckets", args.warmup_buckets]
     if args.async_scheduling:
         flags.append("--async-scheduling")
     return flags
@@ -63,7 +65,8 @@ def _llm_child(cache_dir: str, args) -> dict:
             "warmup": not args.no_warmup, "async_scheduling": args.async_scheduling,
             "seed": args.seed, "tokenizer": args.tokenizer,
             "skip_tokenizer_init": args.skip_tokenizer_init,
-            "gpu_memory_utilization": args.gpu_memory_utilization}
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "step_compilation": args.step_compilation, "warmup_buckets": args.warmup_buckets}
     launched = time.time()
     proc = subprocess.run([sys.executable, "-m", "jaxinfer.bench.startup", json.dumps(spec)],
                           capture_output=True, text=True)
@@ -92,7 +95,8 @@ def _child_main(spec: dict) -> None:
               warmup=spec["warmup"], async_scheduling=spec["async_scheduling"],
               seed=spec["seed"], compilation_cache_dir=spec["cache_dir"],
               tokenizer=spec["tokenizer"], skip_tokenizer_init=spec["skip_tokenizer_init"],
-              gpu_memory_utilization=spec["gpu_memory_utilization"])
+              gpu_memory_utilization=spec["gpu_memory_utilization"],
+              step_compilation=spec["step_compilation"], warmup_buckets=spec["warmup_buckets"])
     times["engine_ready"] = time.time()
     llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=1),
                   use_tqdm=False)

@@ -15,6 +15,8 @@ from jaxinfer.config.model import ModelConfig, resolve_dtype
 from jaxinfer.config.parallel import ParallelConfig, get_pp_partition
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+WARMUP_BUCKETS = ("start", "all")
+STEP_COMPILATIONS = ("auto", "whole", "layerwise")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
@@ -108,7 +110,15 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # or a byte budget for the KV cache
     gpu_memory_utilization: float = 0.9  # on GPU: fraction of device memory the engine may use
     compilation_cache_dir: str | None = None  # None: <cache>/xla; "" disables the cache
-    warmup: bool = True  # compile every bucket at start-up
+    warmup: bool = True  # compile the start-up buckets before serving (see warmup_buckets)
+    # "start": a few small buckets before serving, every other one in the background after
+    # (a step whose bucket is not ready pads up to a ready one, or compiles it); "all": every
+    # bucket before serving (multi-host engines always do this: peers compile in step).
+    warmup_buckets: str = "start"
+    # "whole": a step is one program, every decoder layer unrolled in it; "layerwise": one
+    # layer compiled once and run L times (compile time independent of depth; a dispatch per
+    # layer); "auto": layerwise on CPU, whole on GPU (README: Start-up).
+    step_compilation: str = "auto"
     min_token_bucket: int = 16
     bucket_growth: int = 2
     # Engine core in a child process behind a ZeroMQ client (vLLM's V1 layout). None: the env
@@ -217,6 +227,18 @@ class ResolvedConfig:
     eos_token_ids: tuple[int, ...]  # config.json's and generation_config.json's, in order
 
 
+def add_compilation_args(parser) -> None:
+    """The start-up flags every command shares (argparse): --step-compilation and
+    --warmup-buckets (EngineConfig's fields of the same names)."""
+    parser.add_argument("--step-compilation", default="auto", choices=STEP_COMPILATIONS,
+                        help="whole: a step is one program, every layer unrolled; layerwise: "
+                             "one layer compiled once, run L times (compile time independent "
+                             "of depth); auto: layerwise on CPU, whole on GPU")
+    parser.add_argument("--warmup-buckets", default="start", choices=WARMUP_BUCKETS,
+                        help="start: compile a few small buckets before serving and the rest "
+                             "in the background; all: every bucket before serving")
+
+
 def _generation_eos_ids(model_dir: str) -> tuple[int, ...]:
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(path):
@@ -275,6 +297,12 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         if dcfg.max_position_embeddings < max_model_len:
             raise ValueError(f"speculative_config.model has max_position_embeddings="
                              f"{dcfg.max_position_embeddings} < max_model_len={max_model_len}")
+    if config.warmup_buckets not in WARMUP_BUCKETS:
+        raise ValueError(f"warmup_buckets={config.warmup_buckets!r} is not supported "
+                         f"(supported: {', '.join(WARMUP_BUCKETS)})")
+    if config.step_compilation not in STEP_COMPILATIONS:
+        raise ValueError(f"step_compilation={config.step_compilation!r} is not supported "
+                         f"(supported: {', '.join(STEP_COMPILATIONS)})")
     tokenizer_dir = None if config.skip_tokenizer_init else (config.tokenizer or model_dir)
     eos = mcfg.eos_token_ids + tuple(t for t in _generation_eos_ids(model_dir)
                                      if t not in mcfg.eos_token_ids)

@@ -98,9 +98,18 @@ class EngineCore:
         self.async_scheduling = cfg.async_scheduling
         t0 = time.perf_counter()
         if cfg.warmup:
-            self.runner.warmup()
+            self.runner.warmup(buckets=cfg.warmup_buckets)
         self.startup = dict(self.worker.timings, warmup_s=time.perf_counter() - t0,
-                            warmup_compilations=self.runner.num_compilations)
+                            warmup_compilations=self.runner.num_compilations,
+                            step_compilation=self.runner.step_compilation)
+        if cfg.warmup:
+            cache = self.worker.cache_counts()
+            logger.info("warm-up: %d step variants compiled in %.1fs (%s steps); %d of %d "
+                        "executables came from the persistent compilation cache; %d buckets "
+                        "left to compile in the background", self.runner.num_compilations,
+                        self.startup["warmup_s"], self.runner.step_compilation,
+                        cache["compile_cache_hits"], cache["compile_cache_requests"],
+                        self.runner.compiled.background_left)
         # Steps dispatched and not yet collected: (SchedulerOutput, the runner's handle).
         self._in_flight: deque = deque()
         # Host time per step (schedule + build + dispatch + collect bookkeeping + update), and
@@ -261,6 +270,8 @@ class EngineCore:
         stats["num_kv_blocks"] = self.runner.num_kv_blocks
         stats["num_compilations"] = self.runner.num_compilations
         stats["compile_seconds"] = self.runner.compile_seconds
+        stats["num_buckets_compiling_in_background"] = self.runner.compiled.background_left
+        stats["num_padded_up_steps"] = self.runner.compiled.num_padded_steps
         stats.update(self.worker.cache_counts())
         som = self.structured_output_manager
         if som is not None:
@@ -306,6 +317,7 @@ class EngineCore:
         return done
 
     def shutdown(self) -> None:
+        self.runner.close()
         self.runner.stop_remote_steps()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()

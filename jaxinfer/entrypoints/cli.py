@@ -52,6 +52,8 @@ def _json_arg(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxinfer.config.engine import add_compilation_args
+
     p = argparse.ArgumentParser(prog="jaxinfer", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -73,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=8)
     g.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "reference"])
     g.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
+    add_compilation_args(g)
     g.add_argument("--async-scheduling", action="store_true",
                     help="dispatch step N+1 before reading step N's tokens (host/device overlap)")
     g.add_argument("--speculative-config", type=_json_arg, default=None,
@@ -118,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "reference"])
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
+    add_compilation_args(v)
     v.add_argument("--async-scheduling", action="store_true",
                     help="dispatch step N+1 before reading step N's tokens (host/device overlap)")
     v.add_argument("--max-waiting-requests", type=int, default=None,

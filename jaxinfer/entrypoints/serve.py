@@ -23,6 +23,8 @@ def engine_config_from_args(args):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         attention_backend=args.attention_backend, seed=args.seed,
                         warmup=not args.no_warmup, async_scheduling=args.async_scheduling,
+                        step_compilation=getattr(args, "step_compilation", "auto"),
+                        warmup_buckets=getattr(args, "warmup_buckets", "start"),
                         structured_outputs_config=args.structured_outputs_config,
                         speculative_config=args.speculative_config,
                         kv_transfer_config=args.kv_transfer_config,

@@ -109,10 +109,7 @@ class LlamaForCausalLM(nnx.Module):
         aux_layers also the residual stream entering each of those layers, concatenated
         [T, len(aux_layers) * H] (EAGLE-3 drafts from it)."""
         x = self.model.embed_tokens(input_ids)
-        cfg = self.config
-        # A trace-time numpy constant [D/2]: no state to load, folded into the compiled step.
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = rope_cos_sin(positions, inv_freq)
+        cos, sin = self.rope(positions)
         new_caches, aux = [], {}
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             if i in aux_layers:
@@ -123,6 +120,13 @@ class LlamaForCausalLM(nnx.Module):
             return (self.model.norm(x), new_caches,
                     jnp.concatenate([aux[i] for i in aux_layers], axis=-1))
         return self.model.norm(x), new_caches
+
+    def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """positions int32 [T] -> the rotary cos, sin every layer applies [T, D/2]."""
+        cfg = self.config
+        # A trace-time numpy constant [D/2]: no state to load, folded into the compiled step.
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        return rope_cos_sin(positions, inv_freq)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, H] -> float32 logits [N, V]."""

@@ -41,6 +41,13 @@ class BucketTable:
     def _max_reqs_for(self, t: int) -> int:
         return next((r for r in self.req_buckets if r >= t), self.req_buckets[-1])
 
+    def start_pairs(self) -> list[tuple[int, int]]:
+        """The buckets compiled before an engine serves (the others compile in the
+        background): every token bucket for one sequence (a first prompt of any length) and
+        the smallest token bucket for every request count it holds (decoding)."""
+        t0 = self.token_buckets[0]
+        return [(t, r) for t, r in self.all_pairs() if r == 1 or t == t0]
+
     def all_pairs(self) -> list[tuple[int, int]]:
         """Every (T, R) a step can map to: R up to the first request bucket >= T."""
         return [(t, r) for t in self.token_buckets for r in self.req_buckets

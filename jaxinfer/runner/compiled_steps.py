@@ -1,12 +1,19 @@
 """CompiledSteps: the compiled step functions of a runner, keyed by (T, R, StepFeatures):
-lowering on demand (through the runner's `lower`), compiling, the cache, the counts and the
-warm-up that compiles the common variants ahead of time."""
+lowering on demand (through the runner's `lower`), compiling, the cache, the counts, the
+warm-up that compiles the start-up buckets ahead of time and the background thread that
+compiles the others while the engine serves.
+
+Any thread may compile a key; a key being compiled by one thread is waited for by the others,
+never compiled twice. A step whose bucket is not ready may pad up to a ready larger one
+(`choose`): no step waits for the background thread."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
+import threading
 import time
 from typing import Callable
 
@@ -27,6 +34,12 @@ class CompiledSteps:
         self._compiled: dict[tuple[int, int, StepFeatures], object] = {}
         self.num_compilations = 0
         self.compile_seconds = 0.0
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[int, int, StepFeatures], threading.Event] = {}
+        self._background: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.background_left = 0  # keys the background thread has still to compile
+        self.num_padded_steps = 0  # steps that ran in a larger ready bucket than their own
 
     def __contains__(self, key) -> bool:
         return key in self._compiled
@@ -35,15 +48,34 @@ class CompiledSteps:
         return list(self._compiled)
 
     def compile(self, t: int, r: int, features: StepFeatures):
-        t0 = time.perf_counter()
-        compiled = self._lower(t, r, features).compile()
-        self._add((t, r, features), compiled, time.perf_counter() - t0)
+        """The compiled step of this key: compiled here, or by the thread already at it."""
+        key = (t, r, features)
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                return compiled
+            event = self._pending.get(key)
+            mine = event is None
+            if mine:
+                event = self._pending[key] = threading.Event()
+        if not mine:
+            event.wait()
+            compiled = self._compiled.get(key)
+            return compiled if compiled is not None else self.compile(t, r, features)
+        try:
+            t0 = time.perf_counter()
+            compiled = self._lower(t, r, features).compile()
+            self._add(key, compiled, time.perf_counter() - t0)
+        finally:
+            with self._lock:
+                self._pending.pop(key).set()
         return compiled
 
     def _add(self, key, compiled, seconds: float) -> None:
-        self._compiled[key] = compiled
-        self.num_compilations += 1
-        self.compile_seconds += seconds
+        with self._lock:
+            self._compiled[key] = compiled
+            self.num_compilations += 1
+            self.compile_seconds += seconds
 
     def get(self, t: int, r: int, features: StepFeatures):
         compiled = self._compiled.get((t, r, features))
@@ -53,31 +85,74 @@ class CompiledSteps:
             compiled = self.compile(t, r, features)
         return compiled
 
+    def choose(self, t: int, r: int, features: StepFeatures, max_growth: int = 4
+               ) -> tuple[int, int]:
+        """The bucket a step of bucket (t, r) runs in: its own when compiled; else the
+        smallest compiled one that holds it (T' <= max_growth x T: a much larger bucket
+        costs more than compiling); else its own (compiled on the spot by get)."""
+        if (t, r, features) in self._compiled:
+            return t, r
+        with self._lock:
+            ready = [(t2, r2) for t2, r2, f in self._compiled
+                     if f == features and t <= t2 <= max_growth * t and r2 >= r]
+        if not ready:
+            return t, r
+        self.num_padded_steps += 1
+        return min(ready)
+
+    def start_background(self, keys: list[tuple[int, int, StepFeatures]]) -> None:
+        """Compile `keys` in order in a background thread (skipping any compiled by then),
+        while steps run. Steps never wait for it (choose pads up or compiles on the spot)."""
+        todo = [k for k in keys if k not in self._compiled]
+        if not todo or self.multiprocess:
+            return
+        self.background_left = len(todo)
+
+        def run():
+            t0 = time.perf_counter()
+            done = 0
+            for key in todo:
+                if self._stop.is_set():
+                    break
+                try:
+                    self.compile(*key)
+                    done += 1
+                except Exception:  # noqa: BLE001 - that bucket compiles on first use instead
+                    logger.exception("background compilation of bucket %s failed", key[:2])
+                self.background_left -= 1
+            logger.info("compiled %d more buckets in the background in %.1fs", done,
+                        time.perf_counter() - t0)
+
+        self._background = threading.Thread(target=run, name="jaxinfer-bg-compile",
+                                            daemon=True)
+        self._background.start()
+        # At interpreter exit, before daemon threads are torn down mid-compile (an abort).
+        atexit.register(self.close)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the background compilation (after the bucket it is at)."""
+        self._stop.set()
+        if self._background is not None:
+            self._background.join(timeout)
+
     def warmup(self, keys: list[tuple[int, int, StepFeatures]], progress=None,
                num_threads: int | None = None) -> None:
-        """Compile `keys` ahead of time (into the persistent cache too). Buckets are traced
-        and lowered here, one after another (Python), and compiled by `num_threads` threads
-        (default: one per CPU core, at most 4): XLA compiles outside the GIL, so on a 2-core
-        machine start-up takes about half the time."""
+        """Compile `keys` ahead of time (into the persistent cache too), by `num_threads`
+        threads (default: one per CPU core, at most 4): tracing takes the GIL, but XLA
+        compiles outside it, so on a 2-core machine start-up takes about half the time."""
         from concurrent.futures import ThreadPoolExecutor
 
         todo = [k for k in keys if k not in self._compiled]
         n = num_threads or min(os.cpu_count() or 1, 4)
-        if n <= 1 or self.multiprocess:
+        if n <= 1 or self.multiprocess:  # (multi-host: in turn, in step with the peers)
             for t, r, f in todo:
                 self.compile(t, r, f)
                 if progress:
                     progress(t, r)
             return
-
-        def compile_one(lowered):
-            t0 = time.perf_counter()
-            return lowered.compile(), time.perf_counter() - t0
-
         with ThreadPoolExecutor(n, thread_name_prefix="jaxinfer-compile") as pool:
-            futures = [(key, pool.submit(compile_one, self._lower(*key))) for key in todo]
+            futures = [(key, pool.submit(self.compile, *key)) for key in todo]
             for key, fut in futures:
-                compiled, seconds = fut.result()
-                self._add(key, compiled, seconds)
+                fut.result()
                 if progress:
                     progress(key[0], key[1])

@@ -39,9 +39,12 @@ class ModelRunner:
     def __init__(self, model, *, num_kv_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, kv_dtype,
                  buckets: BucketTable | None = None, speculative_config=None,
-                 draft_model=None, eagle_head=None, stage_devices=None):
+                 draft_model=None, eagle_head=None, stage_devices=None,
+                 step_compilation: str = "whole"):
         """model: the model, or (pipeline parallelism) its list of PipelineStages, stage s on
-        the devices stage_devices[s]."""
+        the devices stage_devices[s]. step_compilation: "whole" (a step is one program, every
+        layer unrolled in it) or "layerwise" (one layer compiled once, run L times: compile
+        time independent of depth; layerwise.py). Pipeline stages compile whole."""
         self.stages = model if isinstance(model, list) else None
         if self.stages is not None:
             self._init_pipeline(self.stages, stage_devices)
@@ -125,6 +128,18 @@ class ModelRunner:
         self._host_buffers: dict[tuple[int, int, bool, bool], list] = {}
         # (P batches in flight under pipeline parallelism: P + 1 buffers in turn)
         self.num_host_buffers = 2 if self.stages is None else len(self.stages) + 1
+        if step_compilation not in ("whole", "layerwise"):
+            raise ValueError(f"step_compilation={step_compilation!r} is not supported "
+                             "(supported: whole, layerwise)")
+        self.layerwise = None
+        if step_compilation == "layerwise" and self.stages is None:
+            from jaxinfer.runner.layerwise import LayerwiseSteps
+
+            self.layerwise = LayerwiseSteps(
+                model, draft_graphdef=self.draft_graphdef, draft_kind=self.draft_kind,
+                aux_layers=tuple(eagle_head.aux_layers) if eagle_head is not None else (),
+                max_model_len=max_model_len)
+        self.step_compilation = "layerwise" if self.layerwise is not None else "whole"
         self.compiled = CompiledSteps(self._lower, self.base_features, self._multiprocess)
 
     def _init_pipeline(self, stages, groups) -> None:
@@ -172,18 +187,28 @@ class ModelRunner:
                                 self.bitmask_width if structured else 0, self.num_spec, verify)
 
     def _lower(self, t: int, r: int, features: StepFeatures):
+        """Lower one bucket and variant (any thread: the background compiler too). The KV
+        caches and sampler state go in as shapes: the live arrays may be donated to a step
+        meanwhile."""
         example = self._to_device(self._new_buffers(t, r, features.prompt_logprobs,
                                                     features.structured, features.verify))
+        kv, sampler_state = _abstract((self._kv(), self.sampler_state))
         if self.stages is not None:
-            return lower_pipeline(self.graphdef, self.state, self.kv_caches, self.sampler_state,
+            kv_caches = kv[0] if self.draft_graphdef is not None else kv
+            return lower_pipeline(self.graphdef, self.state, kv_caches, sampler_state,
                                   self._plan, self._stage_targets, example, features)
+        if self.layerwise is not None:
+            return self.layerwise.lower(t, r, features, self._params(), kv, sampler_state,
+                                        example)
         jitted = jax.jit(partial(model_step, self.graphdef, features=features,
                                  draft_graphdef=self.draft_graphdef,
                                  draft_kind=self.draft_kind, max_model_len=self.max_model_len),
                          donate_argnums=(1, 2))
-        return jitted.lower(self._params(), self._kv(), self.sampler_state, example)
+        return jitted.lower(self._params(), kv, sampler_state, example)
 
     def _params(self):
+        if self.layerwise is not None:
+            return self.layerwise.params(self.draft_state)
         return self.state if self.draft_graphdef is None else (self.state, self.draft_state)
 
     def _kv(self):
@@ -203,15 +228,25 @@ class ModelRunner:
     def compile_seconds(self) -> float:
         return self.compiled.compile_seconds
 
-    def warmup(self, progress=None, num_threads: int | None = None) -> None:
-        """Compile every bucket of the plain variant ahead of time (into the persistent cache
-        too). Variants with logprobs / penalties / prompt_logprobs compile on first use (with a
-        log line): all of them at every bucket would multiply the start-up time by eight."""
+    def warmup(self, progress=None, num_threads: int | None = None,
+               buckets: str = "all") -> None:
+        """Compile the plain variant's buckets ahead of time (into the persistent cache too):
+        buckets="all": every one before returning; "start": the start-up set before
+        returning (start_pairs), every other one after, in a background thread. Variants with
+        logprobs / penalties / prompt_logprobs compile on first use (with a log line)."""
         bases = [self.base_features]
         if self.num_spec:  # steps with drafts to verify, and steps without
             bases.append(dataclasses.replace(self.base_features, verify=True))
-        self.compiled.warmup([(t, r, f) for f in bases for t, r in self.buckets.all_pairs()],
-                             progress, num_threads)
+        pairs = self.buckets.all_pairs()
+        first = pairs if buckets == "all" or self._multiprocess else self.buckets.start_pairs()
+        self.compiled.warmup([(t, r, f) for f in bases for t, r in first], progress,
+                             num_threads)
+        rest = [(t, r, f) for t, r in pairs for f in bases if (t, r) not in first]
+        self.compiled.start_background(rest)
+
+    def close(self) -> None:
+        """Stop background compilation (the engine core's shutdown)."""
+        self.compiled.close()
 
     # -- one step -------------------------------------------------------------------------------
     def _apply_diff(self, so: SchedulerOutput) -> dict[str, str]:
@@ -266,7 +301,6 @@ class ModelRunner:
             req_ids = [req_ids[i] for i in order]
         slots = np.fromiter((b.req_id_to_slot[r] for r in req_ids), np.int32, n_req)
         n_tok = int(q_lens.sum())
-        t, r = self.buckets.pick(n_tok, n_req)
         computed = b.num_computed[slots]
         wants_pl = bool(np.any((b.num_prompt_logprobs[slots] >= 0)
                                & (computed < b.num_prompt_tokens[slots])))
@@ -277,6 +311,8 @@ class ModelRunner:
         features = StepFeatures(logprobs=bool(np.any(b.num_logprobs[slots] >= 0)),
                                 penalties=penalties, prompt_logprobs=wants_pl,
                                 structured=structured, spec=self.num_spec > 0, verify=verify)
+        # Its bucket, or a ready larger one while its own is still to compile.
+        t, r = self.compiled.choose(*self.buckets.pick(n_tok, n_req), features)
         batch = self._buffers(t, r, wants_pl, structured, verify)
         num_drafts = None
         if self.num_spec:
@@ -491,6 +527,17 @@ class ModelRunner:
                     for tok, f in zip(toks, flat))
         return RunnerOutput(req_ids=tuple(step.req_ids), sampled_token_ids=tuple(sampled),
                             logprobs=logprobs, prompt_logprobs=prompt_lps)
+
+
+def _abstract(tree):
+    """Arrays -> ShapeDtypeStructs of the same shape, dtype and sharding (what lowering needs;
+    a donated array keeps them)."""
+    def one(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+    return jax.tree.map(one, tree)
 
 
 class _Built(NamedTuple):

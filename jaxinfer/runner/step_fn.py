@@ -45,19 +45,24 @@ def _update_penalty_state(counts, prompt_mask, input_ids, batch: StepBatch):
     return counts, prompt_mask
 
 
+def step_input_ids(last_sampled, input_ids, from_last_sampled, token_slots):
+    """The step's token ids: tokens sampled by the previous step (not yet seen by the host)
+    come from the device."""
+    return jnp.where(from_last_sampled, jnp.take(last_sampled, token_slots, mode="clip"),
+                     input_ids)
+
+
 def model_step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
-          features: StepFeatures, draft_graphdef=None, draft_kind: str = "",
-          max_model_len: int = 0):
-    draft = None
+               features: StepFeatures, draft_graphdef=None, draft_kind: str = "",
+               max_model_len: int = 0):
+    """One whole step as one compiled program: the forward over every layer, then the tail."""
+    draft = draft_kv = None
     if draft_graphdef is not None:  # state = (target, draft); kv_caches likewise
         (state, draft_state), (kv_caches, draft_kv) = state, kv_caches
         draft = nnx.merge(draft_graphdef, draft_state)
     model = nnx.merge(graphdef, state)
-    counts, prompt_mask, last_sampled = sampler_state  # [S, V], [S, V], [S]
-    # Tokens sampled by the previous step (not yet seen by the host) come from the device.
-    input_ids = jnp.where(batch.from_last_sampled,
-                          jnp.take(last_sampled, batch.token_slots, mode="clip"),
-                          batch.input_ids)
+    input_ids = step_input_ids(sampler_state[2], batch.input_ids, batch.from_last_sampled,
+                               batch.token_slots)
     eagle = draft if draft_kind == "eagle" else None
     if eagle is not None and eagle.aux_layers:
         hidden, kv_caches, target_hidden = model(input_ids, batch.positions, kv_caches,
@@ -65,6 +70,21 @@ def model_step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
     else:
         hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attn)
         target_hidden = hidden
+    out, draft_kv, sampler_state = step_tail(
+        model, hidden, target_hidden, input_ids, sampler_state, batch, features=features,
+        draft=draft, draft_kind=draft_kind, draft_kv=draft_kv, max_model_len=max_model_len)
+    return out, (kv_caches if draft is None else (kv_caches, draft_kv)), sampler_state
+
+
+def step_tail(model, hidden, target_hidden, input_ids, sampler_state, batch: StepBatch, *,
+              features: StepFeatures, draft=None, draft_kind: str = "", draft_kv=None,
+              max_model_len: int = 0):
+    """Everything after the decoder layers: the LM head, grammar mask, penalties and
+    sampling (or verification and the next drafts). hidden: the final-normed states [T, H];
+    target_hidden: what an EAGLE head reads (hidden, or the aux layers' states). `model` needs
+    only its embedding, final norm and LM head. Returns (outputs, draft_kv, sampler_state)."""
+    counts, prompt_mask, last_sampled = sampler_state  # [S, V], [S, V], [S]
+    eagle = draft if draft_kind == "eagle" else None
     if features.spec:
         tokens, num_emitted, raw_logits, counts, prompt_mask = _spec_step(
             model, hidden, input_ids, counts, prompt_mask, batch, features)
@@ -83,18 +103,16 @@ def model_step(graphdef, state, kv_caches, sampler_state, batch: StepBatch, *,
             out["drafts"], draft_kv = eagle_propose(eagle, model, draft_kv, target_hidden,
                                                     batch, last, num_emitted,
                                                     tokens.shape[1] - 1, max_model_len)
-            kv_caches = (kv_caches, draft_kv)
         elif draft is not None:
             out["drafts"], draft_kv = draft_propose(draft, draft_kv, input_ids, batch, last,
                                                     num_emitted, tokens.shape[1] - 1,
                                                     max_model_len)
-            kv_caches = (kv_caches, draft_kv)
         if model.mesh is not None:
             out = jax.lax.with_sharding_constraint(out, NamedSharding(model.mesh, P()))
-        return out, kv_caches, (counts, prompt_mask, last_sampled)
+        return out, draft_kv, (counts, prompt_mask, last_sampled)
     out, sampler_state = _sample(model, hidden, input_ids, (counts, prompt_mask, last_sampled),
                                  batch, features)
-    return out, kv_caches, sampler_state
+    return out, draft_kv, sampler_state
 
 
 def _sample(model, hidden, input_ids, sampler_state, batch: StepBatch, features: StepFeatures):

@@ -69,8 +69,67 @@ def enable_compilation_cache(path: str | None) -> None:
         return
     path = path or os.path.join(cache_dir(), "xla")
     os.makedirs(path, exist_ok=True)
+    drop_corrupt_cache_entries(path)
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+_VERIFIED = "jaxinfer-verified.json"
+
+
+def drop_corrupt_cache_entries(path: str) -> int:
+    """Remove the entries of the persistent compile cache in `path` that do not decompress
+    (cut short by a crash, or overwritten): JAX warns on each read and compiles afresh, but
+    never writes a key that exists, so without this a corrupt entry would cost a compile at
+    every start. Entries checked before (same size and mtime, listed in a manifest) are not
+    read again. Returns how many were removed (one log line says so). Entries of another
+    JAX version or device are never corrupt, only unused: their keys differ."""
+    import json
+
+    try:
+        from jax._src.compilation_cache import decompress_executable
+    except ImportError:  # (another JAX: its own checks only)
+        return 0
+    manifest = os.path.join(path, _VERIFIED)
+    try:
+        with open(manifest) as f:
+            seen = json.load(f)
+    except (OSError, ValueError):
+        seen = {}
+    verified, bad = {}, []
+    for name in sorted(os.listdir(path)):
+        if not name.endswith("-cache"):
+            continue
+        full = os.path.join(path, name)
+        try:
+            st = os.stat(full)
+            sig = [st.st_size, st.st_mtime_ns]
+            if seen.get(name) != sig:
+                with open(full, "rb") as f:
+                    decompress_executable(f.read())
+            verified[name] = sig
+        except FileNotFoundError:
+            continue
+        except Exception:  # noqa: BLE001 - whatever the codec raises: the entry is unusable
+            bad.append(name)
+            for victim in (full, full[: -len("-cache")] + "-atime"):
+                try:
+                    os.remove(victim)
+                except OSError:
+                    pass
+    if bad:
+        logger.warning("persistent compilation cache %s: removed %d corrupt entr%s of %d "
+                       "(compiled and written again when next needed)", path, len(bad),
+                       "y" if len(bad) == 1 else "ies", len(bad) + len(verified))
+    if verified != seen:
+        tmp = f"{manifest}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(verified, f)
+            os.replace(tmp, manifest)
+        except OSError:
+            pass
+    return len(bad)
 
 
 def jnp_dtype(name: str):
@@ -175,7 +234,19 @@ class Worker:
                            kv_dtype=self.kv_dtype, buckets=buckets,
                            speculative_config=cfg.speculative_config,
                            draft_model=self.draft_model, eagle_head=self.eagle_head,
-                           stage_devices=self.stage_groups)
+                           stage_devices=self.stage_groups,
+                           step_compilation=self.step_compilation)
+
+    @property
+    def step_compilation(self) -> str:
+        """The engine's step_compilation with "auto" resolved: layerwise on CPU (compile time
+        independent of depth, throughput within noise: benchmarks/results/
+        layerwise_throughput_cpu.json), whole on GPU (one program per step, as CUDA graphs
+        would: L dispatches per step cost more there than the compile time they save)."""
+        mode = self.resolved.engine.step_compilation
+        if mode == "auto":
+            mode = "whole" if on_gpu(self.devices) else "layerwise"
+        return mode
 
     def _num_kv_blocks(self) -> int:
         rc, c = self.resolved, self.resolved.engine

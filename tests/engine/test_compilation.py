@@ -17,7 +17,7 @@ def test_no_compilation_after_warmup(tmp_path, smollm2_dir, caplog):
 
     make_tiny_model_dir(tmp_path, "qwen3", smollm2_dir, head_dim=32)
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=64, warmup=True, num_kv_blocks=60,
+              max_num_batched_tokens=64, warmup=True, warmup_buckets="all", num_kv_blocks=60,
               compilation_cache_dir="", enable_multiprocessing=False)  # watches the runner
     runner = llm.llm_engine.runner
     assert runner.num_compilations == len(runner.buckets.all_pairs()) > 4
@@ -53,26 +53,54 @@ def test_no_compilation_after_warmup(tmp_path, smollm2_dir, caplog):
     assert_no_leaks(llm)
 
 
-def test_donated_step_never_copies_the_kv_cache(tmp_path, smollm2_dir):
-    """From the compiled HLO: every KV array (and the sampler state) is aliased input->output,
-    and no copy instruction produces a KV-cache-shaped array."""
+def _aliased_params(hlo: str) -> set[int]:
     import re
 
+    alias = re.search(r"input_output_alias=\{([^\n]*?)\}, entry", hlo).group(1)
+    return {int(p) for p in re.findall(r"\((\d+), \{\}", alias)}
+
+
+def _kv_copies(hlo: str, kv_shape: str) -> list[str]:
+    import re
+
+    assert kv_shape in hlo  # the pattern would have matched a copy, had there been one
+    return [line for line in hlo.split("\n")
+            if re.search(r"= " + re.escape(kv_shape) + r"\{[0-9,]*\} copy\(", line)]
+
+
+def test_donated_step_never_copies_the_kv_cache(tmp_path, smollm2_dir):
+    """From the compiled HLO: every KV array (and the sampler state) is aliased input->output,
+    and no copy instruction produces a KV-cache-shaped array; a whole step, and each
+    executable of a layer-wise one (a layer aliases its own K and V, the tail the sampler
+    state)."""
     from jaxinfer.runner.step_inputs import StepFeatures
 
     make_tiny_model_dir(tmp_path, "llama", smollm2_dir)
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=2,
-              max_num_batched_tokens=16, warmup=False, num_kv_blocks=10,
-              compilation_cache_dir="", enable_multiprocessing=False)
-    runner = llm.llm_engine.runner
-    hlo = runner.compiled.compile(16, 2, StepFeatures(penalties=True)).as_text()
-    num_params = len(jax.tree.leaves(runner.state))
-    donated = len(jax.tree.leaves(runner.kv_caches)) + len(jax.tree.leaves(runner.sampler_state))
-    alias = re.search(r"input_output_alias=\{([^\n]*?)\}, entry", hlo).group(1)
-    aliased_params = {int(p) for p in re.findall(r"\((\d+), \{\}", alias)}
-    assert aliased_params == set(range(num_params, num_params + donated))
     kv_shape = "f32[10,16,2,16]"
-    copies = [line for line in hlo.split("\n")
-              if re.search(r"= " + re.escape(kv_shape) + r"\{[0-9,]*\} copy\(", line)]
-    assert copies == []
-    assert kv_shape in hlo  # the pattern would have matched a copy, had there been one
+    for mode in ("whole", "layerwise"):
+        llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=2,
+                  max_num_batched_tokens=16, warmup=False, num_kv_blocks=10,
+                  compilation_cache_dir="", enable_multiprocessing=False,
+                  step_compilation=mode)
+        runner = llm.llm_engine.runner
+        assert runner.step_compilation == mode
+        step = runner.compiled.compile(16, 2, StepFeatures(penalties=True))
+        num_sampler = len(jax.tree.leaves(runner.sampler_state))
+        if mode == "whole":
+            hlo = step.as_text()
+            num_params = len(jax.tree.leaves(runner.state))
+            donated = len(jax.tree.leaves(runner.kv_caches)) + num_sampler
+            assert _aliased_params(hlo) == set(range(num_params, num_params + donated))
+            assert _kv_copies(hlo, kv_shape) == []
+            llm.shutdown()
+            continue
+        (layer,) = step.layers  # (both layers share one executable)
+        hlo = layer.as_text()
+        num_leaves = len(runner.layerwise.lm.layer_leaves[0])
+        # (leaves, x, cos, sin, (k, v), md): k and v are parameters num_leaves + 3, + 4
+        assert _aliased_params(hlo) == {num_leaves + 3, num_leaves + 4}
+        assert _kv_copies(hlo, kv_shape) == []
+        tail = step.tail.as_text()  # (shell state, no draft, sampler state, ...)
+        num_shell = len(jax.tree.leaves(runner.layerwise.lm.shell_state))
+        assert _aliased_params(tail) == set(range(num_shell, num_shell + num_sampler))
+        llm.shutdown()

@@ -1,0 +1,205 @@
+"""Layer-wise steps: compile cost independent of depth.
+
+A "whole" step is one XLA program with every decoder layer unrolled in it, so compiling a
+bucket costs about (layers x one layer) + the rest: 4-5 s per bucket for SmolLM2's 30 layers on
+the 2-core CPU, and ~53 buckets. A layer-wise step is three kinds of compiled program per
+bucket instead, each traced and compiled once:
+
+- head: the step's token ids (patched with the previous step's samples) -> embeddings and the
+  rotary cos/sin;
+- layer: one decoder layer over the residual stream and its own KV cache (donated); the same
+  executable runs every layer of the model in turn (layers of one structure share it), and
+  every variant of the bucket (logprobs, penalties, ... change only the tail) shares it too;
+- tail: the final norm and step_fn.step_tail (LM head, sampling or verification, in-step
+  drafting with a draft model or EAGLE head, which stay whole: they are small).
+
+So compiling a bucket costs one layer + the tail whatever the depth (SmolLM2: ~1.3 s, was
+~5.3 s). The price is L + 2 dispatches per step instead of one, each asynchronous (measured
+in benchmarks/results/layerwise_throughput_cpu.json). The host keeps the per-layer weights
+and KV caches it always had: nothing about loading, tensor-parallel shardings or the KV
+connectors changes. Under tensor parallelism the residual stream between layers is pinned
+replicated so every layer's executable sees the sharding it was compiled for.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxinfer.layers import module_list
+from jaxinfer.runner.step_fn import step_input_ids, step_tail
+from jaxinfer.runner.step_inputs import StepBatch, StepFeatures
+
+
+class LayerwiseModel:
+    """A model taken apart for layer-wise steps: the shell (embedding, final norm, LM head: the
+    model with no layers) and each layer's graphdef index and flat parameter leaves."""
+
+    def __init__(self, model):
+        layers = list(model.model.layers)
+        model.model.layers = module_list([])
+        try:
+            self.shell_graphdef, self.shell_state = nnx.split(model)
+        finally:
+            model.model.layers = module_list(layers)
+        self.mesh = model.mesh
+        self.num_layers = len(layers)
+        # Layers of one structure share a graphdef and so one compiled executable.
+        self.layer_graphdefs: list = []
+        self.layer_treedefs: list = []
+        self.layer_kind: list[int] = []
+        self.layer_leaves: list[tuple] = []
+        for layer in layers:
+            graphdef, state = nnx.split(layer)
+            leaves, treedef = jax.tree.flatten(state)
+            if graphdef not in self.layer_graphdefs:
+                self.layer_graphdefs.append(graphdef)
+                self.layer_treedefs.append(treedef)
+            self.layer_kind.append(self.layer_graphdefs.index(graphdef))
+            self.layer_leaves.append(tuple(leaves))
+
+
+def _replicated(mesh, x):
+    return x if mesh is None else jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, P()))
+
+
+def _head(shell_graphdef, shell_state, last_sampled, input_ids, from_last_sampled,
+          token_slots, positions):
+    model = nnx.merge(shell_graphdef, shell_state)
+    ids = step_input_ids(last_sampled, input_ids, from_last_sampled, token_slots)
+    cos, sin = model.rope(positions)
+    x = model.model.embed_tokens(ids)
+    mesh = model.mesh
+    return (_replicated(mesh, ids), _replicated(mesh, x), _replicated(mesh, cos),
+            _replicated(mesh, sin))
+
+
+def _layer(graphdef, treedef, mesh, leaves, x, cos, sin, kv_cache, md):
+    layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, list(leaves)))
+    x, kv_cache = layer(x, cos, sin, kv_cache, md)
+    return _replicated(mesh, x), kv_cache
+
+
+def _tail(shell_graphdef, draft_graphdef, shell_state, draft_state, draft_kv, sampler_state,
+          batch: StepBatch, x, input_ids, aux, *, features: StepFeatures, draft_kind: str,
+          max_model_len: int):
+    model = nnx.merge(shell_graphdef, shell_state)
+    draft = None if draft_graphdef is None else nnx.merge(draft_graphdef, draft_state)
+    hidden = model.model.norm(x)
+    target_hidden = jnp.concatenate(aux, axis=-1) if aux else hidden
+    return step_tail(model, hidden, target_hidden, input_ids, sampler_state, batch,
+                     features=features, draft=draft, draft_kind=draft_kind, draft_kv=draft_kv,
+                     max_model_len=max_model_len)
+
+
+class LayerwiseSteps:
+    """The runner's side of layer-wise steps: lowering a bucket and variant (head and layer
+    executables are shared by every variant of a bucket), and the parameter layout the
+    compiled step takes: (shell state, per-layer leaves[, draft state])."""
+
+    def __init__(self, model, *, draft_graphdef=None, draft_kind: str = "",
+                 aux_layers: tuple[int, ...] = (), max_model_len: int = 0):
+        self.lm = LayerwiseModel(model)
+        self.draft_graphdef = draft_graphdef
+        self.draft_kind = draft_kind
+        self.aux_layers = tuple(aux_layers)
+        self.max_model_len = max_model_len
+        self._lock = threading.Lock()
+        # (T, R) -> compiled head / [compiled layer per kind]; built once per bucket.
+        self._shared: dict[tuple[int, int], tuple] = {}
+        self._shared_locks: dict[tuple[int, int], threading.Lock] = {}
+
+    def params(self, draft_state=None):
+        base = (self.lm.shell_state, self.lm.layer_leaves)
+        return base if self.draft_graphdef is None else base + (draft_state,)
+
+    def _shared_for(self, t: int, r: int, args) -> tuple:
+        """The head and per-kind layer executables of bucket (T, R), compiled once (by
+        whichever thread asks first; the others wait for it)."""
+        with self._lock:
+            lock = self._shared_locks.setdefault((t, r), threading.Lock())
+        with lock:
+            got = self._shared.get((t, r))
+            if got is None:
+                head_args, layer_args = args
+                lm = self.lm
+                head = jax.jit(partial(_head, lm.shell_graphdef)).lower(*head_args).compile()
+                layers = []
+                for kind, (graphdef, treedef) in enumerate(zip(lm.layer_graphdefs,
+                                                               lm.layer_treedefs)):
+                    fn = jax.jit(partial(_layer, graphdef, treedef, lm.mesh),
+                                 donate_argnums=(4,))
+                    layers.append(fn.lower(*layer_args[kind]).compile())
+                got = self._shared[(t, r)] = (head, layers)
+            return got
+
+    def lower(self, t: int, r: int, features: StepFeatures, params, kv, sampler_state,
+              example: StepBatch) -> "LayerwiseLowered":
+        """Lower the bucket's tail for this variant; the head and layers are lowered and
+        compiled at compile() unless an earlier variant of the bucket already did."""
+        lm = self.lm
+        kv_caches, draft_kv = (kv, None) if self.draft_graphdef is None else kv
+        draft_state = params[2] if self.draft_graphdef is not None else None
+        head_args = (lm.shell_state, sampler_state[2], example.input_ids,
+                     example.from_last_sampled, example.token_slots, example.positions)
+        sharding = None if lm.mesh is None else NamedSharding(lm.mesh, P())
+        ids, x, cos, sin = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+                            for a in jax.eval_shape(partial(_head, lm.shell_graphdef),
+                                                    *head_args))
+        layer_args = []
+        for kind in range(len(lm.layer_graphdefs)):
+            i = lm.layer_kind.index(kind)
+            layer_args.append((lm.layer_leaves[i], x, cos, sin, kv_caches[i], example.attn))
+        tail = jax.jit(partial(_tail, lm.shell_graphdef, self.draft_graphdef,
+                               features=features, draft_kind=self.draft_kind,
+                               max_model_len=self.max_model_len),
+                       donate_argnums=(2, 3))
+        lowered = tail.lower(lm.shell_state, draft_state, draft_kv, sampler_state, example, x,
+                             ids, tuple(x for _ in self.aux_layers))
+        return LayerwiseLowered(self, (t, r), (head_args, layer_args), lowered)
+
+
+class LayerwiseLowered:
+    def __init__(self, steps: LayerwiseSteps, bucket, shared_args, tail_lowered):
+        self.steps, self.bucket, self.shared_args = steps, bucket, shared_args
+        self.tail_lowered = tail_lowered
+
+    def compile(self) -> "LayerwiseCompiled":
+        head, layers = self.steps._shared_for(*self.bucket, self.shared_args)
+        return LayerwiseCompiled(self.steps, head, layers, self.tail_lowered.compile())
+
+
+class LayerwiseCompiled:
+    """One bucket and variant's layer-wise step, called like a whole step's executable:
+    (params, kv, sampler_state, batch) -> (outputs, kv, sampler_state)."""
+
+    def __init__(self, steps: LayerwiseSteps, head, layers, tail):
+        self.head, self.layers, self.tail = head, layers, tail
+        self.kinds = steps.lm.layer_kind
+        self.aux_layers = steps.aux_layers
+        self.has_draft = steps.draft_graphdef is not None
+
+    def __call__(self, params, kv, sampler_state, batch: StepBatch):
+        shell_state, layer_leaves = params[0], params[1]
+        draft_state = params[2] if self.has_draft else None
+        kv_caches, draft_kv = kv if self.has_draft else (kv, None)
+        ids, x, cos, sin = self.head(shell_state, sampler_state[2], batch.input_ids,
+                                     batch.from_last_sampled, batch.token_slots,
+                                     batch.positions)
+        md, layers, kinds = batch.attn, self.layers, self.kinds
+        new_kv, aux = [], {}
+        for i, (leaves, cache) in enumerate(zip(layer_leaves, kv_caches)):
+            if i in self.aux_layers:  # (EAGLE-3: the residual stream entering layer i)
+                aux[i] = x
+            x, cache = layers[kinds[i]](leaves, x, cos, sin, cache, md)
+            new_kv.append(cache)
+        out, draft_kv, sampler_state = self.tail(shell_state, draft_state, draft_kv,
+                                                 sampler_state, batch, x, ids,
+                                                 tuple(aux[i] for i in self.aux_layers))
+        return out, (new_kv if not self.has_draft else (new_kv, draft_kv)), sampler_state

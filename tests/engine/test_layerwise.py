@@ -1,0 +1,247 @@
+"""Start-up: layer-wise steps (compile cost independent of depth) give the whole step's
+outputs; buckets compile lazily (a start-up set, the rest in the background, steps padding up
+to a ready bucket meanwhile); a warm start is answered by the persistent cache."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import jax
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.runner.buckets import BucketTable
+from jaxinfer.runner.compiled_steps import CompiledSteps
+from jaxinfer.runner.step_inputs import PLAIN, StepFeatures
+from jaxinfer.runner.worker import compile_cache_counts
+from tests.engine.conftest import assert_no_leaks, make_tiny_model_dir
+
+OPTS = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+            num_kv_blocks=40, compilation_cache_dir="", enable_multiprocessing=False)
+
+
+def _outputs(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        lps = [{t: lp.logprob for t, lp in d.items()} for d in (c.logprobs or [])]
+        plps = [None if d is None else {t: lp.logprob for t, lp in d.items()}
+                for d in (o.prompt_logprobs or [])]
+        result.append((c.token_ids, c.finish_reason, lps, plps))
+    return result
+
+
+def _close(a, b, tol=2e-5):
+    assert (a is None) == (b is None)
+    if a is not None:
+        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < tol for k in a)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_layerwise_equals_whole(tmp_path, smollm2_dir, arch):
+    """Same greedy tokens, logprobs and prompt logprobs, with penalties and seeded sampling,
+    through chunked prefill and preemption (a tight cache), as the whole-step engine."""
+    make_tiny_model_dir(tmp_path, arch, smollm2_dir, sharpen=2.0, num_hidden_layers=3,
+                        **({"sliding_window": 24} if arch == "mistral" else {}))
+    prompts = [{"prompt_token_ids": [100 + 7 * i + j for j in range(9 + 17 * i)]}
+               for i in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3,
+                             prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=25, ignore_eos=True,
+                             repetition_penalty=1.3, presence_penalty=0.4),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=20,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+    got = {}
+    for mode in ("whole", "layerwise"):
+        llm = LLM(str(tmp_path), warmup=False, step_compilation=mode,
+                  **{**OPTS, "num_kv_blocks": 14, "block_size": 8, "max_model_len": 96})
+        assert llm.llm_engine.runner.step_compilation == mode
+        got[mode] = _outputs(llm, prompts, params)
+        assert llm.llm_engine.get_stats()["num_preemptions"] > 0  # (the cache is tight)
+        assert_no_leaks(llm)
+        llm.shutdown()
+    for w, lw in zip(got["whole"], got["layerwise"]):
+        assert w[:2] == lw[:2]
+        assert len(w[2]) == len(lw[2]) and len(w[3]) == len(lw[3])
+        for a, b in zip(w[2] + w[3], lw[2] + lw[3]):
+            _close(a, b)
+
+
+def _hlo_size(step) -> int:
+    """Instructions over every executable of a compiled step."""
+    parts = [step] if not hasattr(step, "layers") else [step.head, *step.layers, step.tail]
+    return sum(p.as_text().count("\n") for p in parts)
+
+
+def test_compile_cost_does_not_grow_with_depth(tmp_path, smollm2_dir):
+    """What XLA compiles for a bucket (instructions over its executables) is the same for 2
+    and 8 layers layer-wise; whole, it grows with the layers."""
+    sizes = {}
+    for layers in (2, 8):
+        path = tmp_path / f"l{layers}"
+        make_tiny_model_dir(path, "llama", smollm2_dir, num_hidden_layers=layers)
+        for mode in ("whole", "layerwise"):
+            llm = LLM(str(path), warmup=False, step_compilation=mode, **OPTS)
+            runner = llm.llm_engine.runner
+            sizes[mode, layers] = _hlo_size(runner.compiled.compile(16, 2, PLAIN))
+            if mode == "layerwise":  # one layer executable, run by all of them
+                assert len(runner.layerwise.lm.layer_graphdefs) == 1
+            llm.shutdown()
+    assert sizes["layerwise", 2] == sizes["layerwise", 8]
+    assert sizes["whole", 8] > sizes["whole", 2] + 3 * (sizes["layerwise", 2] // 10)
+
+
+# -- CompiledSteps: lazy buckets (fake lowering: no JAX) ----------------------------------------
+
+class _FakeLowered:
+    def __init__(self, log, key, delay):
+        self.log, self.key, self.delay = log, key, delay
+
+    def compile(self):
+        time.sleep(self.delay)
+        self.log.append(self.key)
+        return lambda *a: self.key
+
+
+def _steps(delay=0.0):
+    log = []
+    return CompiledSteps(lambda t, r, f: _FakeLowered(log, (t, r, f), delay), PLAIN), log
+
+
+def test_a_bucket_compiles_once_whoever_asks():
+    steps, log = _steps(delay=0.2)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(steps.get(32, 2, PLAIN)()))
+               for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert log == [(32, 2, PLAIN)] and results == [(32, 2, PLAIN)] * 4
+    assert steps.num_compilations == 1
+
+
+def test_a_step_pads_up_to_a_ready_bucket_only_when_near():
+    steps, _ = _steps()
+    assert steps.choose(16, 1, PLAIN) == (16, 1)  # nothing ready: its own (compiled by get)
+    steps.get(64, 4, PLAIN)
+    assert steps.choose(16, 1, PLAIN) == (64, 4)  # within 4x the tokens
+    assert steps.choose(16, 8, PLAIN) == (16, 8)  # not enough rows
+    assert steps.choose(8, 1, PLAIN) == (8, 1)  # 64 > 4 x 8 tokens: compiling is cheaper
+    assert steps.choose(16, 1, StepFeatures(logprobs=True)) == (16, 1)  # another variant
+    steps.get(32, 2, PLAIN)
+    assert steps.choose(16, 1, PLAIN) == (32, 2)  # the smallest that holds it
+    assert steps.choose(32, 2, PLAIN) == (32, 2)
+    assert steps.num_padded_steps == 2
+
+
+def test_background_compiles_the_rest_and_stops_on_close():
+    steps, log = _steps(delay=0.05)
+    table = BucketTable.build(256, 8)
+    start = table.start_pairs()
+    assert (16, 1) in start and (256, 1) in start and (16, 8) in start
+    assert all(r == 1 or t == 16 for t, r in start)
+    steps.warmup([(t, r, PLAIN) for t, r in start], num_threads=2)
+    assert sorted(k[:2] for k in steps.keys()) == sorted(start)
+    rest = [(t, r, PLAIN) for t, r in table.all_pairs() if (t, r) not in start]
+    steps.start_background(rest)
+    deadline = time.time() + 20
+    while steps.background_left and time.time() < deadline:
+        time.sleep(0.02)
+    assert sorted(k[:2] for k in steps.keys()) == sorted(table.all_pairs())
+    assert len(log) == len(set(log)) == len(table.all_pairs())
+    slow, slow_log = _steps(delay=0.2)
+    slow.start_background(rest)
+    time.sleep(0.1)
+    slow.close()
+    assert len(slow_log) <= 1  # (the bucket it was at when told to stop)
+
+
+def test_engine_serves_during_background_compilation(tmp_path, smollm2_dir, caplog):
+    """warmup_buckets="start": only the start-up set is compiled when the engine is ready;
+    requests are served (same outputs as with every bucket compiled first) while the rest
+    compile in the background, which ends with every bucket compiled."""
+    make_tiny_model_dir(tmp_path, "llama", smollm2_dir, sharpen=2.0)
+    prompts = [{"prompt_token_ids": [300 + 11 * i + j for j in range(5 + 13 * i)]}
+               for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = {}
+    for buckets in ("all", "start"):
+        with caplog.at_level(logging.INFO, logger="jaxinfer.engine.core"):
+            llm = LLM(str(tmp_path), warmup=True, warmup_buckets=buckets, **OPTS)
+        runner = llm.llm_engine.runner
+        pairs = runner.buckets.all_pairs()
+        compiled = {k[:2] for k in runner.compiled.keys()}
+        assert compiled == set(pairs if buckets == "all" else runner.buckets.start_pairs())
+        (line,) = [r.message for r in caplog.records if r.message.startswith("warm-up:")]
+        assert f"{len(compiled)} step variants compiled" in line
+        assert "from the persistent compilation cache" in line
+        caplog.clear()
+        got[buckets] = _outputs(llm, prompts, params)
+        deadline = time.time() + 300
+        while runner.compiled.background_left and time.time() < deadline:
+            time.sleep(0.1)
+        assert {k[:2] for k in runner.compiled.keys()} == set(pairs)
+        assert_no_leaks(llm)
+        llm.shutdown()
+    assert got["start"] == got["all"]
+
+
+def test_warm_start_compiles_nothing(tmp_path, smollm2_dir):
+    """A second engine on the same persistent cache gets every executable from it (engine
+    cores in their own processes, as users run them)."""
+    make_tiny_model_dir(tmp_path / "m", "llama", smollm2_dir)
+    opts = {**OPTS, "enable_multiprocessing": True, "warmup_buckets": "all",
+            "compilation_cache_dir": str(tmp_path / "xla")}
+    stats = []
+    for _ in range(2):
+        llm = LLM(str(tmp_path / "m"), warmup=True, **opts)
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3),
+                     use_tqdm=False)
+        stats.append(llm.llm_engine.get_stats())
+        llm.shutdown()
+    cold, warm = stats
+    # (cold: a few executables are alike across buckets, e.g. a head depends on T only)
+    assert cold["compile_cache_hits"] < cold["compile_cache_requests"] // 2
+    assert warm["compile_cache_requests"] == cold["compile_cache_requests"]
+    assert warm["compile_cache_hits"] == warm["compile_cache_requests"]
+    assert jax.default_backend() == "cpu"
+
+
+def test_corrupt_compile_cache_is_rebuilt(tmp_path, smollm2_dir, caplog):
+    """Every entry of the persistent compile cache overwritten with garbage or cut short: the
+    engine removes them with one log line, compiles afresh, gives the same outputs and
+    writes the entries again (the next start is answered by the cache: JAX alone would keep
+    the corrupt entries, warn and recompile at every start)."""
+    make_tiny_model_dir(tmp_path / "m", "llama", smollm2_dir)
+    cache = tmp_path / "xla"
+    opts = {**OPTS, "compilation_cache_dir": str(cache), "max_num_batched_tokens": 16,
+            "max_num_seqs": 2}
+    prompt = {"prompt_token_ids": [9, 8, 7, 6]}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def start():
+        before = compile_cache_counts()
+        llm = LLM(str(tmp_path / "m"), warmup=True, **opts)
+        out = _outputs(llm, prompt, params)
+        llm.shutdown()
+        after = compile_cache_counts()
+        return out, {k: after[k] - before[k] for k in after}
+
+    want, _ = start()
+    entries = [p for p in cache.rglob("*") if p.is_file()]
+    assert entries
+    for i, p in enumerate(entries):
+        data = p.read_bytes()
+        p.write_bytes(data[: len(data) // 2] if i % 2 else b"\x00garbage" * 64)
+    with caplog.at_level(logging.WARNING, logger="jaxinfer.runner.worker"):
+        got, counts = start()
+    (line,) = [r.getMessage() for r in caplog.records if "corrupt" in r.getMessage()]
+    assert f"removed {len(entries)} corrupt entries of {len(entries)}" in line
+    assert got == want and counts["compile_cache_hits"] < counts["compile_cache_requests"]
+    got, counts = start()
+    assert got == want and counts["compile_cache_hits"] == counts["compile_cache_requests"] > 0
