@@ -49,7 +49,8 @@ def make_llm(args, max_model_len: int):
                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
                warmup=not args.no_warmup,
                async_scheduling=getattr(args, "async_scheduling", False),
-               step_compilation=args.step_compilation, warmup_buckets=args.warmup_buckets)
+               step_compilation=args.step_compilation, warmup_buckets=args.warmup_buckets,
+               layers_per_program=args.layers_per_program)
 
 
 def environment(llm=None) -> dict:

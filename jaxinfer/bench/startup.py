@@ -49,7 +49,8 @@ def _engine_flags(args) -> list[str]:
     if args.no_warmup:
         flags.append("--no-warmup")
     flags += ["--step-compilation", args.step_compilation,
-              "--warmup-buckets", args.warmup_buckets]
+              "--warmup-buckets", args.warmup_buckets,
+              "--layers-per-program", str(args.layers_per_program)]
     if args.async_scheduling:
         flags.append("--async-scheduling")
     return flags
@@ -66,7 +67,8 @@ def _llm_child(cache_dir: str, args) -> dict:
             "seed": args.seed, "tokenizer": args.tokenizer,
             "skip_tokenizer_init": args.skip_tokenizer_init,
             "gpu_memory_utilization": args.gpu_memory_utilization,
-            "step_compilation": args.step_compilation, "warmup_buckets": args.warmup_buckets}
+            "step_compilation": args.step_compilation, "warmup_buckets": args.warmup_buckets,
+            "layers_per_program": args.layers_per_program}
     launched = time.time()
     proc = subprocess.run([sys.executable, "-m", "jaxinfer.bench.startup", json.dumps(spec)],
                           capture_output=True, text=True)
@@ -96,7 +98,8 @@ def _child_main(spec: dict) -> None:
               seed=spec["seed"], compilation_cache_dir=spec["cache_dir"],
               tokenizer=spec["tokenizer"], skip_tokenizer_init=spec["skip_tokenizer_init"],
               gpu_memory_utilization=spec["gpu_memory_utilization"],
-              step_compilation=spec["step_compilation"], warmup_buckets=spec["warmup_buckets"])
+              step_compilation=spec["step_compilation"], warmup_buckets=spec["warmup_buckets"],
+              layers_per_program=spec["layers_per_program"])
     times["engine_ready"] = time.time()
     llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=1),
                   use_tqdm=False)

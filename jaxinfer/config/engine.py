@@ -119,6 +119,9 @@ class EngineConfig:
     # layer compiled once and run L times (compile time independent of depth; a dispatch per
     # layer); "auto": layerwise on CPU, whole on GPU (README: Start-up).
     step_compilation: str = "auto"
+    # layerwise: decoder layers per compiled program (runs of this many share an executable):
+    # 1 compiles least, more dispatch fewer programs per step (README: Start-up).
+    layers_per_program: int = 3
     min_token_bucket: int = 16
     bucket_growth: int = 2
     # Engine core in a child process behind a ZeroMQ client (vLLM's V1 layout). None: the env
@@ -234,6 +237,8 @@ def add_compilation_args(parser) -> None:
                         help="whole: a step is one program, every layer unrolled; layerwise: "
                              "one layer compiled once, run L times (compile time independent "
                              "of depth); auto: layerwise on CPU, whole on GPU")
+    parser.add_argument("--layers-per-program", type=int, default=3,
+                        help="layerwise: decoder layers per compiled program (default 3)")
     parser.add_argument("--warmup-buckets", default="start", choices=WARMUP_BUCKETS,
                         help="start: compile a few small buckets before serving and the rest "
                              "in the background; all: every bucket before serving")
@@ -303,6 +308,8 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     if config.step_compilation not in STEP_COMPILATIONS:
         raise ValueError(f"step_compilation={config.step_compilation!r} is not supported "
                          f"(supported: {', '.join(STEP_COMPILATIONS)})")
+    if config.layers_per_program < 1:
+        raise ValueError(f"layers_per_program must be >= 1, got {config.layers_per_program}")
     tokenizer_dir = None if config.skip_tokenizer_init else (config.tokenizer or model_dir)
     eos = mcfg.eos_token_ids + tuple(t for t in _generation_eos_ids(model_dir)
                                      if t not in mcfg.eos_token_ids)

@@ -23,6 +23,7 @@ def run_generate(args) -> int:
               max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
               seed=args.seed or 0, warmup=not args.no_warmup,
               step_compilation=args.step_compilation, warmup_buckets=args.warmup_buckets,
+              layers_per_program=args.layers_per_program,
               async_scheduling=args.async_scheduling,
               speculative_config=args.speculative_config,
               kv_transfer_config=args.kv_transfer_config,

@@ -25,6 +25,7 @@ def engine_config_from_args(args):
                         warmup=not args.no_warmup, async_scheduling=args.async_scheduling,
                         step_compilation=getattr(args, "step_compilation", "auto"),
                         warmup_buckets=getattr(args, "warmup_buckets", "start"),
+                        layers_per_program=getattr(args, "layers_per_program", 3),
                         structured_outputs_config=args.structured_outputs_config,
                         speculative_config=args.speculative_config,
                         kv_transfer_config=args.kv_transfer_config,

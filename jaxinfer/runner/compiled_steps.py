@@ -22,6 +22,16 @@ from jaxinfer.runner.step_inputs import StepFeatures
 logger = logging.getLogger(__name__)
 
 
+def _lower_this_threads_priority() -> None:
+    """Nice 19 for the calling thread only (Linux: a thread is a schedulable task with its own
+    id), so that compiling in the background takes the cores the running steps leave idle
+    rather than half of them."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # (not Linux, or not allowed: compile at equal priority)
+        pass
+
+
 class CompiledSteps:
     def __init__(self, lower: Callable[[int, int, StepFeatures], object],
                  base_features: StepFeatures, multiprocess: bool = False):
@@ -109,6 +119,7 @@ class CompiledSteps:
         self.background_left = len(todo)
 
         def run():
+            _lower_this_threads_priority()
             t0 = time.perf_counter()
             done = 0
             for key in todo:

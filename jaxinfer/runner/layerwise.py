@@ -36,11 +36,25 @@ from jaxinfer.runner.step_fn import step_input_ids, step_tail
 from jaxinfer.runner.step_inputs import StepBatch, StepFeatures
 
 
+def layer_runs(num_layers: int, group: int, cuts=()) -> list[tuple[int, int]]:
+    """Runs [a, b) of consecutive layers, at most `group` long, a new one at every cut."""
+    runs, a = [], 0
+    for i in range(1, num_layers + 1):
+        if i == num_layers or i - a == group or i in cuts:
+            runs.append((a, i))
+            a = i
+    return runs
+
+
 class LayerwiseModel:
     """A model taken apart for layer-wise steps: the shell (embedding, final norm, LM head: the
-    model with no layers) and each layer's graphdef index and flat parameter leaves."""
+    model with no layers), each layer's flat parameter leaves, and the layers cut into runs of
+    `group` consecutive layers (a new run also starts at each aux layer, whose input EAGLE-3
+    reads). Runs whose layers have the same structures share one executable (a "kind")."""
 
-    def __init__(self, model):
+    def __init__(self, model, group: int = 1, aux_layers: tuple[int, ...] = ()):
+        if group < 1:
+            raise ValueError(f"layers_per_program must be >= 1, got {group}")
         layers = list(model.model.layers)
         model.model.layers = module_list([])
         try:
@@ -49,19 +63,27 @@ class LayerwiseModel:
             model.model.layers = module_list(layers)
         self.mesh = model.mesh
         self.num_layers = len(layers)
-        # Layers of one structure share a graphdef and so one compiled executable.
-        self.layer_graphdefs: list = []
-        self.layer_treedefs: list = []
-        self.layer_kind: list[int] = []
-        self.layer_leaves: list[tuple] = []
+        graphdefs, treedefs, self.layer_leaves = [], [], []
+        layer_type = []
         for layer in layers:
             graphdef, state = nnx.split(layer)
             leaves, treedef = jax.tree.flatten(state)
-            if graphdef not in self.layer_graphdefs:
-                self.layer_graphdefs.append(graphdef)
-                self.layer_treedefs.append(treedef)
-            self.layer_kind.append(self.layer_graphdefs.index(graphdef))
+            if graphdef not in graphdefs:
+                graphdefs.append(graphdef)
+                treedefs.append(treedef)
+            layer_type.append(graphdefs.index(graphdef))
             self.layer_leaves.append(tuple(leaves))
+        self.layer_leaves = tuple(self.layer_leaves)
+        self.runs = layer_runs(self.num_layers, group, aux_layers)
+        # A kind: the (graphdef, treedef) of each layer of a run; one executable per kind.
+        self.kinds: list[tuple] = []
+        self.run_kind: list[int] = []
+        for a, b in self.runs:
+            kind = tuple((graphdefs[layer_type[i]], treedefs[layer_type[i]])
+                         for i in range(a, b))
+            if kind not in self.kinds:
+                self.kinds.append(kind)
+            self.run_kind.append(self.kinds.index(kind))
 
 
 def _replicated(mesh, x):
@@ -80,10 +102,14 @@ def _head(shell_graphdef, shell_state, last_sampled, input_ids, from_last_sample
             _replicated(mesh, sin))
 
 
-def _layer(graphdef, treedef, mesh, leaves, x, cos, sin, kv_cache, md):
-    layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, list(leaves)))
-    x, kv_cache = layer(x, cos, sin, kv_cache, md)
-    return _replicated(mesh, x), kv_cache
+def _layers(kind, mesh, leaves, x, cos, sin, kv_caches, md):
+    """A run of decoder layers: leaves and KV caches one tuple per layer."""
+    new = []
+    for (graphdef, treedef), lv, kv_cache in zip(kind, leaves, kv_caches):
+        layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, list(lv)))
+        x, kv_cache = layer(x, cos, sin, kv_cache, md)
+        new.append(kv_cache)
+    return _replicated(mesh, x), tuple(new)
 
 
 def _tail(shell_graphdef, draft_graphdef, shell_state, draft_state, draft_kv, sampler_state,
@@ -104,8 +130,8 @@ class LayerwiseSteps:
     compiled step takes: (shell state, per-layer leaves[, draft state])."""
 
     def __init__(self, model, *, draft_graphdef=None, draft_kind: str = "",
-                 aux_layers: tuple[int, ...] = (), max_model_len: int = 0):
-        self.lm = LayerwiseModel(model)
+                 aux_layers: tuple[int, ...] = (), max_model_len: int = 0, group: int = 1):
+        self.lm = LayerwiseModel(model, group, aux_layers)
         self.draft_graphdef = draft_graphdef
         self.draft_kind = draft_kind
         self.aux_layers = tuple(aux_layers)
@@ -131,11 +157,9 @@ class LayerwiseSteps:
                 lm = self.lm
                 head = jax.jit(partial(_head, lm.shell_graphdef)).lower(*head_args).compile()
                 layers = []
-                for kind, (graphdef, treedef) in enumerate(zip(lm.layer_graphdefs,
-                                                               lm.layer_treedefs)):
-                    fn = jax.jit(partial(_layer, graphdef, treedef, lm.mesh),
-                                 donate_argnums=(4,))
-                    layers.append(fn.lower(*layer_args[kind]).compile())
+                for kind, args in zip(lm.kinds, layer_args):
+                    fn = jax.jit(partial(_layers, kind, lm.mesh), donate_argnums=(4,))
+                    layers.append(fn.lower(*args).compile())
                 got = self._shared[(t, r)] = (head, layers)
             return got
 
@@ -153,9 +177,10 @@ class LayerwiseSteps:
                             for a in jax.eval_shape(partial(_head, lm.shell_graphdef),
                                                     *head_args))
         layer_args = []
-        for kind in range(len(lm.layer_graphdefs)):
-            i = lm.layer_kind.index(kind)
-            layer_args.append((lm.layer_leaves[i], x, cos, sin, kv_caches[i], example.attn))
+        for kind in range(len(lm.kinds)):
+            a, b = lm.runs[lm.run_kind.index(kind)]
+            layer_args.append((lm.layer_leaves[a:b], x, cos, sin, kv_caches[a:b],
+                               example.attn))
         tail = jax.jit(partial(_tail, lm.shell_graphdef, self.draft_graphdef,
                                features=features, draft_kind=self.draft_kind,
                                max_model_len=self.max_model_len),
@@ -181,7 +206,9 @@ class LayerwiseCompiled:
 
     def __init__(self, steps: LayerwiseSteps, head, layers, tail):
         self.head, self.layers, self.tail = head, layers, tail
-        self.kinds = steps.lm.layer_kind
+        lm = steps.lm
+        # Per run: its executable, its layers' leaves' indices.
+        self.runs = [(layers[k], a, b) for (a, b), k in zip(lm.runs, lm.run_kind)]
         self.aux_layers = steps.aux_layers
         self.has_draft = steps.draft_graphdef is not None
 
@@ -192,13 +219,13 @@ class LayerwiseCompiled:
         ids, x, cos, sin = self.head(shell_state, sampler_state[2], batch.input_ids,
                                      batch.from_last_sampled, batch.token_slots,
                                      batch.positions)
-        md, layers, kinds = batch.attn, self.layers, self.kinds
+        md = batch.attn
         new_kv, aux = [], {}
-        for i, (leaves, cache) in enumerate(zip(layer_leaves, kv_caches)):
-            if i in self.aux_layers:  # (EAGLE-3: the residual stream entering layer i)
-                aux[i] = x
-            x, cache = layers[kinds[i]](leaves, x, cos, sin, cache, md)
-            new_kv.append(cache)
+        for fn, a, b in self.runs:
+            if a in self.aux_layers:  # (EAGLE-3: the residual stream entering layer a)
+                aux[a] = x
+            x, caches = fn(layer_leaves[a:b], x, cos, sin, kv_caches[a:b], md)
+            new_kv.extend(caches)
         out, draft_kv, sampler_state = self.tail(shell_state, draft_state, draft_kv,
                                                  sampler_state, batch, x, ids,
                                                  tuple(aux[i] for i in self.aux_layers))

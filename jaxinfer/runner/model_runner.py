@@ -40,7 +40,7 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, kv_dtype,
                  buckets: BucketTable | None = None, speculative_config=None,
                  draft_model=None, eagle_head=None, stage_devices=None,
-                 step_compilation: str = "whole"):
+                 step_compilation: str = "whole", layers_per_program: int = 1):
         """model: the model, or (pipeline parallelism) its list of PipelineStages, stage s on
         the devices stage_devices[s]. step_compilation: "whole" (a step is one program, every
         layer unrolled in it) or "layerwise" (one layer compiled once, run L times: compile
@@ -138,7 +138,7 @@ class ModelRunner:
             self.layerwise = LayerwiseSteps(
                 model, draft_graphdef=self.draft_graphdef, draft_kind=self.draft_kind,
                 aux_layers=tuple(eagle_head.aux_layers) if eagle_head is not None else (),
-                max_model_len=max_model_len)
+                max_model_len=max_model_len, group=layers_per_program)
         self.step_compilation = "layerwise" if self.layerwise is not None else "whole"
         self.compiled = CompiledSteps(self._lower, self.base_features, self._multiprocess)
 

@@ -235,7 +235,8 @@ class Worker:
                            speculative_config=cfg.speculative_config,
                            draft_model=self.draft_model, eagle_head=self.eagle_head,
                            stage_devices=self.stage_groups,
-                           step_compilation=self.step_compilation)
+                           step_compilation=self.step_compilation,
+                           layers_per_program=rc.engine.layers_per_program)
 
     @property
     def step_compilation(self) -> str:

@@ -94,11 +94,11 @@ def test_donated_step_never_copies_the_kv_cache(tmp_path, smollm2_dir):
             assert _kv_copies(hlo, kv_shape) == []
             llm.shutdown()
             continue
-        (layer,) = step.layers  # (both layers share one executable)
+        (layer,) = step.layers  # (the model's two layers: one run, one executable)
         hlo = layer.as_text()
-        num_leaves = len(runner.layerwise.lm.layer_leaves[0])
-        # (leaves, x, cos, sin, (k, v), md): k and v are parameters num_leaves + 3, + 4
-        assert _aliased_params(hlo) == {num_leaves + 3, num_leaves + 4}
+        n = sum(len(lv) for lv in runner.layerwise.lm.layer_leaves)
+        # (leaves, x, cos, sin, [(k, v), (k, v)], md): the four caches follow x, cos, sin
+        assert _aliased_params(hlo) == set(range(n + 3, n + 7))
         assert _kv_copies(hlo, kv_shape) == []
         tail = step.tail.as_text()  # (shell state, no draft, sampler state, ...)
         num_shell = len(jax.tree.leaves(runner.layerwise.lm.shell_state))

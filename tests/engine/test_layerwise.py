@@ -78,21 +78,35 @@ def _hlo_size(step) -> int:
 
 
 def test_compile_cost_does_not_grow_with_depth(tmp_path, smollm2_dir):
-    """What XLA compiles for a bucket (instructions over its executables) is the same for 2
-    and 8 layers layer-wise; whole, it grows with the layers."""
+    """What XLA compiles for a bucket (instructions over its executables) is the same for 3
+    and 9 layers layer-wise (runs of 3: one executable run 1 or 3 times); whole, it grows
+    with the layers."""
     sizes = {}
-    for layers in (2, 8):
+    for layers in (3, 9):
         path = tmp_path / f"l{layers}"
         make_tiny_model_dir(path, "llama", smollm2_dir, num_hidden_layers=layers)
         for mode in ("whole", "layerwise"):
             llm = LLM(str(path), warmup=False, step_compilation=mode, **OPTS)
             runner = llm.llm_engine.runner
             sizes[mode, layers] = _hlo_size(runner.compiled.compile(16, 2, PLAIN))
-            if mode == "layerwise":  # one layer executable, run by all of them
-                assert len(runner.layerwise.lm.layer_graphdefs) == 1
+            if mode == "layerwise":  # one executable, run by every run of 3 layers
+                assert runner.layerwise.lm.runs == [(a, a + 3) for a in range(0, layers, 3)]
+                assert len(runner.layerwise.lm.kinds) == 1
             llm.shutdown()
-    assert sizes["layerwise", 2] == sizes["layerwise", 8]
-    assert sizes["whole", 8] > sizes["whole", 2] + 3 * (sizes["layerwise", 2] // 10)
+    assert sizes["layerwise", 3] == sizes["layerwise", 9]
+    assert sizes["whole", 9] > sizes["whole", 3] * 1.3
+
+
+def test_layer_runs():
+    from jaxinfer.runner.layerwise import layer_runs
+
+    assert layer_runs(30, 3) == [(a, a + 3) for a in range(0, 30, 3)]
+    assert layer_runs(7, 3) == [(0, 3), (3, 6), (6, 7)]
+    assert layer_runs(4, 1) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert layer_runs(2, 5) == [(0, 2)]
+    # EAGLE-3 reads the stream entering its aux layers: a run starts at each
+    assert layer_runs(10, 3, (2, 5, 7)) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert layer_runs(4, 3, (0, 1, 1)) == [(0, 1), (1, 4)]
 
 
 # -- CompiledSteps: lazy buckets (fake lowering: no JAX) ----------------------------------------
