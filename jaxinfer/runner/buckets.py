@@ -42,11 +42,13 @@ class BucketTable:
         return next((r for r in self.req_buckets if r >= t), self.req_buckets[-1])
 
     def start_pairs(self) -> list[tuple[int, int]]:
-        """The buckets compiled before an engine serves (the others compile in the
-        background): every token bucket for one sequence (a first prompt of any length) and
-        the smallest token bucket for every request count it holds (decoding)."""
-        t0 = self.token_buckets[0]
-        return [(t, r) for t, r in self.all_pairs() if r == 1 or t == t0]
+        """The buckets compiled before an engine serves (the others compile when first used
+        or in the background): the smallest token bucket for every request count it holds
+        (decode steps: every running batch needs one, every step) and the largest token
+        bucket for one sequence (a long prompt's chunks). A shorter first prompt compiles
+        its own bucket when it comes (~2 s here) rather than every size at start-up."""
+        t0, t_max = self.token_buckets[0], self.token_buckets[-1]
+        return [(t, r) for t, r in self.all_pairs() if t == t0 or (t, r) == (t_max, 1)]
 
     def all_pairs(self) -> list[tuple[int, int]]:
         """Every (T, R) a step can map to: R up to the first request bucket >= T."""

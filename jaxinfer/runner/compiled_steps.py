@@ -49,6 +49,10 @@ class CompiledSteps:
         self._background: threading.Thread | None = None
         self._stop = threading.Event()
         self.background_left = 0  # keys the background thread has still to compile
+        self._wake = threading.Condition()
+        self._demanded: list[tuple[int, int, StepFeatures]] = []  # asked for by steps
+        self._last_step = 0.0  # time.monotonic() of the last step started or finished
+        self._steps_running = 0  # dispatched and not yet collected
         self.num_padded_steps = 0  # steps that ran in a larger ready bucket than their own
 
     def __contains__(self, key) -> bool:
@@ -76,6 +80,8 @@ class CompiledSteps:
             t0 = time.perf_counter()
             compiled = self._lower(t, r, features).compile()
             self._add(key, compiled, time.perf_counter() - t0)
+            logger.debug("compiled T=%d R=%d %s in %.2fs (%s)", t, r, features,
+                         time.perf_counter() - t0, threading.current_thread().name)
         finally:
             with self._lock:
                 self._pending.pop(key).set()
@@ -95,44 +101,85 @@ class CompiledSteps:
             compiled = self.compile(t, r, features)
         return compiled
 
-    def choose(self, t: int, r: int, features: StepFeatures, max_growth: int = 4
+    def choose(self, t: int, r: int, features: StepFeatures, max_growth: int = 2
                ) -> tuple[int, int]:
         """The bucket a step of bucket (t, r) runs in: its own when compiled; else the
-        smallest compiled one that holds it (T' <= max_growth x T: a much larger bucket
-        costs more than compiling); else its own (compiled on the spot by get)."""
-        if (t, r, features) in self._compiled:
+        smallest compiled one that holds it with T' <= max_growth x T, while its own
+        compiles in the background (first in line); else its own, compiled on the spot by
+        get (a decode step padded 4x would run its layers on 4x the tokens step after step:
+        compiling its own bucket, ~1.4 s, costs less)."""
+        key = (t, r, features)
+        if key in self._compiled:
             return t, r
         with self._lock:
             ready = [(t2, r2) for t2, r2, f in self._compiled
                      if f == features and t <= t2 <= max_growth * t and r2 >= r]
-        if not ready:
+        if not ready or self._background is None:
             return t, r
+        with self._wake:
+            if key not in self._demanded:
+                self._demanded.append(key)
+            self._wake.notify()
         self.num_padded_steps += 1
         return min(ready)
 
-    def start_background(self, keys: list[tuple[int, int, StepFeatures]]) -> None:
-        """Compile `keys` in order in a background thread (skipping any compiled by then),
-        while steps run. Steps never wait for it (choose pads up or compiles on the spot)."""
+    def step_started(self) -> None:
+        """A step was dispatched (the runner): buckets nobody asked for wait."""
+        with self._wake:
+            self._steps_running += 1
+            self._last_step = time.monotonic()
+
+    def step_finished(self) -> None:
+        with self._wake:
+            self._steps_running = max(0, self._steps_running - 1)
+            self._last_step = time.monotonic()
+            self._wake.notify()
+
+    def _idle_for(self) -> float:
+        """Seconds since the engine last ran a step (0 while one runs)."""
+        return 0.0 if self._steps_running else time.monotonic() - self._last_step
+
+    def start_background(self, keys: list[tuple[int, int, StepFeatures]],
+                         idle_seconds: float = 0.5) -> None:
+        """A background thread (nice 19) that compiles, first, the buckets steps asked for
+        while they ran padded up (choose), then `keys` in order, but those only once no step
+        has run for `idle_seconds`: compiling takes CPU that running steps would otherwise
+        have (measured: 2x slower steps), so buckets nobody needs yet wait for an idle
+        engine."""
         todo = [k for k in keys if k not in self._compiled]
-        if not todo or self.multiprocess:
+        if self.multiprocess:
             return
         self.background_left = len(todo)
+
+        def next_key():
+            with self._wake:
+                while not self._stop.is_set():
+                    if self._demanded:
+                        return self._demanded.pop(0)
+                    idle = self._idle_for()
+                    if todo and idle >= idle_seconds:
+                        return todo.pop(0)
+                    self._wake.wait(idle_seconds - idle if todo and idle < idle_seconds
+                                    else (1.0 if todo else None))
+            return None
 
         def run():
             _lower_this_threads_priority()
             t0 = time.perf_counter()
             done = 0
-            for key in todo:
-                if self._stop.is_set():
-                    break
+            while (key := next_key()) is not None:
                 try:
-                    self.compile(*key)
-                    done += 1
+                    if key not in self._compiled:
+                        self.compile(*key)
+                        done += 1
                 except Exception:  # noqa: BLE001 - that bucket compiles on first use instead
                     logger.exception("background compilation of bucket %s failed", key[:2])
-                self.background_left -= 1
-            logger.info("compiled %d more buckets in the background in %.1fs", done,
-                        time.perf_counter() - t0)
+                self.background_left = len(todo)  # (after the compile: none left = all done)
+                if not todo and not self._demanded and done:
+                    logger.info("compiled %d more buckets in the background (%.1fs since "
+                                "start-up)", done, time.perf_counter() - t0)
+                    done = 0
+            self.background_left = 0
 
         self._background = threading.Thread(target=run, name="jaxinfer-bg-compile",
                                             daemon=True)
@@ -143,6 +190,8 @@ class CompiledSteps:
     def close(self, timeout: float = 30.0) -> None:
         """Stop the background compilation (after the bucket it is at)."""
         self._stop.set()
+        with self._wake:
+            self._wake.notify_all()
         if self._background is not None:
             self._background.join(timeout)
 

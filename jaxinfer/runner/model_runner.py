@@ -380,12 +380,19 @@ class ModelRunner:
             return None
         batch, features, req_ids, slots, computed, samples, num_drafts = self._build(so, grammar)
         t, r = batch.input_ids.shape[0], batch.req_slots.shape[0]
-        compiled = self.compiled.get(t, r, features)
-        if self._multiprocess:
-            broadcast_step(batch, features)
-        device_batch = self._to_device(batch)  # the one transfer in
-        out, kv, self.sampler_state = compiled(self._params(), self._kv(), self.sampler_state,
-                                               device_batch)
+        # (a step compiling its bucket on the spot counts as running: background
+        # compilation of buckets nobody asked for waits)
+        self.compiled.step_started()
+        try:
+            compiled = self.compiled.get(t, r, features)
+            if self._multiprocess:
+                broadcast_step(batch, features)
+            device_batch = self._to_device(batch)  # the one transfer in
+            out, kv, self.sampler_state = compiled(self._params(), self._kv(),
+                                                   self.sampler_state, device_batch)
+        except BaseException:
+            self.compiled.step_finished()
+            raise
         self._set_kv(kv)
         b = self.batch
         positions = b.num_tokens[slots].copy()  # where each sampled token goes
@@ -399,7 +406,10 @@ class ModelRunner:
         """Wait for a dispatched step and read its results back (the one transfer out)."""
         if step is None:
             return RunnerOutput(req_ids=(), sampled_token_ids=())
-        out = jax.device_get(step.out)
+        try:
+            out = jax.device_get(step.out)
+        finally:
+            self.compiled.step_finished()
         b = self.batch
         tokens = out["token_ids"]
         if "num_emitted" in out:

@@ -140,29 +140,36 @@ def test_a_bucket_compiles_once_whoever_asks():
 
 
 def test_a_step_pads_up_to_a_ready_bucket_only_when_near():
-    steps, _ = _steps()
+    """A step pads up to a near compiled bucket while its own compiles in the background
+    (first in line, even while steps run); without one it compiles its own on the spot."""
+    steps, log = _steps()
+    steps.start_background([])  # (nothing proactive: only what steps ask for)
     assert steps.choose(16, 1, PLAIN) == (16, 1)  # nothing ready: its own (compiled by get)
-    steps.get(64, 4, PLAIN)
-    assert steps.choose(16, 1, PLAIN) == (64, 4)  # within 4x the tokens
+    steps.get(32, 4, PLAIN)
     assert steps.choose(16, 8, PLAIN) == (16, 8)  # not enough rows
-    assert steps.choose(8, 1, PLAIN) == (8, 1)  # 64 > 4 x 8 tokens: compiling is cheaper
+    assert steps.choose(8, 1, PLAIN) == (8, 1)  # 32 > 2 x 8 tokens: compiling is cheaper
     assert steps.choose(16, 1, StepFeatures(logprobs=True)) == (16, 1)  # another variant
     steps.get(32, 2, PLAIN)
-    assert steps.choose(16, 1, PLAIN) == (32, 2)  # the smallest that holds it
+    assert steps.choose(16, 1, PLAIN) == (32, 2)  # the smallest near one that holds it
     assert steps.choose(32, 2, PLAIN) == (32, 2)
-    assert steps.num_padded_steps == 2
+    assert steps.num_padded_steps == 1
+    deadline = time.time() + 10  # ... while (16, 1) compiles in the background
+    while (16, 1, PLAIN) not in steps and time.time() < deadline:
+        time.sleep(0.01)
+    assert steps.choose(16, 1, PLAIN) == (16, 1)
+    assert log.count((16, 1, PLAIN)) == 1
+    steps.close()
 
 
 def test_background_compiles_the_rest_and_stops_on_close():
     steps, log = _steps(delay=0.05)
     table = BucketTable.build(256, 8)
     start = table.start_pairs()
-    assert (16, 1) in start and (256, 1) in start and (16, 8) in start
-    assert all(r == 1 or t == 16 for t, r in start)
+    assert start == [(16, 1), (16, 2), (16, 4), (16, 8), (256, 1)]
     steps.warmup([(t, r, PLAIN) for t, r in start], num_threads=2)
     assert sorted(k[:2] for k in steps.keys()) == sorted(start)
     rest = [(t, r, PLAIN) for t, r in table.all_pairs() if (t, r) not in start]
-    steps.start_background(rest)
+    steps.start_background(rest)  # (no step yet: the engine is idle)
     deadline = time.time() + 20
     while steps.background_left and time.time() < deadline:
         time.sleep(0.02)
@@ -173,6 +180,19 @@ def test_background_compiles_the_rest_and_stops_on_close():
     time.sleep(0.1)
     slow.close()
     assert len(slow_log) <= 1  # (the bucket it was at when told to stop)
+    busy, busy_log = _steps()
+    busy.step_started()  # a step runs (however long): buckets nobody asked for wait
+    busy.start_background(rest, idle_seconds=0.3)
+    time.sleep(0.6)
+    assert busy_log == [] and busy.background_left == len(rest)
+    busy.step_finished()
+    time.sleep(0.15)
+    assert busy_log == []  # (idle, but not for 0.3 s yet)
+    deadline = time.time() + 10
+    while busy.background_left and time.time() < deadline:
+        time.sleep(0.02)
+    assert len(busy_log) == len(rest)  # ... until the engine has been idle a while
+    busy.close()
 
 
 def test_engine_serves_during_background_compilation(tmp_path, smollm2_dir, caplog):
