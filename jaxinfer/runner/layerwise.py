@@ -1,24 +1,27 @@
 """Layer-wise steps: compile cost independent of depth.
 
 A "whole" step is one XLA program with every decoder layer unrolled in it, so compiling a
-bucket costs about (layers x one layer) + the rest: 4-5 s per bucket for SmolLM2's 30 layers on
-the 2-core CPU, and ~53 buckets. A layer-wise step is three kinds of compiled program per
+bucket costs about (layers x one layer) + the rest: ~4.4 s per bucket for SmolLM2's 30 layers
+on the 2-core CPU, and ~53 buckets. A layer-wise step is three kinds of compiled program per
 bucket instead, each traced and compiled once:
 
 - head: the step's token ids (patched with the previous step's samples) -> embeddings and the
   rotary cos/sin;
-- layer: one decoder layer over the residual stream and its own KV cache (donated); the same
-  executable runs every layer of the model in turn (layers of one structure share it), and
-  every variant of the bucket (logprobs, penalties, ... change only the tail) shares it too;
+- runs of `group` consecutive decoder layers (layers_per_program, default 3) over the
+  residual stream and their own KV caches (donated); one executable runs every run of the
+  same structure in turn, with that run's weights, and every variant of the bucket
+  (logprobs, penalties, ... change only the tail) shares it;
 - tail: the final norm and step_fn.step_tail (LM head, sampling or verification, in-step
   drafting with a draft model or EAGLE head, which stay whole: they are small).
 
-So compiling a bucket costs one layer + the tail whatever the depth (SmolLM2: ~1.3 s, was
-~5.3 s). The price is L + 2 dispatches per step instead of one, each asynchronous (measured
-in benchmarks/results/layerwise_throughput_cpu.json). The host keeps the per-layer weights
-and KV caches it always had: nothing about loading, tensor-parallel shardings or the KV
-connectors changes. Under tensor parallelism the residual stream between layers is pinned
-replicated so every layer's executable sees the sharding it was compiled for.
+So compiling a bucket costs one run + the tail whatever the depth (SmolLM2: ~1.4 s). The price
+is L / group + 2 dispatches per step instead of one, each asynchronous; with group 3 the
+steady-state throughput measured within noise of whole steps on this CPU
+(benchmarks/results/layerwise_steady_state_cpu.json; one layer per program measured ~5%
+slower per step, a 30-layer program ~3x the compile time). The host keeps the per-layer
+weights and KV caches it always had: loading, tensor-parallel shardings and the KV connectors
+are unchanged. Under tensor parallelism the residual stream between runs is pinned replicated
+so every executable sees the sharding it was compiled for.
 """
 
 from __future__ import annotations
