@@ -15,11 +15,41 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Callable
 
 from jaxinfer.runner.step_inputs import StepFeatures
 
 logger = logging.getLogger(__name__)
+
+
+_STOP = object()
+# Engines with a background compiler: stopped at interpreter exit, before daemon threads are
+# torn down mid-compile (an abort). Weak: an engine dropped without shutdown goes away.
+_LIVE: "weakref.WeakSet[CompiledSteps]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for steps in list(_LIVE):
+        steps.close()
+
+
+def _background_loop(ref) -> None:
+    """The background compiler's thread: a weak reference to its CompiledSteps between
+    compiles, so it ends when they are closed or collected."""
+    _lower_this_threads_priority()
+    while True:
+        steps = ref()
+        if steps is None:
+            return
+        key = steps._next_key(wait=1.0)
+        if key is _STOP:
+            steps.background_left = 0
+            return
+        if key is not None:
+            steps._compile_in_background(key)
+        del steps
 
 
 def _lower_this_threads_priority() -> None:
@@ -54,6 +84,9 @@ class CompiledSteps:
         self._last_step = 0.0  # time.monotonic() of the last step started or finished
         self._steps_running = 0  # dispatched and not yet collected
         self.num_padded_steps = 0  # steps that ran in a larger ready bucket than their own
+        self._todo: list[tuple[int, int, StepFeatures]] = []  # background, when idle
+        self._idle_seconds = 0.5
+        self._background_done = 0
 
     def __contains__(self, key) -> bool:
         return key in self._compiled
@@ -145,54 +178,52 @@ class CompiledSteps:
         while they ran padded up (choose), then `keys` in order, but those only once no step
         has run for `idle_seconds`: compiling takes CPU that running steps would otherwise
         have (measured: 2x slower steps), so buckets nobody needs yet wait for an idle
-        engine."""
-        todo = [k for k in keys if k not in self._compiled]
+        engine. The thread holds this object only while it compiles: an engine dropped
+        without shutdown is still collected (and its thread ends)."""
         if self.multiprocess:
             return
-        self.background_left = len(todo)
-
-        def next_key():
-            with self._wake:
-                while not self._stop.is_set():
-                    if self._demanded:
-                        return self._demanded.pop(0)
-                    idle = self._idle_for()
-                    if todo and idle >= idle_seconds:
-                        return todo.pop(0)
-                    self._wake.wait(idle_seconds - idle if todo and idle < idle_seconds
-                                    else (1.0 if todo else None))
-            return None
-
-        def run():
-            _lower_this_threads_priority()
-            t0 = time.perf_counter()
-            done = 0
-            while (key := next_key()) is not None:
-                try:
-                    if key not in self._compiled:
-                        self.compile(*key)
-                        done += 1
-                except Exception:  # noqa: BLE001 - that bucket compiles on first use instead
-                    logger.exception("background compilation of bucket %s failed", key[:2])
-                self.background_left = len(todo)  # (after the compile: none left = all done)
-                if not todo and not self._demanded and done:
-                    logger.info("compiled %d more buckets in the background (%.1fs since "
-                                "start-up)", done, time.perf_counter() - t0)
-                    done = 0
-            self.background_left = 0
-
-        self._background = threading.Thread(target=run, name="jaxinfer-bg-compile",
-                                            daemon=True)
+        self._todo = [k for k in keys if k not in self._compiled]
+        self.background_left = len(self._todo)
+        self._idle_seconds = idle_seconds
+        _LIVE.add(self)
+        self._background = threading.Thread(target=_background_loop,
+                                            args=(weakref.ref(self),),
+                                            name="jaxinfer-bg-compile", daemon=True)
         self._background.start()
-        # At interpreter exit, before daemon threads are torn down mid-compile (an abort).
-        atexit.register(self.close)
+
+    def _next_key(self, wait: float):
+        """The next key to compile, None if there is none within `wait` seconds, or _STOP."""
+        with self._wake:
+            if self._stop.is_set():
+                return _STOP
+            if self._demanded:
+                return self._demanded.pop(0)
+            idle = self._idle_for()
+            if self._todo and idle >= self._idle_seconds:
+                return self._todo.pop(0)
+            self._wake.wait(min(wait, self._idle_seconds - idle) if self._todo else wait)
+            return _STOP if self._stop.is_set() else None
+
+    def _compile_in_background(self, key) -> None:
+        try:
+            if key not in self._compiled:
+                self.compile(*key)
+                self._background_done += 1
+        except Exception:  # noqa: BLE001 - that bucket compiles on first use instead
+            logger.exception("background compilation of bucket %s failed", key[:2])
+        self.background_left = len(self._todo)  # (after the compile: none left = all done)
+        if not self._todo and not self._demanded and self._background_done:
+            logger.info("compiled %d more buckets in the background",
+                        self._background_done)
+            self._background_done = 0
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the background compilation (after the bucket it is at)."""
         self._stop.set()
         with self._wake:
             self._wake.notify_all()
-        if self._background is not None:
+        _LIVE.discard(self)
+        if self._background is not None and self._background is not threading.current_thread():
             self._background.join(timeout)
 
     def warmup(self, keys: list[tuple[int, int, StepFeatures]], progress=None,

@@ -195,6 +195,27 @@ def test_background_compiles_the_rest_and_stops_on_close():
     busy.close()
 
 
+def test_a_dropped_engines_background_compiler_ends():
+    """The background thread holds its CompiledSteps (hence the runner, weights and KV cache)
+    only while it compiles: dropped without close(), they are collected and the thread ends."""
+    import gc
+    import weakref
+
+    steps, _ = _steps()
+    steps.start_background([(16, 1, PLAIN)], idle_seconds=0.0)
+    thread, ref = steps._background, weakref.ref(steps)
+    deadline = time.time() + 10
+    while steps.background_left and time.time() < deadline:
+        time.sleep(0.01)
+    del steps
+    while ref() is not None and time.time() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert ref() is None
+    thread.join(5)
+    assert not thread.is_alive()
+
+
 def test_engine_serves_during_background_compilation(tmp_path, smollm2_dir, caplog):
     """warmup_buckets="start": only the start-up set is compiled when the engine is ready;
     requests are served (same outputs as with every bucket compiled first) while the rest
