@@ -64,9 +64,7 @@ class PipelineStage(nnx.Module):
         residual stream (last stage: normalised) and the stage's updated KV caches."""
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
-        cfg = self.config
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
-                                                         cfg.rope_scaling))
+        cos, sin = self.rope(positions)
         new = []
         for layer, kv in zip(self.layers, kv_caches):
             x, kv = layer(x, cos, sin, kv, md)
@@ -74,6 +72,12 @@ class PipelineStage(nnx.Module):
         if self.norm is not None:
             x = self.norm(x)
         return x, new
+
+    def rope(self, positions):
+        """positions int32 [T] -> the rotary cos, sin of this stage's layers [T, D/2]."""
+        cfg = self.config
+        return rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
+                                                     cfg.rope_scaling))
 
     def compute_logits(self, hidden):
         import jax.numpy as jnp

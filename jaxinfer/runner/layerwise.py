@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.layers import module_list
-from jaxinfer.runner.step_fn import step_input_ids, step_tail
+from jaxinfer.runner.step_fn import _sample, step_input_ids, step_tail
 from jaxinfer.runner.step_inputs import StepBatch, StepFeatures
 
 
@@ -55,15 +55,18 @@ class LayerwiseModel:
     `group` consecutive layers (a new run also starts at each aux layer, whose input EAGLE-3
     reads). Runs whose layers have the same structures share one executable (a "kind")."""
 
-    def __init__(self, model, group: int = 1, aux_layers: tuple[int, ...] = ()):
+    def __init__(self, model, group: int = 1, aux_layers: tuple[int, ...] = (),
+                 container=None):
+        """container: what holds `.layers` (default model.model; a pipeline stage itself)."""
         if group < 1:
             raise ValueError(f"layers_per_program must be >= 1, got {group}")
-        layers = list(model.model.layers)
-        model.model.layers = module_list([])
+        container = model.model if container is None else container
+        layers = list(container.layers)
+        container.layers = module_list([])
         try:
             self.shell_graphdef, self.shell_state = nnx.split(model)
         finally:
-            model.model.layers = module_list(layers)
+            container.layers = module_list(layers)
         self.mesh = model.mesh
         self.num_layers = len(layers)
         graphdefs, treedefs, self.layer_leaves = [], [], []
@@ -233,3 +236,95 @@ class LayerwiseCompiled:
                                                  sampler_state, batch, x, ids,
                                                  tuple(aux[i] for i in self.aux_layers))
         return out, (new_kv if not self.has_draft else (new_kv, draft_kv)), sampler_state
+
+
+# -- pipeline parallelism: each stage layer-wise ------------------------------------------------
+
+def _stage_head(shell_graphdef, shell_state, first, positions):
+    """Stage 0: token ids -> embeddings; later stages: the residual stream as it came. Both:
+    the rotary tables of the step's positions."""
+    stage = nnx.merge(shell_graphdef, shell_state)
+    x = stage.embed_tokens(first) if stage.embed_tokens is not None else first
+    cos, sin = stage.rope(positions)
+    mesh = stage.mesh
+    return _replicated(mesh, x), _replicated(mesh, cos), _replicated(mesh, sin)
+
+
+def _stage_tail(shell_graphdef, shell_state, sampler_state, batch: StepBatch, x, *,
+                features: StepFeatures):
+    stage = nnx.merge(shell_graphdef, shell_state)
+    return _sample(stage, stage.norm(x), batch.input_ids, sampler_state, batch, features)
+
+
+class PipelineStageSteps:
+    """One pipeline stage (this process's) compiled layer-wise: a head, its runs of layers and,
+    on the last stage, the tail. Its compiled step is called as the whole stage function is
+    (pipeline_plan.PipelineCompiled); the weights are the stage's own, held here."""
+
+    def __init__(self, stage, group: int, first: bool, last: bool):
+        self.lm = LayerwiseModel(stage, group, container=stage)
+        self.first, self.last = first, last
+
+    def lower(self, kv_caches, example: StepBatch, x, sampler_state, features: StepFeatures):
+        lm = self.lm
+        first = example.input_ids if self.first else x
+        head_fn = partial(_stage_head, lm.shell_graphdef)
+        head = jax.jit(head_fn).lower(lm.shell_state, first, example.positions)
+        sharding = None if lm.mesh is None else NamedSharding(lm.mesh, P())
+        xs, cos, sin = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+                        for a in jax.eval_shape(head_fn, lm.shell_state, first,
+                                                example.positions))
+        runs = []
+        for kind in lm.kinds:  # (one lowering per kind; compiled at compile())
+            a, b = lm.runs[lm.run_kind.index(lm.kinds.index(kind))]
+            fn = jax.jit(partial(_layers, kind, lm.mesh), donate_argnums=(4,))
+            runs.append(fn.lower(lm.layer_leaves[a:b], xs, cos, sin, kv_caches[a:b],
+                                 example.attn))
+        tail = None
+        if self.last:
+            tail = jax.jit(partial(_stage_tail, lm.shell_graphdef, features=features),
+                           donate_argnums=(1,)).lower(lm.shell_state, sampler_state, example,
+                                                      xs)
+            out_info = (tail.out_info[0], kv_caches, tail.out_info[1])
+        else:
+            out_info = (xs, kv_caches)
+        return _StageLowered(self, head, runs, tail, out_info)
+
+
+class _StageLowered:
+    def __init__(self, steps: PipelineStageSteps, head, runs, tail, out_info):
+        self.steps, self.head, self.runs, self.tail = steps, head, runs, tail
+        self.out_info = out_info
+
+    def compile(self) -> "_StageCompiled":
+        return _StageCompiled(self.steps, self.head.compile(),
+                              [lo.compile() for lo in self.runs],
+                              self.tail.compile() if self.tail is not None else None)
+
+
+class _StageCompiled:
+    """Called as pipeline_plan calls a whole stage: (params, kv, batch[, x]) -> (x, kv), the
+    last stage (params, kv, sampler_state, batch, x) -> (out, kv, sampler_state). `params`
+    are the stage's weights, the same arrays as the leaves held here."""
+
+    def __init__(self, steps: PipelineStageSteps, head, runs, tail):
+        lm = steps.lm
+        self.shell_state, self.leaves = lm.shell_state, lm.layer_leaves
+        self.head, self.tail, self.last = head, tail, steps.last
+        self.runs = [(runs[k], a, b) for (a, b), k in zip(lm.runs, lm.run_kind)]
+
+    def __call__(self, params, kv, *rest):
+        if self.last:
+            sampler_state, batch, x = rest
+        else:
+            batch, x = rest[0], (rest[1] if len(rest) > 1 else None)
+        first = batch.input_ids if x is None else x
+        x, cos, sin = self.head(self.shell_state, first, batch.positions)
+        new_kv = []
+        for fn, a, b in self.runs:
+            x, caches = fn(self.leaves[a:b], x, cos, sin, kv[a:b], batch.attn)
+            new_kv.extend(caches)
+        if not self.last:
+            return x, new_kv
+        out, sampler_state = self.tail(self.shell_state, sampler_state, batch, x)
+        return out, new_kv, sampler_state

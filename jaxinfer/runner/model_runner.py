@@ -43,8 +43,9 @@ class ModelRunner:
                  step_compilation: str = "whole", layers_per_program: int = 1):
         """model: the model, or (pipeline parallelism) its list of PipelineStages, stage s on
         the devices stage_devices[s]. step_compilation: "whole" (a step is one program, every
-        layer unrolled in it) or "layerwise" (one layer compiled once, run L times: compile
-        time independent of depth; layerwise.py). Pipeline stages compile whole."""
+        layer unrolled in it) or "layerwise" (runs of layers_per_program layers, each run's
+        program compiled once: compile time independent of depth; layerwise.py; pipeline
+        stages too, each on its own)."""
         self.stages = model if isinstance(model, list) else None
         if self.stages is not None:
             self._init_pipeline(self.stages, stage_devices)
@@ -132,6 +133,14 @@ class ModelRunner:
             raise ValueError(f"step_compilation={step_compilation!r} is not supported "
                              "(supported: whole, layerwise)")
         self.layerwise = None
+        self._stage_layerwise = None
+        if step_compilation == "layerwise" and self.stages is not None:
+            from jaxinfer.runner.layerwise import PipelineStageSteps
+
+            last = len(self.stages) - 1
+            self._stage_layerwise = [
+                PipelineStageSteps(st, layers_per_program, s == 0, s == last)
+                if self._plan.local[s] else None for s, st in enumerate(self.stages)]
         if step_compilation == "layerwise" and self.stages is None:
             from jaxinfer.runner.layerwise import LayerwiseSteps
 
@@ -139,7 +148,8 @@ class ModelRunner:
                 model, draft_graphdef=self.draft_graphdef, draft_kind=self.draft_kind,
                 aux_layers=tuple(eagle_head.aux_layers) if eagle_head is not None else (),
                 max_model_len=max_model_len, group=layers_per_program)
-        self.step_compilation = "layerwise" if self.layerwise is not None else "whole"
+        self.step_compilation = ("layerwise" if self.layerwise is not None
+                                 or self._stage_layerwise is not None else "whole")
         self.compiled = CompiledSteps(self._lower, self.base_features, self._multiprocess)
 
     def _init_pipeline(self, stages, groups) -> None:
@@ -196,7 +206,8 @@ class ModelRunner:
         if self.stages is not None:
             kv_caches = kv[0] if self.draft_graphdef is not None else kv
             return lower_pipeline(self.graphdef, self.state, kv_caches, sampler_state,
-                                  self._plan, self._stage_targets, example, features)
+                                  self._plan, self._stage_targets, example, features,
+                                  self._stage_layerwise)
         if self.layerwise is not None:
             return self.layerwise.lower(t, r, features, self._params(), kv, sampler_state,
                                         example)

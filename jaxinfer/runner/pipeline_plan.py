@@ -135,10 +135,12 @@ class PipelineCompiled:
 
 
 def lower_pipeline(graphdefs: list, states: list, kv_caches: list, sampler_state, plan,
-                   stage_targets: list, examples: list, features) -> PipelineLowered:
+                   stage_targets: list, examples: list, features,
+                   layerwise: list | None = None) -> PipelineLowered:
     """Lower one bucket's stage functions: stage s < P - 1 (layers over the residual stream,
     stage 0 from the token ids), then the last (layers, norm, LM head, sampler). Another
-    process's stage is only shape-evaluated (its output shapes feed the transport)."""
+    process's stage is only shape-evaluated (its output shapes feed the transport).
+    layerwise: per stage, its layerwise.PipelineStageSteps (None: the stage compiles whole)."""
     if features.spec:
         raise ValueError("speculative decoding is not supported with pipeline parallelism")
     lowered, x = [], None
@@ -157,7 +159,11 @@ def lower_pipeline(graphdefs: list, states: list, kv_caches: list, sampler_state
         else:
             fn = jax.jit(partial(pp_last, graphdef, features=features), donate_argnums=(1, 2))
             args = (state, kv_caches[s], sampler_state, examples[s], x)
-        if plan.local[s]:
+        if plan.local[s] and layerwise is not None and layerwise[s] is not None:
+            lowered.append(layerwise[s].lower(kv_caches[s], examples[s], x, sampler_state,
+                                              features))
+            info = lowered[-1].out_info
+        elif plan.local[s]:
             lowered.append(fn.lower(*args))
             info = lowered[-1].out_info
         else:  # another process's stage: its output shapes only

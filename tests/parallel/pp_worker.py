@@ -9,6 +9,7 @@ preempt and a token budget small enough to chunk prefills, as JSON on stdout.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -41,6 +42,7 @@ def main():
                   tensor_parallel_size=tp, pp_layer_partition=partition, max_model_len=64,
                   max_num_seqs=4, max_num_batched_tokens=16, warmup=False,
                   num_kv_blocks=24 if smollm2 else 9, block_size=8,
+                  step_compilation=os.environ.get("PP_STEP_COMPILATION", "auto"),
                   enable_multiprocessing=False)  # the test reads the core
     except ValueError as e:
         print(json.dumps({"error": str(e)}))
@@ -76,6 +78,7 @@ def main():
         "num_preemptions": core.scheduler.num_preemptions,
         "leaked": core.leak_report(),
         "partition": core.pp_partition,
+        "step_compilation": core.runner.step_compilation,
         "max_in_flight": core.max_batches_in_flight,
         "overlap": any(seen_overlap),
         "stage_devices": [_devices(jax.tree.leaves(st)[0]) for st in runner.state]

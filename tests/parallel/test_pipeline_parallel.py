@@ -103,9 +103,10 @@ def test_scheduler_batch_queue_keeps_batches_disjoint():
     assert s.kv.get_num_free_blocks() == 13
 
 
-def run_pp(model_dir, pp, tp=1, partition="-", mode="tiny", devices=4):
+def run_pp(model_dir, pp, tp=1, partition="-", mode="tiny", devices=4,
+           step_compilation="auto"):
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "PP_STEP_COMPILATION": step_compilation}
     env.pop("JAXINFER_PP_LAYER_PARTITION", None)
     out = subprocess.run([sys.executable, "tests/parallel/pp_worker.py", model_dir, str(pp),
                           str(tp), partition, mode], cwd=ROOT, env=env, capture_output=True,
@@ -129,11 +130,14 @@ _PP_CASES = {"ci": ((2, 1, "-", [3, 2]), (2, 2, "-", [3, 2])),
 @pytest.mark.parametrize("cases", [
     "ci", pytest.param("slow", marks=pytest.mark.slow)])  # (suite time: PP=3 and 4+1 slow)
 def test_pp_matches_single_stage(tmp_path, smollm2_dir, cases):
+    """(The stages compile layer-wise, the CPU default; the reference compiles whole steps.)"""
     make_tiny_model_dir(tmp_path, "llama", smollm2_dir, num_hidden_layers=5)
-    base = run_pp(str(tmp_path), 1)
+    base = run_pp(str(tmp_path), 1, step_compilation="whole")
     assert base["num_preemptions"] > 0 and not base["leaked"]
+    assert base["step_compilation"] == "whole"
     for pp, tp, partition, parts in _PP_CASES[cases]:
         got = run_pp(str(tmp_path), pp, tp, partition)
+        assert got["step_compilation"] == "layerwise"
         _same(got, base)
         assert got["partition"] == parts and got["max_in_flight"] == pp
         # Each stage on its own devices: weights and KV cache; embedding first, head last.
@@ -195,6 +199,7 @@ def test_pp_across_two_processes_matches_one(tmp_path, smollm2_dir):
         assert p.returncode == 0, err[-3000:]
     driver = json.loads(outs[0][0].strip().splitlines()[-1])
     assert json.loads(outs[1][0].strip().splitlines()[-1]) == {"worker": 1}
+    assert driver["step_compilation"] == "layerwise"  # (stage 0 here; stage 1 remote)
     _same(driver, base)
     assert driver["partition"] == [3, 2] and driver["max_in_flight"] == 2
     assert driver["stage_devices"] == [["cpu:0", "cpu:1"], "remote"]
