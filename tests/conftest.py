@@ -4,6 +4,10 @@ import os
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines compile in the background only the buckets their steps ask for: idle engines held
+# by fixtures would otherwise compile every other bucket beside the next tests (the tests of
+# background compilation itself turn it back on).
+os.environ.setdefault("JAXINFER_BACKGROUND_COMPILE", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -216,10 +216,12 @@ def test_a_dropped_engines_background_compiler_ends():
     assert not thread.is_alive()
 
 
-def test_engine_serves_during_background_compilation(tmp_path, smollm2_dir, caplog):
+def test_engine_serves_during_background_compilation(tmp_path, smollm2_dir, caplog,
+                                                      monkeypatch):
     """warmup_buckets="start": only the start-up set is compiled when the engine is ready;
     requests are served (same outputs as with every bucket compiled first) while the rest
     compile in the background, which ends with every bucket compiled."""
+    monkeypatch.setenv("JAXINFER_BACKGROUND_COMPILE", "1")  # (conftest turns it off)
     make_tiny_model_dir(tmp_path, "llama", smollm2_dir, sharpen=2.0)
     prompts = [{"prompt_token_ids": [300 + 11 * i + j for j in range(5 + 13 * i)]}
                for i in range(4)]
