@@ -43,12 +43,11 @@ class BucketTable:
 
     def start_pairs(self) -> list[tuple[int, int]]:
         """The buckets compiled before an engine serves (the others compile when first used
-        or in the background): the smallest token bucket for every request count it holds
-        (decode steps: every running batch needs one, every step) and the largest token
-        bucket for one sequence (a long prompt's chunks). A shorter first prompt compiles
-        its own bucket when it comes (~2 s here) rather than every size at start-up."""
-        t0, t_max = self.token_buckets[0], self.token_buckets[-1]
-        return [(t, r) for t, r in self.all_pairs() if t == t0 or (t, r) == (t_max, 1)]
+        or in the background): the smallest token bucket for every request count it holds,
+        which every decode step uses. A first prompt compiles its own bucket when it comes
+        (~2 s here); nobody waits for the largest buckets at start-up."""
+        t0 = self.token_buckets[0]
+        return [(t, r) for t, r in self.all_pairs() if t == t0]
 
     def all_pairs(self) -> list[tuple[int, int]]:
         """Every (T, R) a step can map to: R up to the first request bucket >= T."""
