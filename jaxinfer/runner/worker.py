@@ -66,12 +66,28 @@ def enable_compilation_cache(path: str | None) -> None:
     if path is None:
         path = os.environ.get("JAXINFER_COMPILATION_CACHE_DIR")
     if path == "":
+        _use_cache_dir(None)
         return
     path = path or os.path.join(cache_dir(), "xla")
     os.makedirs(path, exist_ok=True)
     drop_corrupt_cache_entries(path)
-    jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _use_cache_dir(path)
+
+
+def _use_cache_dir(path: str | None) -> None:
+    """Point JAX's persistent cache at `path` (None: off). JAX opens its cache once per
+    process and ignores a later change of the directory, so an engine that asks for another
+    one (or for none) resets it."""
+    if jax.config.jax_compilation_cache_dir == path:
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    try:
+        from jax._src import compilation_cache
+
+        compilation_cache.reset_cache()
+    except (ImportError, AttributeError):  # (another JAX: the first directory stays)
+        logger.warning("could not switch the persistent compilation cache to %s", path)
 
 
 _VERIFIED = "jaxinfer-verified.json"

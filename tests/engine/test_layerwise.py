@@ -302,3 +302,23 @@ def test_corrupt_compile_cache_is_rebuilt(tmp_path, smollm2_dir, caplog):
     assert got == want and counts["compile_cache_hits"] < counts["compile_cache_requests"]
     got, counts = start()
     assert got == want and counts["compile_cache_hits"] == counts["compile_cache_requests"] > 0
+
+
+def test_each_engine_uses_the_cache_directory_it_asks_for(tmp_path, smollm2_dir):
+    """JAX opens its persistent cache once per process; engines of one process that ask for
+    different directories (or none) still get them."""
+    make_tiny_model_dir(tmp_path / "m", "llama", smollm2_dir)
+    opts = {**OPTS, "max_num_batched_tokens": 16, "max_num_seqs": 2}
+
+    def files(d):
+        return sorted(p.name for p in d.rglob("*-cache")) if d.exists() else []
+
+    for name in ("a", "b"):
+        llm = LLM(str(tmp_path / "m"), warmup=True, compilation_cache_dir=str(tmp_path / name),
+                  **{k: v for k, v in opts.items() if k != "compilation_cache_dir"})
+        llm.shutdown()
+        assert files(tmp_path / name)
+    before = files(tmp_path / "b")
+    llm = LLM(str(tmp_path / "m"), warmup=True, **{**opts, "max_num_seqs": 1})  # cache off
+    llm.shutdown()
+    assert files(tmp_path / "b") == before
