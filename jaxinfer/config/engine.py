@@ -231,17 +231,22 @@ class ResolvedConfig:
 
 
 def add_compilation_args(parser) -> None:
-    """The start-up flags every command shares (argparse): --step-compilation and
-    --warmup-buckets (EngineConfig's fields of the same names)."""
-    parser.add_argument("--step-compilation", default="auto", choices=STEP_COMPILATIONS,
+    """The start-up flags every command shares (argparse): --step-compilation,
+    --layers-per-program and --warmup-buckets (EngineConfig's fields, with its defaults)."""
+    parser.add_argument("--step-compilation", default=EngineConfig.step_compilation,
+                        choices=STEP_COMPILATIONS,
                         help="whole: a step is one program, every layer unrolled; layerwise: "
-                             "one layer compiled once, run L times (compile time independent "
-                             "of depth); auto: layerwise on CPU, whole on GPU")
-    parser.add_argument("--layers-per-program", type=int, default=3,
-                        help="layerwise: decoder layers per compiled program (default 3)")
-    parser.add_argument("--warmup-buckets", default="start", choices=WARMUP_BUCKETS,
-                        help="start: compile a few small buckets before serving and the rest "
-                             "in the background; all: every bucket before serving")
+                             "runs of layers compiled once (compile time independent of "
+                             "depth); auto: layerwise on CPU, whole on GPU")
+    parser.add_argument("--layers-per-program", type=int,
+                        default=EngineConfig.layers_per_program,
+                        help="layerwise: decoder layers per compiled program (default "
+                             f"{EngineConfig.layers_per_program})")
+    parser.add_argument("--warmup-buckets", default=EngineConfig.warmup_buckets,
+                        choices=WARMUP_BUCKETS,
+                        help="start: compile the decode buckets before serving and the rest "
+                             "when first used or in the background; all: every bucket before "
+                             "serving")
 
 
 def _generation_eos_ids(model_dir: str) -> tuple[int, ...]:

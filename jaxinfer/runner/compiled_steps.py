@@ -23,6 +23,15 @@ from jaxinfer.runner.step_inputs import StepFeatures
 logger = logging.getLogger(__name__)
 
 
+def background_compile_enabled() -> bool:
+    """JAXINFER_BACKGROUND_COMPILE: "1" (default) compiles buckets nobody asked for yet when
+    the engine is idle; "0" only the buckets steps ask for. Anything else is refused."""
+    value = os.environ.get("JAXINFER_BACKGROUND_COMPILE", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"JAXINFER_BACKGROUND_COMPILE={value!r}: use 0 or 1")
+    return value == "1"
+
+
 _STOP = object()
 # Engines with a background compiler: stopped at interpreter exit, before daemon threads are
 # torn down mid-compile (an abort). Weak: an engine dropped without shutdown goes away.

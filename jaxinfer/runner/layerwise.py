@@ -118,6 +118,33 @@ def _layers(kind, mesh, leaves, x, cos, sin, kv_caches, md):
     return _replicated(mesh, x), tuple(new)
 
 
+def _lower_runs(lm: LayerwiseModel, x, cos, sin, kv_caches, md) -> list:
+    """One lowered program per kind of run (x, cos, sin: shapes; kv_caches: the model's)."""
+    lowered = []
+    for k, kind in enumerate(lm.kinds):
+        a, b = lm.runs[lm.run_kind.index(k)]
+        fn = jax.jit(partial(_layers, kind, lm.mesh), donate_argnums=(4,))
+        lowered.append(fn.lower(lm.layer_leaves[a:b], x, cos, sin, kv_caches[a:b], md))
+    return lowered
+
+
+def _run_all(runs, leaves, x, cos, sin, kv_caches, md, aux_layers=(), aux=None):
+    """Dispatch every run in turn: (x, the new KV caches). With aux_layers, the residual
+    stream entering each of them goes into `aux` (runs start at aux layers)."""
+    new_kv = []
+    for fn, a, b in runs:
+        if a in aux_layers:
+            aux[a] = x
+        x, caches = fn(leaves[a:b], x, cos, sin, kv_caches[a:b], md)
+        new_kv.extend(caches)
+    return x, new_kv
+
+
+def _bind_runs(lm: LayerwiseModel, compiled: list) -> list:
+    """Per run of the model: (its kind's executable, first layer, end)."""
+    return [(compiled[k], a, b) for (a, b), k in zip(lm.runs, lm.run_kind)]
+
+
 def _tail(shell_graphdef, draft_graphdef, shell_state, draft_state, draft_kv, sampler_state,
           batch: StepBatch, x, input_ids, aux, *, features: StepFeatures, draft_kind: str,
           max_model_len: int):
@@ -159,13 +186,10 @@ class LayerwiseSteps:
         with lock:
             got = self._shared.get((t, r))
             if got is None:
-                head_args, layer_args = args
+                head_args, (x, cos, sin, kv_caches, md) = args
                 lm = self.lm
                 head = jax.jit(partial(_head, lm.shell_graphdef)).lower(*head_args).compile()
-                layers = []
-                for kind, args in zip(lm.kinds, layer_args):
-                    fn = jax.jit(partial(_layers, kind, lm.mesh), donate_argnums=(4,))
-                    layers.append(fn.lower(*args).compile())
+                layers = [lo.compile() for lo in _lower_runs(lm, x, cos, sin, kv_caches, md)]
                 got = self._shared[(t, r)] = (head, layers)
             return got
 
@@ -182,11 +206,7 @@ class LayerwiseSteps:
         ids, x, cos, sin = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
                             for a in jax.eval_shape(partial(_head, lm.shell_graphdef),
                                                     *head_args))
-        layer_args = []
-        for kind in range(len(lm.kinds)):
-            a, b = lm.runs[lm.run_kind.index(kind)]
-            layer_args.append((lm.layer_leaves[a:b], x, cos, sin, kv_caches[a:b],
-                               example.attn))
+        layer_args = (x, cos, sin, kv_caches, example.attn)
         tail = jax.jit(partial(_tail, lm.shell_graphdef, self.draft_graphdef,
                                features=features, draft_kind=self.draft_kind,
                                max_model_len=self.max_model_len),
@@ -214,7 +234,7 @@ class LayerwiseCompiled:
         self.head, self.layers, self.tail = head, layers, tail
         lm = steps.lm
         # Per run: its executable, its layers' leaves' indices.
-        self.runs = [(layers[k], a, b) for (a, b), k in zip(lm.runs, lm.run_kind)]
+        self.runs = _bind_runs(lm, layers)
         self.aux_layers = steps.aux_layers
         self.has_draft = steps.draft_graphdef is not None
 
@@ -225,13 +245,9 @@ class LayerwiseCompiled:
         ids, x, cos, sin = self.head(shell_state, sampler_state[2], batch.input_ids,
                                      batch.from_last_sampled, batch.token_slots,
                                      batch.positions)
-        md = batch.attn
-        new_kv, aux = [], {}
-        for fn, a, b in self.runs:
-            if a in self.aux_layers:  # (EAGLE-3: the residual stream entering layer a)
-                aux[a] = x
-            x, caches = fn(layer_leaves[a:b], x, cos, sin, kv_caches[a:b], md)
-            new_kv.extend(caches)
+        aux = {}  # (EAGLE-3: the residual stream entering each aux layer)
+        x, new_kv = _run_all(self.runs, layer_leaves, x, cos, sin, kv_caches, batch.attn,
+                             self.aux_layers, aux)
         out, draft_kv, sampler_state = self.tail(shell_state, draft_state, draft_kv,
                                                  sampler_state, batch, x, ids,
                                                  tuple(aux[i] for i in self.aux_layers))
@@ -274,12 +290,7 @@ class PipelineStageSteps:
         xs, cos, sin = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
                         for a in jax.eval_shape(head_fn, lm.shell_state, first,
                                                 example.positions))
-        runs = []
-        for kind in lm.kinds:  # (one lowering per kind; compiled at compile())
-            a, b = lm.runs[lm.run_kind.index(lm.kinds.index(kind))]
-            fn = jax.jit(partial(_layers, kind, lm.mesh), donate_argnums=(4,))
-            runs.append(fn.lower(lm.layer_leaves[a:b], xs, cos, sin, kv_caches[a:b],
-                                 example.attn))
+        runs = _lower_runs(lm, xs, cos, sin, kv_caches, example.attn)
         tail = None
         if self.last:
             tail = jax.jit(partial(_stage_tail, lm.shell_graphdef, features=features),
@@ -311,7 +322,7 @@ class _StageCompiled:
         lm = steps.lm
         self.shell_state, self.leaves = lm.shell_state, lm.layer_leaves
         self.head, self.tail, self.last = head, tail, steps.last
-        self.runs = [(runs[k], a, b) for (a, b), k in zip(lm.runs, lm.run_kind)]
+        self.runs = _bind_runs(lm, runs)
 
     def __call__(self, params, kv, *rest):
         if self.last:
@@ -320,10 +331,7 @@ class _StageCompiled:
             batch, x = rest[0], (rest[1] if len(rest) > 1 else None)
         first = batch.input_ids if x is None else x
         x, cos, sin = self.head(self.shell_state, first, batch.positions)
-        new_kv = []
-        for fn, a, b in self.runs:
-            x, caches = fn(self.leaves[a:b], x, cos, sin, kv[a:b], batch.attn)
-            new_kv.extend(caches)
+        x, new_kv = _run_all(self.runs, self.leaves, x, cos, sin, kv, batch.attn)
         if not self.last:
             return x, new_kv
         out, sampler_state = self.tail(self.shell_state, sampler_state, batch, x)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -24,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.outputs import Logprobs, RunnerOutput, SchedulerOutput
 from jaxinfer.runner.buckets import BucketTable
-from jaxinfer.runner.compiled_steps import CompiledSteps
+from jaxinfer.runner.compiled_steps import CompiledSteps, background_compile_enabled
 from jaxinfer.runner.input_batch import InputBatch
 from jaxinfer.runner.kv_cache import allocate_kv_caches
 from jaxinfer.runner.multihost import broadcast_step, receive_step
@@ -254,7 +253,7 @@ class ModelRunner:
         self.compiled.warmup([(t, r, f) for f in bases for t, r in first], progress,
                              num_threads)
         rest = [(t, r, f) for t, r in pairs for f in bases if (t, r) not in first]
-        if os.environ.get("JAXINFER_BACKGROUND_COMPILE", "1") == "0":
+        if not background_compile_enabled():
             rest = []  # (only the buckets steps ask for: the test suite's setting)
         self.compiled.start_background(rest)
 

@@ -258,7 +258,7 @@ class Worker:
     def step_compilation(self) -> str:
         """The engine's step_compilation with "auto" resolved: layerwise on CPU (compile time
         independent of depth, throughput within noise: benchmarks/results/
-        layerwise_throughput_cpu.json), whole on GPU (one program per step, as CUDA graphs
+        layerwise_steady_state_cpu.json), whole on GPU (one program per step, as CUDA graphs
         would: L dispatches per step cost more there than the compile time they save)."""
         mode = self.resolved.engine.step_compilation
         if mode == "auto":

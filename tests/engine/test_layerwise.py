@@ -195,6 +195,17 @@ def test_background_compiles_the_rest_and_stops_on_close():
     busy.close()
 
 
+def test_background_compile_switch_is_0_or_1(monkeypatch):
+    from jaxinfer.runner.compiled_steps import background_compile_enabled
+
+    for value, want in (("0", False), ("1", True), (" 1 ", True)):
+        monkeypatch.setenv("JAXINFER_BACKGROUND_COMPILE", value)
+        assert background_compile_enabled() is want
+    monkeypatch.setenv("JAXINFER_BACKGROUND_COMPILE", "false")
+    with pytest.raises(ValueError, match="JAXINFER_BACKGROUND_COMPILE='false': use 0 or 1"):
+        background_compile_enabled()
+
+
 def test_a_dropped_engines_background_compiler_ends():
     """The background thread holds its CompiledSteps (hence the runner, weights and KV cache)
     only while it compiles: dropped without close(), they are collected and the thread ends."""
