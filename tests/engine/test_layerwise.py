@@ -8,7 +8,6 @@ import logging
 import threading
 import time
 
-import jax
 import pytest
 
 from jaxinfer import LLM, SamplingParams
@@ -277,7 +276,6 @@ def test_warm_start_compiles_nothing(tmp_path, smollm2_dir):
     assert cold["compile_cache_hits"] < cold["compile_cache_requests"] // 2
     assert warm["compile_cache_requests"] == cold["compile_cache_requests"]
     assert warm["compile_cache_hits"] == warm["compile_cache_requests"]
-    assert jax.default_backend() == "cpu"
 
 
 def test_corrupt_compile_cache_is_rebuilt(tmp_path, smollm2_dir, caplog):
