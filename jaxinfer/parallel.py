@@ -66,11 +66,12 @@ def param_spec(name: str, shape: tuple[int, ...], tp: int) -> P:
     """PartitionSpec of a parameter from its (HF-style) name; our Linear weights are [in, out]."""
     if tp == 1:
         return P()
-    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
-                      "up_proj.weight")):
-        return P(None, TP)
-    if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
-        return P(TP)
+    if name.endswith("qkv_proj.weight"):  # [in, Hkv, (G+2)*D]: by KV head with its group
+        return P(None, TP, None)
+    if name.endswith("qkv_proj.bias"):  # [Hkv, (G+2)*D]
+        return P(TP, None)
+    if name.endswith("gate_up_proj.weight"):  # [in, 2, I]
+        return P(None, None, TP)
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return P(TP, None)
     if name.endswith("embed_tokens.weight"):

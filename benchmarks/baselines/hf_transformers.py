@@ -59,6 +59,10 @@ def main(argv=None) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
 
+    if args.mode == "static" and reqs:  # warm-up (one-time allocations), untimed
+        with torch.no_grad():
+            model.generate(torch.tensor([reqs[0].prompt_token_ids], device=device),
+                           do_sample=False, max_new_tokens=2, pad_token_id=pad)
     n_out = 0
     t0 = time.perf_counter()
     if args.mode == "static":
@@ -98,7 +102,7 @@ def main(argv=None) -> dict:
               "batch_size": args.batch_size if args.mode == "static" else None,
               "note": "static batches generate max(output_len) per batch; only the requested "
                       "tokens are counted",
-              "environment": {"torch": torch.__version__,
+              "environment": {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                               "transformers": transformers.__version__, "device": device,
                               "dtype": args.dtype, "python": platform.python_version()}}
     print(f"[{result['baseline']}] {result['requests_per_second']:.2f} requests/s, "

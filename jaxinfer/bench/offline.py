@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from jaxinfer.bench import write_result
+from jaxinfer.config.engine import ATTENTION_BACKENDS
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
@@ -24,7 +25,7 @@ def engine_args(p) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "reference"])
+    p.add_argument("--attention-backend", default=None, choices=list(ATTENTION_BACKENDS))
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-warmup", action="store_true")

@@ -1,11 +1,18 @@
-"""Roofline numbers for a model config on a device: what the hardware allows, next to measured.
+"""Roofline numbers for a model on a device: what the hardware allows, next to measured.
 
-Decode-step floor = (weight bytes + KV bytes read) / measured HBM bandwidth;
-prefill floor = FLOPs / measured dense bf16 (or fp32 on CPU) matmul rate.
+Both rates are measured here by probes, not assumed: memory bandwidth by a streaming
+read+write of a 256 MiB (GPU: 1 GiB) array, matmul rate by a dense matmul (bf16 on GPU, fp32 on
+CPU) at a large square shape and at the decode shape [batch, hidden] x [hidden, intermediate].
+Decode-step floors: bandwidth = (weight bytes + KV bytes read) / bandwidth; compute = the step's
+FLOPs / matmul rate; the step cannot beat the larger. With --measure (default) the engine's own
+decode step is timed at each batch size (prompts of --context tokens, then --decode-steps
+steps) and printed beside its floors, with the fraction of the floor reached.
+Prefill floor = FLOPs / matmul rate.
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 from jaxinfer.bench import write_result
@@ -38,6 +45,15 @@ def decode_step_floor_s(cfg: ModelConfig, dtype_bytes: int, batch: int, context:
     return (weight_bytes + batch * context * kv_bytes_per_token(cfg, dtype_bytes)) / bandwidth
 
 
+def decode_step_flops(cfg: ModelConfig, batch: int, context: int) -> float:
+    """One decode step: 2 * params per row for the matmuls (layers + LM head) + attention
+    (q.k and p.v over `context` positions, every query head)."""
+    p = param_count(cfg)
+    dense = 2 * (p["layers"] + cfg.vocab_size * cfg.hidden_size) * batch
+    attn = 4 * cfg.num_hidden_layers * batch * context * cfg.num_attention_heads * cfg.head_dim
+    return float(dense + attn)
+
+
 def prefill_flops(cfg: ModelConfig, num_tokens: int, context: int = 0) -> float:
     """2 * params per token for the matmuls (logits for the last token only) + attention."""
     p = param_count(cfg)
@@ -48,8 +64,10 @@ def prefill_flops(cfg: ModelConfig, num_tokens: int, context: int = 0) -> float:
     return float(dense + attn)
 
 
-def measure_device(dtype: str = "bfloat16", size: int = 4096) -> dict[str, float]:
-    """Measured copy bandwidth (bytes/s, read+write) and dense matmul rate (FLOP/s)."""
+def measure_device(dtype: str = "bfloat16", size: int = 4096,
+                   decode_shape: tuple[int, int, int] | None = None) -> dict[str, float]:
+    """Measured copy bandwidth (bytes/s, read+write) and dense matmul rate (FLOP/s); with
+    decode_shape (m, k, n) also the rate of that (small-m) matmul."""
     import jax
     import jax.numpy as jnp
 
@@ -63,30 +81,89 @@ def measure_device(dtype: str = "bfloat16", size: int = 4096) -> dict[str, float
         return min(ts)
 
     on_gpu = jax.default_backend() == "gpu"
-    n_bytes = (1 << 30) if on_gpu else (1 << 26)
+    # Larger than any last-level cache, so the probe streams from memory; "+ 1" (not "* 1",
+    # which XLA folds away) makes it read and write every byte.
+    n_bytes = (1 << 30) if on_gpu else (1 << 28)
     x = jnp.ones((n_bytes // 4,), jnp.float32)
-    bw = 2 * n_bytes / best(jax.jit(lambda a: a * 1.0), x)
-    n = size if on_gpu else 1024
+    bw = 2 * n_bytes / best(jax.jit(lambda a: a + 1.0), x)
+    del x
+    n = size if on_gpu else 2048
     dt = jnp.dtype(dtype if on_gpu else "float32")
-    a = jnp.ones((n, n), dt)
+    key = jax.random.key(0)
+    a = jax.random.normal(key, (n, n), dt)
     rate = 2 * n ** 3 / best(jax.jit(lambda p, q: p @ q), a, a)
-    return {"copy_bandwidth_bytes_per_s": bw, "matmul_flops_per_s": rate,
-            "matmul_dtype": dt.name, "device": jax.devices()[0].device_kind}
+    out = {"copy_bandwidth_bytes_per_s": bw, "matmul_flops_per_s": rate,
+           "matmul_dtype": dt.name, "matmul_probe": [n, n, n],
+           "device": jax.devices()[0].device_kind}
+    if decode_shape is not None:
+        m, k, n2 = decode_shape
+        p_, q_ = jax.random.normal(key, (m, k), dt), jax.random.normal(key, (k, n2), dt)
+        out["decode_matmul_flops_per_s"] = 2 * m * k * n2 / best(jax.jit(lambda p, q: p @ q),
+                                                                 p_, q_)
+        out["decode_matmul_probe"] = [m, k, n2]
+    return out
+
+
+def measure_decode_steps(args, batch_sizes) -> dict[int, dict]:
+    """The engine's decode step at each batch size: B prompts of args.context random tokens,
+    timed to 1 token (prefill) and to 1 + args.decode_steps tokens; step = the difference /
+    decode_steps. The host's share (schedule, build, update) is inside, as a user sees it."""
+    import numpy as np
+
+    from jaxinfer import LLM, SamplingParams
+
+    max_b = max(batch_sizes)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.context + args.decode_steps + 8,
+              max_num_seqs=max_b, max_num_batched_tokens=max(2048, max_b))
+    vocab = llm.llm_engine.model_config.vocab_size
+    rng = np.random.default_rng(0)
+    out = {}
+    for b in batch_sizes:
+        prompts = [{"prompt_token_ids": rng.integers(10, vocab, args.context).tolist()}
+                   for _ in range(b)]
+
+        def run(n):
+            sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            t0 = time.perf_counter()
+            llm.generate(prompts, sp, use_tqdm=False)
+            return time.perf_counter() - t0
+
+        run(2)  # warm-up
+        t1 = min(run(1) for _ in range(2))
+        tn = min(run(1 + args.decode_steps) for _ in range(2))
+        out[b] = {"step_s": (tn - t1) / args.decode_steps, "attention_backend":
+                  llm.llm_engine.attention_backend}
+    llm.shutdown()
+    return out
 
 
 def run_roofline(args) -> dict:
     from jaxinfer.models.default_model import ensure_default_model
 
-    cfg = ModelConfig.from_pretrained(args.model or ensure_default_model())
-    dev = measure_device(args.dtype)
+    args.model = args.model or ensure_default_model()
+    cfg = ModelConfig.from_pretrained(args.model)
+    b_mid = max(args.batch_sizes)
+    dev = measure_device(args.dtype,
+                         decode_shape=(b_mid, cfg.hidden_size, cfg.intermediate_size))
     dtype_bytes = 2 if args.dtype in ("bfloat16", "float16") else 4
     p = param_count(cfg)
+    measured = measure_decode_steps(args, args.batch_sizes) if args.measure else {}
     rows = []
     for b in args.batch_sizes:
-        floor = decode_step_floor_s(cfg, dtype_bytes, b, args.context,
-                                    dev["copy_bandwidth_bytes_per_s"])
-        rows.append({"batch": b, "context": args.context, "decode_step_floor_s": floor,
-                     "decode_tokens_per_s_ceiling": b / floor})
+        bw_floor = decode_step_floor_s(cfg, dtype_bytes, b, args.context,
+                                       dev["copy_bandwidth_bytes_per_s"])
+        flops = decode_step_flops(cfg, b, args.context)
+        compute_floor = flops / dev["matmul_flops_per_s"]
+        floor = max(bw_floor, compute_floor)
+        row = {"batch": b, "context": args.context, "decode_step_floor_s": bw_floor,
+               "decode_step_flops": flops, "compute_floor_s": compute_floor,
+               "floor_s": floor, "decode_tokens_per_s_ceiling": b / floor}
+        if b in measured:
+            m = measured[b]["step_s"]
+            row.update(measured_step_s=m, measured_tokens_per_s=b / m,
+                       fraction_of_floor=floor / m,
+                       attention_backend=measured[b]["attention_backend"])
+        rows.append(row)
     pf = prefill_flops(cfg, args.prefill_tokens)
     result = {"benchmark": "roofline", "architecture": cfg.architecture, "params": p,
               "weight_bytes": p["total"] * dtype_bytes,
@@ -96,12 +173,21 @@ def run_roofline(args) -> dict:
     print(f"{cfg.architecture}: {p['total'] / 1e6:.1f}M params, "
           f"{result['weight_bytes'] / 2**30:.2f} GiB weights ({args.dtype}), "
           f"{result['kv_bytes_per_token'] / 1024:.1f} KiB KV per token")
-    print(f"device {dev['device']}: copy {dev['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, "
-          f"matmul {dev['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({dev['matmul_dtype']})")
+    print(f"device {dev['device']}: copy {dev['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+          f"matmul {dev['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s ({dev['matmul_dtype']}, "
+          f"{'x'.join(map(str, dev['matmul_probe']))}), at the decode shape "
+          f"{'x'.join(map(str, dev['decode_matmul_probe']))}: "
+          f"{dev['decode_matmul_flops_per_s'] / 1e9:.0f} GFLOP/s")
     for r in rows:
-        print(f"  decode batch {r['batch']:4} ctx {r['context']:6}: step floor "
-              f"{r['decode_step_floor_s'] * 1e3:.3f} ms -> <= "
-              f"{r['decode_tokens_per_s_ceiling']:.0f} tok/s")
+        line = (f"  decode batch {r['batch']:4} ctx {r['context']:6}: floors bandwidth "
+                f"{r['decode_step_floor_s'] * 1e3:.2f} ms, compute "
+                f"{r['compute_floor_s'] * 1e3:.2f} ms ({r['decode_step_flops'] / 1e9:.2f} GFLOP)"
+                f" -> <= {r['decode_tokens_per_s_ceiling']:.0f} tok/s")
+        if "measured_step_s" in r:
+            line += (f"; measured step {r['measured_step_s'] * 1e3:.2f} ms "
+                     f"({r['measured_tokens_per_s']:.0f} tok/s, {r['fraction_of_floor']:.0%} "
+                     f"of the floor, attention {r['attention_backend']})")
+        print(line)
     print(f"  prefill {args.prefill_tokens} tokens: {pf / 1e12:.2f} TFLOP -> floor "
           f"{result['prefill_floor_s'] * 1e3:.2f} ms")
     return write_result(args.output_json, result)
@@ -112,8 +198,12 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[1, 8, 32, 256])
-    p.add_argument("--context", type=int, default=768)
+                   default=[1, 32, 256])
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--decode-steps", type=int, default=16,
+                   help="decode steps timed per batch size (with --measure)")
+    p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the engine's decode step beside the floors (default on)")
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--output-json", default=None)
     p.set_defaults(bench=run_roofline)

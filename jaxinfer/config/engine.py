@@ -104,7 +104,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     load_format: str = "auto"
-    attention_backend: str | None = None  # None: "xla" (pallas: not yet verified on GPU)
+    # None / "auto": "cpu" (the C++ kernel) on CPU devices where it builds, else "xla"
+    # (pallas: not yet verified on GPU)
+    attention_backend: str | None = None
     tensor_parallel_size: int = 1
     num_kv_blocks: int | None = None  # explicit KV cache size in blocks (incl. null block)
     kv_cache_memory_bytes: int | None = None  # or a byte budget for the KV cache
@@ -199,7 +201,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
 
 
-ATTENTION_BACKENDS = ("xla", "pallas", "reference")
+ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas", "reference")
 
 
 def multiprocessing_enabled(config: EngineConfig) -> bool:
@@ -268,7 +270,7 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     else:
         model_dir = config.model
     mcfg = ModelConfig.from_pretrained(model_dir)
-    backend = config.attention_backend or "xla"
+    backend = config.attention_backend or "auto"
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={backend!r} is not supported "
                          f"(supported: {', '.join(ATTENTION_BACKENDS)})")

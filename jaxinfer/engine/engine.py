@@ -71,13 +71,19 @@ class LLMEngine:
         self.resolved = rc = resolve_config(config)
         self.model_dir, self.model_config = rc.model_dir, rc.model_config
         self.max_model_len, self.dtype = rc.max_model_len, rc.dtype
-        self.attention_backend = rc.attention_backend
         self.tokenizer = Tokenizer.from_pretrained(rc.tokenizer_dir) if rc.tokenizer_dir else None
         self.multiprocessing = use_multiprocessing(rc, devices)
         self.engine_core = make_client(rc, asyncio_api=False, devices=devices)
         self.processor = make_processor(rc, self.tokenizer, self.engine_core.info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0
+
+    @property
+    def attention_backend(self) -> str:
+        """The attention backend the engine core runs ("auto" resolved by its worker)."""
+        if self.resolved.attention_backend != "auto":
+            return self.resolved.attention_backend
+        return self.get_stats().get("attention_backend", "auto")
 
     # -- in-process introspection (tests, benchmarks) -------------------------------------------
     def _core(self):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxinfer.config.engine import ATTENTION_BACKENDS
+
 
 def _cmd_prepare(args) -> int:
     from jaxinfer.models.default_model import ensure_default_model
@@ -73,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--max-model-len", type=int, default=1024)
     g.add_argument("--max-num-seqs", type=int, default=8)
-    g.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "reference"])
+    g.add_argument("--attention-backend", default=None, choices=list(ATTENTION_BACKENDS))
     g.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
     add_compilation_args(g)
     g.add_argument("--async-scheduling", action="store_true",
@@ -118,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-model-len", type=int, default=None)
     v.add_argument("--max-num-seqs", type=int, default=64)
     v.add_argument("--max-num-batched-tokens", type=int, default=None)
-    v.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "reference"])
+    v.add_argument("--attention-backend", default=None, choices=list(ATTENTION_BACKENDS))
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
     add_compilation_args(v)

@@ -9,8 +9,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.reference import ragged_paged_attention_reference, write_kv_reference
 
-# "xla": cost follows the real work (the default); "pallas": the Triton kernel (GPU; interpret
-# mode on CPU); "reference": pure jnp, slow on purpose, the ground truth of the tests.
+# "cpu": the C++ FFI kernel (the default on CPU, layers/cpu_attention.py); "xla": cost follows
+# the real work (the default elsewhere, and the CPU fallback); "pallas": the Triton kernel (GPU;
+# interpret mode on CPU); "reference": pure jnp, slow on purpose, the ground truth of the tests.
+# "auto" is resolved per device by the worker (runner/worker.py) before a model is built.
 from jaxinfer.config import ATTENTION_BACKENDS  # noqa: E402  (one list, in the config)
 DEFAULT_BACKEND = "xla"
 
@@ -47,12 +49,24 @@ def write_kv(k_cache, v_cache, k, v, md: AttentionMetadata):
 def attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
               backend: str = DEFAULT_BACKEND, sliding_window: int | None = None):
     """q [T, Hq, D] over the paged caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D]."""
+    if backend == "auto":  # (engines resolve it per device first; this is for bare models)
+        from jaxinfer.layers import cpu_attention
+
+        cpu = jax.default_backend() == "cpu" and cpu_attention.available()
+        backend = "cpu" if cpu else "xla"
     if backend == "xla":
         from jaxinfer.layers.ragged_attention import ragged_paged_attention_xla
 
         return ragged_paged_attention_xla(
             q, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
             md.num_decodes, sm_scale=sm_scale, sliding_window=sliding_window,
+        )
+    if backend == "cpu":
+        from jaxinfer.layers.cpu_attention import ragged_paged_attention_cpu
+
+        return ragged_paged_attention_cpu(
+            q, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window,
         )
     if backend == "reference":
         return ragged_paged_attention_reference(

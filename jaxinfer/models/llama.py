@@ -3,7 +3,8 @@
 One module covers the family; config flags select the differences: `attention_bias` (Qwen2's
 q/k/v bias), `qk_norm` (Qwen3's per-head RMSNorm on q and k), tied or untied LM head, rope
 scaling. Attribute names follow HF's parameter names, so a checkpoint tensor's name is the
-module path joined with dots (see loader.py).
+module path joined with dots (see loader.py), except the fused projections: qkv_proj (HF's
+q/k/v_proj) and mlp.gate_up_proj (gate/up_proj), built at load time (models/fused.py).
 
 Forward contract: a flat batch of T tokens of many sequences, their positions, the per-layer
 paged KV caches and the AttentionMetadata. The caches are returned updated (the caller donates).
@@ -18,7 +19,7 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.layers import module_list
 from jaxinfer.layers.attention import AttentionMetadata, paged_attention
-from jaxinfer.layers.linear import Embedding, GatedMLP, Linear
+from jaxinfer.layers.linear import Embedding, GatedMLP, Linear, QKVLinear
 from jaxinfer.layers.norms import RMSNorm
 from jaxinfer.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 
@@ -36,9 +37,9 @@ class LlamaAttention(nnx.Module):
         self.backend = attention_backend
         self.sliding_window = cfg.sliding_window
         bias = cfg.attention_bias
-        self.q_proj = Linear(cfg.hidden_size, cfg.q_size, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(cfg.hidden_size, cfg.kv_size, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(cfg.hidden_size, cfg.kv_size, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_attention_heads,
+                                  cfg.num_key_value_heads, cfg.head_dim, use_bias=bias,
+                                  dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, use_bias=False, dtype=dtype, rngs=rngs)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
@@ -48,9 +49,7 @@ class LlamaAttention(nnx.Module):
 
     def __call__(self, x, cos, sin, kv_cache: KVCache, md: AttentionMetadata):
         num_tokens = x.shape[0]
-        q = self.q_proj(x).reshape(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k, v = self.qkv_proj(x)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

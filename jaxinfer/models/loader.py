@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig, resolve_dtype
+from jaxinfer.models.fused import checkpoint_names, fuse, source_shape
 from jaxinfer.models.registry import get_model_class
 from jaxinfer.parallel import param_spec, replicate_kv_heads, sharding, tp_model_config
 
@@ -65,9 +66,9 @@ def _iter_tensors(files_by_name: dict[str, str], wanted: list[str]):
                 yield name, f.get_tensor(name)
 
 
-def _checkpoint_value(name: str, tensor: np.ndarray, expected_shape, dtype, *, kv_repeat: int,
-                      head_dim: int, mesh, to_host: bool = False) -> jax.Array:
-    """Host tensor -> device array of the model's layout, placed straight into its shards."""
+def _host_tensor(name: str, tensor: np.ndarray, expected_shape, dtype, *, kv_repeat: int,
+                 head_dim: int) -> np.ndarray:
+    """Checkpoint tensor -> the model's layout ([in, out], KV heads replicated), checked."""
     if kv_repeat > 1 and name.endswith(_KV_SUFFIXES):
         tensor = replicate_kv_heads(tensor, kv_repeat, head_dim)
     if name.endswith(_TRANSPOSED_SUFFIXES):
@@ -77,7 +78,12 @@ def _checkpoint_value(name: str, tensor: np.ndarray, expected_shape, dtype, *, k
             f"tensor {name!r} has shape {tuple(tensor.shape)} (after transposing HF's [out, in] "
             f"layout where it applies) but the model expects {tuple(expected_shape)}"
         )
-    tensor = np.ascontiguousarray(tensor.astype(dtype))
+    return tensor.astype(dtype)
+
+
+def _place(name: str, tensor: np.ndarray, *, mesh, to_host: bool = False) -> jax.Array:
+    """Host tensor -> device array, placed straight into its shards."""
+    tensor = np.ascontiguousarray(tensor)
     if to_host:  # (pipeline stages place their own parameters)
         return tensor
     if mesh is None:
@@ -128,17 +134,30 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
         return nnx.merge(graphdef, state), model_config, dtype_name
 
     files_by_name = _safetensors_index(model_dir)
-    missing = [n for n in names if n not in files_by_name]
+    sources = {name: checkpoint_names(name) for name in names}  # fused params: several
+    owner = {src: name for name, srcs in sources.items() for src in srcs}
+    wanted = [src for name in names for src in sources[name]]
+    missing = [n for n in wanted if n not in files_by_name]
     if missing:
         raise ValueError(
             f"checkpoint in {model_dir} is missing tensor {missing[0]!r}"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     expected = {name: var for (_, var), name in zip(flat, names)}
-    for name, tensor in _iter_tensors(files_by_name, names):
+    head_dim = model_config.head_dim
+    pending: dict[str, dict[str, np.ndarray]] = {}  # fused params still missing a part
+    for src, tensor in _iter_tensors(files_by_name, wanted):
+        name = owner[src]
         var = expected[name]
-        var.set_value(_checkpoint_value(name, tensor, var.shape, var.dtype, kv_repeat=kv_repeat,
-                                        head_dim=model_config.head_dim, mesh=mesh,
-                                        to_host=to_host))
+        srcs = sources[name]
+        shape = var.shape if len(srcs) == 1 else source_shape(name, src, var.shape, head_dim)
+        parts = pending.setdefault(name, {})
+        parts[src] = _host_tensor(src, tensor, shape, var.dtype, kv_repeat=kv_repeat,
+                                  head_dim=head_dim)
+        if len(parts) < len(srcs):
+            continue
+        del pending[name]
+        value = parts[src] if len(srcs) == 1 else fuse(name, [parts[s] for s in srcs], head_dim)
+        var.set_value(_place(name, value, mesh=mesh, to_host=to_host))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     return model, model_config, dtype_name

@@ -148,6 +148,21 @@ def drop_corrupt_cache_entries(path: str) -> int:
     return len(bad)
 
 
+def resolve_attention_backend(name: str, devices) -> str:
+    """"auto" -> "cpu" (the C++ kernel) on CPU devices where it builds, else "xla"; "cpu"
+    refused on other devices."""
+    platform = devices[0].platform
+    if name == "auto":
+        if platform == "cpu":
+            from jaxinfer.layers import cpu_attention
+
+            return "cpu" if cpu_attention.available() else "xla"
+        return "xla"
+    if name == "cpu" and platform != "cpu":
+        raise ValueError(f"attention_backend='cpu' runs on CPU devices only, not {platform}")
+    return name
+
+
 def jnp_dtype(name: str):
     import jax.numpy as jnp
 
@@ -168,6 +183,7 @@ class Worker:
         t0 = time.perf_counter()
         enable_compilation_cache(cfg.compilation_cache_dir)
         self.devices = list(devices) if devices is not None else jax.devices()
+        self.attention_backend = resolve_attention_backend(rc.attention_backend, self.devices)
         pp, tp = par.pipeline_parallel_size, par.tensor_parallel_size
         self.stage_groups = stage_meshes = None
         if pp > 1:
@@ -180,7 +196,7 @@ class Worker:
             self.mesh = make_mesh(tp, self.devices)
         model, mcfg, dtype = load_model(rc.model_dir, dtype=rc.dtype,
                                         load_format=cfg.load_format,
-                                        attention_backend=rc.attention_backend, seed=cfg.seed,
+                                        attention_backend=self.attention_backend, seed=cfg.seed,
                                         model_config=rc.model_config, mesh=self.mesh,
                                         to_host=pp > 1, tp_size=tp)
         self.pp_partition = None
@@ -200,11 +216,11 @@ class Worker:
             from jaxinfer.spec_decode.eagle import load_eagle_head
 
             self.eagle_head = load_eagle_head(spec.model, spec.method, mcfg, dtype=rc.dtype,
-                                              attention_backend=rc.attention_backend)
+                                              attention_backend=self.attention_backend)
         if spec is not None and spec.method == "draft_model":
             self.draft_model, _, _ = load_model(spec.model, dtype=rc.dtype,
                                                 load_format=cfg.load_format,
-                                                attention_backend=rc.attention_backend,
+                                                attention_backend=self.attention_backend,
                                                 seed=cfg.seed, mesh=self.mesh)
         # Start-up phases in seconds (jaxinfer bench startup reports them).
         self.timings = {"load_weights_s": time.perf_counter() - t0}

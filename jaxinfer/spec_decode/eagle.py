@@ -34,9 +34,10 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.layers import module_list
 from jaxinfer.layers.attention import AttentionMetadata
-from jaxinfer.layers.linear import Embedding, GatedMLP, Linear
+from jaxinfer.layers.linear import Embedding, GatedMLP, Linear, QKVLinear
 from jaxinfer.layers.norms import RMSNorm
 from jaxinfer.layers.rotary import rope_cos_sin, rope_inv_freq
+from jaxinfer.models.fused import checkpoint_names, fuse, source_shape
 from jaxinfer.models.llama import LlamaAttention, LlamaDecoderLayer
 
 
@@ -56,9 +57,9 @@ class Eagle3Layer(nnx.Module):
         self.self_attn = LlamaAttention(cfg, dtype=dtype, attention_backend=attention_backend,
                                         rngs=rngs)
         bias = cfg.attention_bias
-        self.self_attn.q_proj = Linear(2 * h, cfg.q_size, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.self_attn.k_proj = Linear(2 * h, cfg.kv_size, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.self_attn.v_proj = Linear(2 * h, cfg.kv_size, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.self_attn.qkv_proj = QKVLinear(2 * h, cfg.num_attention_heads,
+                                            cfg.num_key_value_heads, cfg.head_dim,
+                                            use_bias=bias, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = GatedMLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
         self.norm_before_residual = norm_before_residual
@@ -213,20 +214,27 @@ def load_eagle_head(model_dir: str, method: str, target_config: ModelConfig, *, 
                      rngs=nnx.Rngs(0))
     flat = nnx.to_flat_state(nnx.state(head))
     names = {".".join(str(p) for p in path): var for path, var in flat}
-    missing = sorted(set(names) - set(tensors))
+    sources = {name: checkpoint_names(name) for name in names}  # fused params: several
+    missing = sorted({src for srcs in sources.values() for src in srcs} - set(tensors))
     if missing:
         raise ValueError(f"EAGLE checkpoint in {model_dir} is missing tensor {missing[0]!r}"
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     for name, var in names.items():
-        t = tensors[name]
         if name == "d2t":
-            var.set_value(jnp.asarray(t.astype(np.int32)))
+            var.set_value(jnp.asarray(tensors[name].astype(np.int32)))
             continue
-        if name.endswith(("_proj.weight", "lm_head.weight", "fc.weight")):
-            t = t.T
-        if tuple(t.shape) != tuple(var.shape):
-            raise ValueError(f"EAGLE tensor {name!r} has shape {tuple(t.shape)} (after "
-                             f"transposing [out, in]), the head expects {tuple(var.shape)}")
+        parts = []
+        for src in sources[name]:
+            t = tensors[src]
+            if src.endswith(("_proj.weight", "lm_head.weight", "fc.weight")):
+                t = t.T
+            want = (var.shape if len(sources[name]) == 1
+                    else source_shape(name, src, var.shape, cfg.head_dim))
+            if tuple(t.shape) != tuple(want):
+                raise ValueError(f"EAGLE tensor {src!r} has shape {tuple(t.shape)} (after "
+                                 f"transposing [out, in]), the head expects {tuple(want)}")
+            parts.append(t)
+        t = parts[0] if len(parts) == 1 else fuse(name, parts, cfg.head_dim)
         var.set_value(jnp.asarray(t.astype(var.dtype)))
     nnx.update(head, nnx.from_flat_state(flat))
     return head

@@ -56,11 +56,17 @@ def test_dataset_presets_shapes():
 def test_roofline(tmp_path):
     out = tmp_path / "roof.json"
     assert cli(["bench", "roofline", "--dtype", "float32", "--batch-sizes", "1,4",
-                "--output-json", str(out)]) == 0
+                "--context", "16", "--decode-steps", "2", "--output-json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["params"]["total"] == 134515008  # SmolLM2-135M, tied embeddings
     assert r["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
-    assert r["decode"][1]["decode_step_floor_s"] > r["decode"][0]["decode_step_floor_s"] > 0
+    d = r["decode"]
+    assert d[1]["decode_step_floor_s"] > d[0]["decode_step_floor_s"] > 0
+    assert d[1]["compute_floor_s"] == pytest.approx(4 * d[0]["compute_floor_s"], rel=0.01)
+    for row in d:  # the engine's own step, measured, beside its floors
+        assert row["measured_step_s"] > 0 and row["fraction_of_floor"] > 0
+        assert row["floor_s"] == max(row["decode_step_floor_s"], row["compute_floor_s"])
+    assert r["device"]["decode_matmul_probe"] == [4, 576, 1536]
 
 
 def test_serve_against_a_live_server(tmp_path, smollm2_dir):
@@ -125,16 +131,20 @@ def test_compare_cpu_jaxinfer_only(tmp_path):
     out = tmp_path / "cmp.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "compare_cpu.py"), "--engines",
-         "jaxinfer,vllm,llama.cpp", "--num-prompts", "2", "--input-len", "8", "--output-len",
-         "4", "--max-num-batched-tokens", "16", "--output-json", str(out)],
+         "jaxinfer,vllm,llama.cpp", "--workloads", "2x8x4,1x8x4", "--max-num-batched-tokens",
+         "16", "--output-json", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
         env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "vllm: skipped" in proc.stdout and "llama.cpp: skipped" in proc.stdout
     r = json.loads(out.read_text())
-    j = r["results"]["jaxinfer"]
-    assert j["output_tokens"] == 2 * 4 and j["elapsed_s"] > 0 and j["batch_ttft_s"] > 0
-    assert r["jaxinfer_over_peer"] == {"jaxinfer": 1.0}
+    assert r["workloads"] == ["2x8x4", "1x8x4"]
+    for w, n in (("2x8x4", 2), ("1x8x4", 1)):
+        j = r["results"][w]["jaxinfer"]
+        assert j["output_tokens"] == n * 4 and j["elapsed_s"] > j["batch_ttft_s"] > 0
+        assert j["decode_ms_per_token"] > 0
+        assert r["jaxinfer_over_peer"][w] == {"jaxinfer": 1.0}
+    assert r["threading"]["jaxinfer"]["cores"] == os.cpu_count()  # what each peer ran with
 
 
 def test_startup_cold_then_warm(tmp_path, smollm2_dir):

@@ -98,6 +98,25 @@ def test_tiny_architectures_greedy_match_hf(tmp_path, smollm2_dir, arch, extra):
     _check(llm, prompts, refs)
 
 
+@pytest.mark.parametrize("backend", [None, "xla"])
+def test_cpu_default_and_xla_backends_match_hf_with_sliding_window(tmp_path, smollm2_dir,
+                                                                   backend):
+    """The default backend on CPU is the C++ kernel ("cpu"); "xla" stays selectable; both give
+    HF's greedy tokens, here with a sliding window shorter than the prompts."""
+    from jaxinfer.layers import cpu_attention
+
+    hf = make_tiny_model_dir(tmp_path, "mistral", smollm2_dir, sliding_window=8)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=32, warmup=False, num_kv_blocks=40,
+              attention_backend=backend)
+    want = backend or ("cpu" if cpu_attention.available() else "xla")
+    assert llm.llm_engine.attention_backend == want
+    tok = llm.get_tokenizer()
+    prompts = PROMPTS[:5]
+    refs = {p: hf_greedy(hf, tok(p)["input_ids"], N_TOKENS) for p in prompts}
+    _check(llm, prompts, refs)
+
+
 def test_pallas_backend_interpret_matches_hf(tmp_path, smollm2_dir):
     """The engine with the Pallas kernel (interpret mode on CPU) gives HF's greedy tokens."""
     hf = make_tiny_model_dir(tmp_path, "llama", smollm2_dir, num_attention_heads=4,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -77,6 +78,31 @@ def test_bad_config_values():
 def test_dummy_load_makes_right_shapes(tmp_path):
     path = _save(tmp_path, TINY, {})
     model, cfg, _ = load_model(path, load_format="dummy", dtype="bfloat16")
-    w = model.model.layers[0].self_attn.k_proj.weight[...]
-    assert w.shape == (16, 8) and str(w.dtype) == "bfloat16"
+    w = model.model.layers[0].self_attn.qkv_proj.weight[...]
+    assert w.shape == (16, 1, 32) and str(w.dtype) == "bfloat16"  # [in, Hkv, (2+2) * D]
     assert float(np.abs(np.asarray(w, np.float32)).sum()) > 0
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_fused_projections_compute_hf_q_k_v_gate_up(tmp_path, kv_heads):
+    """qkv_proj / gate_up_proj built from HF's separate tensors give exactly x @ W.T of each
+    (q heads grouped under their KV head, as GQA pairs them)."""
+    rng = np.random.default_rng(kv_heads)
+    cfg = {**TINY, "num_attention_heads": 4, "num_key_value_heads": kv_heads}
+    d = 16 // 4
+    t = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in _tensors().items()}
+    p = "model.layers.0."
+    t[p + "self_attn.k_proj.weight"] = rng.standard_normal((kv_heads * d, 16)).astype(np.float32)
+    t[p + "self_attn.v_proj.weight"] = rng.standard_normal((kv_heads * d, 16)).astype(np.float32)
+    model, _, _ = load_model(_save(tmp_path, cfg, t), dtype="float32")
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    q, k, v = model.model.layers[0].self_attn.qkv_proj(jnp.asarray(x))
+    np.testing.assert_allclose(q, (x @ t[p + "self_attn.q_proj.weight"].T).reshape(3, 4, d),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k, (x @ t[p + "self_attn.k_proj.weight"].T).reshape(3, -1, d),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v, (x @ t[p + "self_attn.v_proj.weight"].T).reshape(3, -1, d),
+                               rtol=1e-5, atol=1e-5)
+    gate, up = model.model.layers[0].mlp.gate_up_proj(jnp.asarray(x))
+    np.testing.assert_allclose(gate, x @ t[p + "mlp.gate_proj.weight"].T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(up, x @ t[p + "mlp.up_proj.weight"].T, rtol=1e-5, atol=1e-5)

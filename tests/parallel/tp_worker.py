@@ -62,7 +62,7 @@ def main():
         "leaked": kv.get_num_free_blocks() != eng.runner.num_kv_blocks - 1,
         "kv_shards": len(eng.runner.kv_caches[0][0].sharding.device_set),
         "kv_heads": eng.engine_core.core.model_config.num_key_value_heads,  # as built
-        "param_shards": len(eng.runner.state["model"]["layers"][0]["mlp"]["up_proj"]["weight"]
+        "param_shards": len(eng.runner.state["model"]["layers"][0]["mlp"]["gate_up_proj"]["weight"]
                             .value.sharding.device_set),
         "spec": {k: v for k, v in eng.get_stats().items() if k.startswith("spec_decode")},
     }

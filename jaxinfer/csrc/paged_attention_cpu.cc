@@ -1,0 +1,338 @@
+// Ragged paged attention for CPUs, an XLA FFI custom call (the "cpu" attention backend).
+//
+// Same contract as pallas_kernels.reference.ragged_paged_attention_reference: a flat batch of
+// T query tokens of R sequences (query_start_loc), causal attention over each sequence's paged
+// KV cache (block_tables, kv_lens), optional sliding window; rows past the real tokens are 0.
+//
+// Why: XLA's CPU formulation gathers pages into fresh buffers and runs many tiny batched dots;
+// this reads each page in place and does only the math. Work items are (sequence, KV head,
+// tile of up to kTile query tokens); every query head of the item's group shares each K/V row
+// read. Items are shared out over XLA's intra-op thread pool: the calling thread works too and
+// waits only for items already claimed, so it never waits on a queued task.
+//
+// Every index read from the device is checked (sequence count, query offsets, lengths, block
+// ids): a bad value returns an error to the step instead of reading out of bounds.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kTile = 16;  // query tokens per work item
+// The running max's start: finite (the kernel is built with -ffast-math, which assumes no
+// infinities), and exp(it - any real score) is exactly 0.
+constexpr float kMaskValue = -1e30f;
+
+inline float bf16_to_float(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even (NaN kept a NaN)
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400u)) { man <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_half(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  uint32_t sign = (bits >> 16) & 0x8000u;
+  int32_t exp = static_cast<int32_t>((bits >> 23) & 0xff) - 127 + 15;
+  uint32_t man = bits & 0x7fffffu;
+  if (((bits >> 23) & 0xff) == 0xff) return static_cast<uint16_t>(sign | 0x7c00u | (man ? 0x200u : 0));
+  if (exp >= 31) return static_cast<uint16_t>(sign | 0x7c00u);
+  if (exp <= 0) {
+    if (exp < -10) return static_cast<uint16_t>(sign);
+    man |= 0x800000u;
+    uint32_t shift = static_cast<uint32_t>(14 - exp);
+    uint32_t half = man >> shift;
+    uint32_t rem = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (half & 1u))) ++half;
+    return static_cast<uint16_t>(sign | half);
+  }
+  uint32_t half = sign | (static_cast<uint32_t>(exp) << 10) | (man >> 13);
+  uint32_t rem = man & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (half & 1u))) ++half;  // may carry into exp: right
+  return static_cast<uint16_t>(half);
+}
+
+enum class Kind { kF32, kBF16, kF16 };
+
+inline float load(const void* base, int64_t i, Kind kind) {
+  switch (kind) {
+    case Kind::kF32: return static_cast<const float*>(base)[i];
+    case Kind::kBF16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    default: return half_to_float(static_cast<const uint16_t*>(base)[i]);
+  }
+}
+
+inline void store(void* base, int64_t i, float x, Kind kind) {
+  switch (kind) {
+    case Kind::kF32: static_cast<float*>(base)[i] = x; break;
+    case Kind::kBF16: static_cast<uint16_t*>(base)[i] = float_to_bf16(x); break;
+    default: static_cast<uint16_t*>(base)[i] = float_to_half(x); break;
+  }
+}
+
+struct Problem {
+  const void* q;  // [T, Hq, D]
+  const void* k;  // [NB, BS, Hkv, D]
+  const void* v;
+  void* out;  // [T, Hq, D]
+  Kind q_kind, kv_kind;
+  const int32_t* kv_lens;  // [R]
+  const int32_t* tables;  // [R, MB]
+  const int32_t* qsl;  // [R+1]
+  int64_t T, Hq, Hkv, D, NB, BS, R, MB, group, window;
+  float scale;
+};
+
+struct Item {
+  int32_t seq, head, tile;
+};
+
+// Online-softmax attention of one item; returns false on an out-of-range block id.
+bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
+  const int64_t D = p.D, G = p.group, BS = p.BS;
+  const int64_t start = p.qsl[it.seq], q_len = p.qsl[it.seq + 1] - start;
+  const int64_t kv_len = p.kv_lens[it.seq], ctx = kv_len - q_len;
+  const int64_t r0 = it.tile * kTile, r1 = std::min(q_len, r0 + kTile);
+  const int64_t rows = (r1 - r0) * G;  // (query token, head in group) pairs
+  // scratch: q [rows, D] | acc [rows, D] | m, l [rows] | scores [rows, BS] | k, v page [BS, D]
+  scratch.resize(static_cast<size_t>(2 * rows * D + 2 * rows + rows * BS + 2 * BS * D));
+  float* qf = scratch.data();
+  float* acc = qf + rows * D;
+  float* m = acc + rows * D;
+  float* l = m + rows;
+  float* s = l + rows;
+  float* kbuf = s + rows * BS;
+  float* vbuf = kbuf + BS * D;
+  for (int64_t t = r0; t < r1; ++t) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t row = (t - r0) * G + g;
+      const int64_t src = ((start + t) * p.Hq + it.head * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) qf[row * D + d] = load(p.q, src + d, p.q_kind) * p.scale;
+    }
+  }
+  std::fill(acc, acc + rows * D, 0.0f);
+  std::fill(m, m + rows, kMaskValue);
+  std::fill(l, l + rows, 0.0f);
+  // KV positions this tile sees: [lo, hi)
+  const int64_t hi = std::min(kv_len, ctx + r1);
+  int64_t lo = 0;
+  if (p.window > 0) lo = std::max<int64_t>(0, ctx + r0 - p.window + 1);
+  const int32_t* table = p.tables + it.seq * p.MB;
+  const bool f32_kv = p.kv_kind == Kind::kF32;
+  for (int64_t page = lo / BS; page * BS < hi; ++page) {
+    const int64_t blk = table[page];
+    if (blk < 0 || blk >= p.NB) return false;
+    const int64_t j0 = std::max(lo, page * BS), j1 = std::min(hi, (page + 1) * BS);
+    const int64_t n = j1 - j0;
+    // K and V rows of this page and head: contiguous D floats each, stride Hkv * D.
+    const int64_t base = ((blk * BS + (j0 - page * BS)) * p.Hkv + it.head) * D;
+    const int64_t stride = p.Hkv * D;
+    const float* kp;
+    const float* vp;
+    int64_t kstride;
+    if (f32_kv) {
+      kp = static_cast<const float*>(p.k) + base;
+      vp = static_cast<const float*>(p.v) + base;
+      kstride = stride;
+    } else {
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < D; ++d) {
+          kbuf[j * D + d] = load(p.k, base + j * stride + d, p.kv_kind);
+          vbuf[j * D + d] = load(p.v, base + j * stride + d, p.kv_kind);
+        }
+      kp = kbuf;
+      vp = vbuf;
+      kstride = D;
+    }
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t pos = ctx + r0 + row / G;  // this query token's position
+      // Positions [j0 + a, j0 + b) of this page are visible to this row (causal, window).
+      const int64_t a = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0;
+      const int64_t b = std::min<int64_t>(n, pos + 1 - j0);
+      if (a >= b) continue;
+      const float* qr = qf + row * D;
+      float* sr = s + row * BS;
+      float mx = m[row];
+      for (int64_t j = a; j < b; ++j) {
+        const float* kr = kp + j * kstride;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+        sr[j] = dot;
+        mx = std::max(mx, dot);
+      }
+      const float corr = std::exp(m[row] - mx);  // 0 on the row's first page
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = a; j < b; ++j) {  // vectorised exp (libmvec)
+        sr[j] = std::exp(sr[j] - mx);
+        sum += sr[j];
+      }
+      float* ar = acc + row * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+      for (int64_t j = a; j < b; ++j) {
+        const float e = sr[j];
+        const float* vr = vp + j * kstride;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] += e * vr[d];
+      }
+      l[row] = l[row] * corr + sum;
+      m[row] = mx;
+    }
+  }
+  for (int64_t t = r0; t < r1; ++t) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t row = (t - r0) * G + g;
+      const int64_t dst = ((start + t) * p.Hq + it.head * G + g) * D;
+      const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+      for (int64_t d = 0; d < D; ++d) store(p.out, dst + d, acc[row * D + d] * inv, p.q_kind);
+    }
+  }
+  return true;
+}
+
+struct Shared {
+  Problem problem;
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::atomic<bool> bad_block{false};
+};
+
+void work(Shared& sh) {
+  thread_local std::vector<float> scratch;
+  const int64_t n = static_cast<int64_t>(sh.items.size());
+  for (;;) {
+    const int64_t i = sh.next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= n) return;
+    if (!run_item(sh.problem, sh.items[i], scratch)) sh.bad_block.store(true);
+    sh.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+bool kind_of(ffi::DataType t, Kind* kind) {
+  switch (t) {
+    case ffi::DataType::F32: *kind = Kind::kF32; return true;
+    case ffi::DataType::BF16: *kind = Kind::kBF16; return true;
+    case ffi::DataType::F16: *kind = Kind::kF16; return true;
+    default: return false;
+  }
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                              ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
+                              ffi::Buffer<ffi::S32> block_tables,
+                              ffi::Buffer<ffi::S32> query_start_loc,
+                              ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
+                              int64_t sliding_window, ffi::Result<ffi::AnyBuffer> out) {
+  auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
+  auto vd = v_cache.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || vd.size() != 4 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()))
+    return ffi::Error::InvalidArgument("paged_attention_cpu: bad ranks or k/v shapes differ");
+  auto sh = std::make_shared<Shared>();
+  Problem& p = sh->problem;
+  p.T = qd[0]; p.Hq = qd[1]; p.D = qd[2];
+  p.NB = kd[0]; p.BS = kd[1]; p.Hkv = kd[2];
+  p.R = td[0]; p.MB = td[1];
+  if (kd[3] != p.D || p.Hkv <= 0 || p.Hq % p.Hkv != 0)
+    return ffi::Error::InvalidArgument("paged_attention_cpu: head shapes do not match");
+  if (kv_lens.element_count() != static_cast<size_t>(p.R) ||
+      query_start_loc.element_count() != static_cast<size_t>(p.R + 1))
+    return ffi::Error::InvalidArgument("paged_attention_cpu: kv_lens / query_start_loc size");
+  if (!kind_of(q.element_type(), &p.q_kind) || !kind_of(k_cache.element_type(), &p.kv_kind) ||
+      v_cache.element_type() != k_cache.element_type() || out->element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("paged_attention_cpu: dtypes must be f32, bf16 or f16");
+  p.group = p.Hq / p.Hkv;
+  p.window = sliding_window;
+  p.scale = sm_scale;
+  p.q = q.untyped_data();
+  p.k = k_cache.untyped_data();
+  p.v = v_cache.untyped_data();
+  p.out = out->untyped_data();
+  p.kv_lens = kv_lens.typed_data();
+  p.tables = block_tables.typed_data();
+  p.qsl = query_start_loc.typed_data();
+  const int64_t ns = num_seqs.typed_data()[0];
+  if (ns < 0 || ns > p.R)
+    return ffi::Error::InvalidArgument("paged_attention_cpu: num_seqs out of range");
+  if (p.qsl[0] != 0) return ffi::Error::InvalidArgument("paged_attention_cpu: query_start_loc[0]");
+  for (int64_t s = 0; s < ns; ++s) {
+    const int64_t q_len = p.qsl[s + 1] - p.qsl[s], kv_len = p.kv_lens[s];
+    if (q_len < 0 || p.qsl[s + 1] > p.T || kv_len < q_len || kv_len > p.MB * p.BS)
+      return ffi::Error::InvalidArgument(
+          "paged_attention_cpu: query_start_loc / kv_lens out of range");
+    for (int64_t h = 0; h < p.Hkv; ++h)
+      for (int64_t t = 0; t * kTile < q_len; ++t)
+        sh->items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h),
+                             static_cast<int32_t>(t)});
+  }
+  // Padding rows are zero.
+  const int64_t row_bytes = p.Hq * p.D * (p.q_kind == Kind::kF32 ? 4 : 2);
+  const int64_t used = p.qsl[ns];
+  std::memset(static_cast<char*>(p.out) + used * row_bytes, 0, (p.T - used) * row_bytes);
+  const int64_t n = static_cast<int64_t>(sh->items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work(*sh); });
+  work(*sh);
+  while (sh->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  if (sh->bad_block.load())
+    return ffi::Error::InvalidArgument("paged_attention_cpu: block id out of range");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttentionCpu, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Ret<ffi::AnyBuffer>());

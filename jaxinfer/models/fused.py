@@ -1,0 +1,57 @@
+"""Fused projections built from HF checkpoint tensors at load time.
+
+The model holds `self_attn.qkv_proj` (QKVLinear: weight [in, Hkv, (G+2)*D], bias
+[Hkv, (G+2)*D]) and `mlp.gate_up_proj` (GateUpLinear: weight [in, 2, I]); checkpoints hold
+q_proj / k_proj / v_proj and gate_proj / up_proj. `checkpoint_names` says which tensors a
+parameter is made of, `source_shape` what each must look like (in our [in, out] layout, so a
+wrong tensor is named in the error), `fuse` joins them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _split(name: str) -> tuple[str, str, str]:
+    """'a.b.qkv_proj.weight' -> ('a.b.', 'qkv_proj', 'weight')."""
+    head, module, leaf = name.rsplit(".", 2) if name.count(".") >= 2 else ("", *name.split("."))
+    return (head + "." if head else ""), module, leaf
+
+
+def checkpoint_names(name: str) -> tuple[str, ...]:
+    """The checkpoint tensors parameter `name` is built from (itself when not fused)."""
+    if name.count(".") < 1:
+        return (name,)
+    prefix, module, leaf = _split(name)
+    if module not in FUSED:
+        return (name,)
+    return tuple(f"{prefix}{src}.{leaf}" for src in FUSED[module])
+
+
+def source_shape(name: str, source: str, fused_shape: tuple[int, ...],
+                 head_dim: int) -> tuple[int, ...]:
+    """Expected shape (our [in, out] layout) of checkpoint tensor `source` of fused `name`."""
+    _, module, leaf = _split(name)
+    if module == "gate_up_proj":  # weight [in, 2, I]
+        return (fused_shape[0], fused_shape[2])
+    kv_heads, width = fused_shape[-2], fused_shape[-1]
+    q_width = width - 2 * head_dim
+    out = kv_heads * (q_width if source.endswith("q_proj." + leaf) else head_dim)
+    return (fused_shape[0], out) if leaf == "weight" else (out,)
+
+
+def fuse(name: str, parts: list[np.ndarray], head_dim: int) -> np.ndarray:
+    """The fused parameter from its checkpoint tensors, each already in our layout ([in, out]
+    weights, [out] biases) and shape-checked."""
+    _, module, leaf = _split(name)
+    if module == "gate_up_proj":
+        return np.stack(parts, axis=1)  # [in, 2, I]
+    q, k, v = parts
+    kv_heads = k.shape[-1] // head_dim
+    lead = q.shape[:-1]  # (in,) for the weight, () for the bias
+    q = q.reshape(*lead, kv_heads, -1)  # [.., Hkv, G*D]: the group of each KV head
+    k = k.reshape(*lead, kv_heads, head_dim)
+    v = v.reshape(*lead, kv_heads, head_dim)
+    return np.concatenate([q, k, v], axis=-1)
