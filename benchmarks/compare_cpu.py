@@ -15,8 +15,9 @@ Every peer gets all cores, as its own docs tell a user: vLLM with VLLM_CPU_OMP_T
 llama.cpp with -t N, torch at its default (one thread per core), XLA at its default (a thread
 pool over every core); the JSON records each peer's threading.
 Metrics: output tok/s = N*OUT / wall time of the whole batch (prefill included); batch TTFT =
-wall time until every request has its first token (a max_tokens=1 run of the same batch;
-llama.cpp: its prompt-processing time); decode ms/token = (wall - TTFT) / (OUT - 1) (batch 1:
+wall time until every request has its first token (a max_tokens=1 run of a batch of the same
+shape; llama.cpp: its prompt-processing time); warm-up, TTFT and timed runs use different
+random prompts, so no run is helped by the prefix cache; decode ms/token = (wall - TTFT) / (OUT - 1) (batch 1:
 the time per generated token). Prints a table per workload with ratios to jaxinfer, writes JSON.
 Setting up the peers is manual (see benchmarks/README.md). Usage:
   PYTHONPATH=. .venv/bin/python benchmarks/compare_cpu.py [--vllm-python P] [--llama-cpp-bin D]
@@ -93,10 +94,13 @@ def run_engine(engine: str, args) -> dict:
 
     results = {}
     for n, i, o in workloads:
-        prompts = [{"prompt_token_ids": p} for p in _prompts(n, i, vocab)]
-        timed(4, prompts)  # warm-up: every shape of this workload
-        ttft, _ = timed(1, prompts)
-        elapsed, n_out = timed(o, prompts)
+        # Three prompt sets, so neither the warm-up nor the TTFT run leaves the timed run a
+        # prefix-cache hit (jaxinfer and vLLM both cache prefixes by default).
+        warm, first, main = ([{"prompt_token_ids": p} for p in _prompts(n, i, vocab, seed)]
+                             for seed in (1, 2, 0))
+        timed(4, warm)  # warm-up: every shape of this workload
+        ttft, _ = timed(1, first)
+        elapsed, n_out = timed(o, main)
         results[_name((n, i, o))] = {"elapsed_s": elapsed, "output_tokens": n_out,
                                      "batch_ttft_s": ttft,
                                      "decode_ms_per_token": 1e3 * (elapsed - ttft) / (o - 1)}
@@ -140,7 +144,8 @@ def run_llama_cpp(args, w, kv_type: str) -> dict:
     r = {"elapsed_s": total, "output_tokens": n * o, "batch_ttft_s": t_pp,
          "decode_ms_per_token": 1e3 * t_tg / o, "kv_type": kv_type,
          "threading": {"threads": NCPU}}
-    if n == 1:  # the peer for batch-1 decode: llama-bench -p 0 -n OUT
+    if n == 1 and kv_type != "f32":  # batch-1 decode's peer: llama-bench -p 0 -n OUT (its
+        # -ctk takes no f32: the F32-KV batch-1 figure is llama-batched-bench's above)
         cmd = [os.path.join(args.llama_cpp_bin, "llama-bench"), "-m", args.gguf, "-p", "0",
                "-n", str(o), "-t", str(NCPU), "-ctk", kv_type, "-ctv", kv_type]
         text = subprocess.run(cmd, check=True, capture_output=True, text=True,

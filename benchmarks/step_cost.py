@@ -20,6 +20,7 @@ import numpy as np
 CASES = {
     "prefill-2048x64": [(32, 0)] * 64,
     "prefill-1x512": [(512, 0)],
+    "decode-1@256": [(1, 255)],
     "decode-32@256": [(1, 255)] * 32,
     "decode-64@1000": [(1, 999)] * 64,
     "mixed-31dec@300+1x256": [(1, 299)] * 31 + [(256, 128)],
@@ -61,7 +62,8 @@ def time_case(runner, seqs, iters: int) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backends", default="xla,reference")
+    ap.add_argument("--backends", default="cpu,xla")
+    ap.add_argument("--step-compilation", default="auto")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=3)
@@ -78,13 +80,15 @@ def main():
         llm = LLM(None, dtype="float32", max_model_len=args.max_model_len, max_num_seqs=64,
                   max_num_batched_tokens=2048, attention_backend=backend, warmup=False,
                   num_kv_blocks=64 * (args.max_model_len // 16) + 2,
+                  step_compilation=args.step_compilation,
                   enable_multiprocessing=False)  # times the runner in this process
         runner = llm.llm_engine.runner
         for name in args.cases.split(","):
             seqs = CASES[name]
             s = time_case(runner, seqs, args.iters)
             work = sum(q * (c + (q + 1) / 2) for q, c in seqs)  # query x key pairs
-            rows.append({"backend": backend, "case": name, "tokens": sum(q for q, _ in seqs),
+            rows.append({"backend": backend, "step_compilation": args.step_compilation,
+                         "case": name, "tokens": sum(q for q, _ in seqs),
                          "seqs": len(seqs), "attention_pairs": work, "step_s": s})
             print(f"{backend:>9} {name:>24}: {s * 1e3:9.1f} ms", flush=True)
         del llm

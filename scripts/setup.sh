@@ -42,4 +42,4 @@ fi
 .venv/bin/python -m jaxinfer.entrypoints.cli prepare-default-model
 # The C++ attention kernel of the CPU backend (built once into .cache/ext; without a compiler
 # the engine says so and uses the XLA backend).
-.venv/bin/python -c "from jaxinfer.layers import cpu_attention as c; print('setup: cpu attention kernel', 'ready' if c.available() else 'unavailable (xla backend)')"
+.venv/bin/python -c "from jaxinfer.layers import cpu_kernels as c; print('setup: cpu attention kernel', 'ready' if c.available() else 'unavailable (xla backend)')"

@@ -1,10 +1,11 @@
 """Roofline numbers for a model on a device: what the hardware allows, next to measured.
 
-Both rates are measured here by probes, not assumed: memory bandwidth by a streaming
-read+write of a 256 MiB (GPU: 1 GiB) array, matmul rate by a dense matmul (bf16 on GPU, fp32 on
-CPU) at a large square shape and at the decode shape [batch, hidden] x [hidden, intermediate].
-Decode-step floors: bandwidth = (weight bytes + KV bytes read) / bandwidth; compute = the step's
-FLOPs / matmul rate; the step cannot beat the larger. With --measure (default) the engine's own
+Both rates are measured here by probes, not assumed: memory bandwidth by streaming a 256 MiB
+(GPU: 1 GiB) array, read only (a sum: what a decode step does to weights and KV) and read+write
+(a copy), matmul rate by a dense matmul (bf16 on GPU, fp32 on CPU) at a large square shape and
+at the decode shape [batch, hidden] x [hidden, intermediate]. Decode-step floors: bandwidth =
+(weight bytes + KV bytes read) / read bandwidth; compute = the step's FLOPs / matmul rate; the
+step cannot beat the larger. With --measure (default) the engine's own
 decode step is timed at each batch size (prompts of --context tokens, then --decode-steps
 steps) and printed beside its floors, with the fraction of the floor reached.
 Prefill floor = FLOPs / matmul rate.
@@ -66,8 +67,8 @@ def prefill_flops(cfg: ModelConfig, num_tokens: int, context: int = 0) -> float:
 
 def measure_device(dtype: str = "bfloat16", size: int = 4096,
                    decode_shape: tuple[int, int, int] | None = None) -> dict[str, float]:
-    """Measured copy bandwidth (bytes/s, read+write) and dense matmul rate (FLOP/s); with
-    decode_shape (m, k, n) also the rate of that (small-m) matmul."""
+    """Measured read bandwidth (bytes/s, a sum), copy bandwidth (read+write) and dense matmul
+    rate (FLOP/s); with decode_shape (m, k, n) also the rate of that (small-m) matmul."""
     import jax
     import jax.numpy as jnp
 
@@ -86,13 +87,15 @@ def measure_device(dtype: str = "bfloat16", size: int = 4096,
     n_bytes = (1 << 30) if on_gpu else (1 << 28)
     x = jnp.ones((n_bytes // 4,), jnp.float32)
     bw = 2 * n_bytes / best(jax.jit(lambda a: a + 1.0), x)
+    read_bw = n_bytes / best(jax.jit(jnp.sum), x)
     del x
     n = size if on_gpu else 2048
     dt = jnp.dtype(dtype if on_gpu else "float32")
     key = jax.random.key(0)
     a = jax.random.normal(key, (n, n), dt)
     rate = 2 * n ** 3 / best(jax.jit(lambda p, q: p @ q), a, a)
-    out = {"copy_bandwidth_bytes_per_s": bw, "matmul_flops_per_s": rate,
+    out = {"read_bandwidth_bytes_per_s": read_bw, "copy_bandwidth_bytes_per_s": bw,
+           "matmul_flops_per_s": rate,
            "matmul_dtype": dt.name, "matmul_probe": [n, n, n],
            "device": jax.devices()[0].device_kind}
     if decode_shape is not None:
@@ -151,7 +154,7 @@ def run_roofline(args) -> dict:
     rows = []
     for b in args.batch_sizes:
         bw_floor = decode_step_floor_s(cfg, dtype_bytes, b, args.context,
-                                       dev["copy_bandwidth_bytes_per_s"])
+                                       dev["read_bandwidth_bytes_per_s"])
         flops = decode_step_flops(cfg, b, args.context)
         compute_floor = flops / dev["matmul_flops_per_s"]
         floor = max(bw_floor, compute_floor)
@@ -173,7 +176,8 @@ def run_roofline(args) -> dict:
     print(f"{cfg.architecture}: {p['total'] / 1e6:.1f}M params, "
           f"{result['weight_bytes'] / 2**30:.2f} GiB weights ({args.dtype}), "
           f"{result['kv_bytes_per_token'] / 1024:.1f} KiB KV per token")
-    print(f"device {dev['device']}: copy {dev['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+    print(f"device {dev['device']}: read {dev['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+          f"copy {dev['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
           f"matmul {dev['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s ({dev['matmul_dtype']}, "
           f"{'x'.join(map(str, dev['matmul_probe']))}), at the decode shape "
           f"{'x'.join(map(str, dev['decode_matmul_probe']))}: "

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.reference import ragged_paged_attention_reference, write_kv_reference
 
-# "cpu": the C++ FFI kernel (the default on CPU, layers/cpu_attention.py); "xla": cost follows
+# "cpu": the C++ FFI kernel (the default on CPU, layers/cpu_kernels.py); "xla": cost follows
 # the real work (the default elsewhere, and the CPU fallback); "pallas": the Triton kernel (GPU;
 # interpret mode on CPU); "reference": pure jnp, slow on purpose, the ground truth of the tests.
 # "auto" is resolved per device by the worker (runner/worker.py) before a model is built.
@@ -50,9 +50,9 @@ def attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
               backend: str = DEFAULT_BACKEND, sliding_window: int | None = None):
     """q [T, Hq, D] over the paged caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D]."""
     if backend == "auto":  # (engines resolve it per device first; this is for bare models)
-        from jaxinfer.layers import cpu_attention
+        from jaxinfer.layers import cpu_kernels
 
-        cpu = jax.default_backend() == "cpu" and cpu_attention.available()
+        cpu = jax.default_backend() == "cpu" and cpu_kernels.available()
         backend = "cpu" if cpu else "xla"
     if backend == "xla":
         from jaxinfer.layers.ragged_attention import ragged_paged_attention_xla
@@ -62,7 +62,7 @@ def attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
             md.num_decodes, sm_scale=sm_scale, sliding_window=sliding_window,
         )
     if backend == "cpu":
-        from jaxinfer.layers.cpu_attention import ragged_paged_attention_cpu
+        from jaxinfer.layers.cpu_kernels import ragged_paged_attention_cpu
 
         return ragged_paged_attention_cpu(
             q, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,

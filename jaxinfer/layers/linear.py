@@ -1,6 +1,11 @@
-"""Linear and gated-MLP layers. Weights are stored [in, out] (HF's [out, in] transposed)."""
+"""Linear and gated-MLP layers. Weights are stored [in, out] (HF's [out, in] transposed), or,
+with packed=True (float32 models on the `cpu` backend), in column panels [ceil(out/32), in, 32]
+multiplied by the C++ kernel (layers/cpu_kernels.py); the loader packs them (the Param's
+`unpacked_shape` metadata says what it packs from)."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -11,14 +16,37 @@ def _init(rngs: nnx.Rngs, shape, dtype, std: float = 0.02):
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
+def _weight(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, packed: bool) -> nnx.Param:
+    """A weight of logical shape (in, *out): plain, or packed into column panels over the
+    flattened outputs."""
+    if not packed:
+        return nnx.Param(_init(rngs, shape, dtype))
+    from jaxinfer.layers.cpu_kernels import packed_shape
+
+    n = math.prod(shape[1:])
+    return nnx.Param(_init(rngs, packed_shape(shape[0], n), dtype), unpacked_shape=shape)
+
+
+def _matmul(x: jax.Array, weight: jax.Array, packed: bool, out_shape: tuple[int, ...]):
+    """x [T, in] @ a weight of logical shape (in, *out_shape) -> [T, *out_shape]."""
+    if packed:
+        from jaxinfer.layers.cpu_kernels import matmul
+
+        return matmul(x, weight, math.prod(out_shape)).reshape(*x.shape[:-1], *out_shape)
+    if len(out_shape) == 1:
+        return x @ weight
+    return jnp.einsum("ti,i...->t...", x, weight)
+
+
 class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
-                 rngs: nnx.Rngs):
-        self.weight = nnx.Param(_init(rngs, (in_features, out_features), dtype))  # [in, out]
+                 rngs: nnx.Rngs, packed: bool = False):
+        self.packed, self.out_features = packed, out_features
+        self.weight = _weight(rngs, (in_features, out_features), dtype, packed)  # [in, out]
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None  # [out]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ self.weight[...]
+        y = _matmul(x, self.weight[...], self.packed, (self.out_features,))
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -34,16 +62,17 @@ class QKVLinear(nnx.Module):
     q_proj / k_proj / v_proj (models/fused.py)."""
 
     def __init__(self, in_features: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 use_bias: bool, dtype, rngs: nnx.Rngs):
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+                 use_bias: bool, dtype, rngs: nnx.Rngs, packed: bool = False):
+        self.num_kv_heads, self.head_dim, self.packed = num_kv_heads, head_dim, packed
         self.group = num_heads // num_kv_heads
         width = (self.group + 2) * head_dim
-        self.weight = nnx.Param(_init(rngs, (in_features, num_kv_heads, width), dtype))
+        self.weight = _weight(rngs, (in_features, num_kv_heads, width), dtype, packed)
         self.bias = (nnx.Param(jnp.zeros((num_kv_heads, width), dtype)) if use_bias else None)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, in] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
-        y = jnp.einsum("ti,ihw->thw", x, self.weight[...])  # [T, Hkv, (G+2)*D]
+        width = (self.group + 2) * self.head_dim
+        y = _matmul(x, self.weight[...], self.packed, (self.num_kv_heads, width))
         if self.bias is not None:
             y = y + self.bias[...]
         t, g, d = x.shape[0], self.group, self.head_dim
@@ -56,21 +85,25 @@ class GateUpLinear(nnx.Module):
     """The gate and up projections as one matmul (vLLM's MergedColumnParallelLinear):
     weight [in, 2, I] (gate, then up), split over I for tensor parallelism."""
 
-    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_init(rngs, (in_features, 2, out_features), dtype))
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs,
+                 packed: bool = False):
+        self.packed, self.out_features = packed, out_features
+        self.weight = _weight(rngs, (in_features, 2, out_features), dtype, packed)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        y = jnp.einsum("ti,icj->tcj", x, self.weight[...])  # [T, 2, I]
+        y = _matmul(x, self.weight[...], self.packed, (2, self.out_features))  # [T, 2, I]
         return y[:, 0], y[:, 1]
 
 
 class GatedMLP(nnx.Module):
     """down(silu(gate(x)) * up(x)), the Llama/Qwen MLP."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
-        self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs)
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs,
+                 packed: bool = False):
+        self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs,
+                                         packed=packed)
         self.down_proj = Linear(intermediate_size, hidden_size, use_bias=False, dtype=dtype,
-                                rngs=rngs)
+                                rngs=rngs, packed=packed)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = self.gate_up_proj(x)
@@ -78,15 +111,32 @@ class GatedMLP(nnx.Module):
 
 
 class Embedding(nnx.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs):
+    """The token embedding [V, H]; as a tied LM head, with packed_lm_head (the `cpu` backend)
+    also its transpose packed for the matmul kernel, `lm_weight` (the loader fills it from the
+    same checkpoint tensor: weights stay tied; the table is held twice)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs,
+                 packed_lm_head: bool = False):
+        self.vocab_size = vocab_size
         self.weight = nnx.Param(_init(rngs, (vocab_size, hidden_size), dtype))  # [V, H]
+        self.lm_weight = (_weight(rngs, (hidden_size, vocab_size), dtype, True)
+                          if packed_lm_head else None)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.weight[...], ids, axis=0)
 
+    def tie(self) -> None:
+        """lm_weight := the packed transpose of the table (dummy weights: set, not loaded)."""
+        if self.lm_weight is not None:
+            from jaxinfer.layers.cpu_kernels import pack_jnp
+
+            self.lm_weight.set_value(pack_jnp(self.weight[...].T))
+
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied LM head: x [T, H] -> logits [T, V].
 
-        Written as (W [V, H] . x^T)^T: XLA's CPU dot then reads the table in place instead of
-        first copying out its transpose (113 MB for SmolLM2, ~15 ms per decode step)."""
+        Unpacked, written as (W [V, H] . x^T)^T: XLA's CPU dot then reads the table in place
+        instead of first copying out its transpose (113 MB for SmolLM2, ~15 ms per step)."""
+        if self.lm_weight is not None:
+            return _matmul(x, self.lm_weight[...], True, (self.vocab_size,))
         return jax.lax.dot_general(self.weight[...], x, (((1,), (1,)), ((), ()))).T

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# A tied LM head packed for the CPU matmul kernel: the embedding table's transpose.
+TIED_LM_HEAD = "embed_tokens.lm_weight"
 
 
 def _split(name: str) -> tuple[str, str, str]:
@@ -22,6 +24,8 @@ def _split(name: str) -> tuple[str, str, str]:
 
 def checkpoint_names(name: str) -> tuple[str, ...]:
     """The checkpoint tensors parameter `name` is built from (itself when not fused)."""
+    if name.endswith(TIED_LM_HEAD):
+        return (name[: -len("lm_weight")] + "weight",)
     if name.count(".") < 1:
         return (name,)
     prefix, module, leaf = _split(name)
@@ -55,3 +59,17 @@ def fuse(name: str, parts: list[np.ndarray], head_dim: int) -> np.ndarray:
     k = k.reshape(*lead, kv_heads, head_dim)
     v = v.reshape(*lead, kv_heads, head_dim)
     return np.concatenate([q, k, v], axis=-1)
+
+
+def logical_shape(var) -> tuple[int, ...]:
+    """A parameter's shape in our [in, out] layout (packed weights: what they pack from)."""
+    return tuple(getattr(var, "unpacked_shape", None) or var.shape)
+
+
+def to_param_layout(var, value: np.ndarray) -> np.ndarray:
+    """value in the [in, out] layout -> the parameter's own (column panels if packed)."""
+    if getattr(var, "unpacked_shape", None) is None:
+        return value
+    from jaxinfer.layers.cpu_kernels import pack
+
+    return pack(value.reshape(value.shape[0], -1))

@@ -19,6 +19,7 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.layers import module_list
 from jaxinfer.layers.attention import AttentionMetadata, paged_attention
+from jaxinfer.layers.cpu_kernels import use_packed_weights
 from jaxinfer.layers.linear import Embedding, GatedMLP, Linear, QKVLinear
 from jaxinfer.layers.norms import RMSNorm
 from jaxinfer.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
@@ -37,10 +38,12 @@ class LlamaAttention(nnx.Module):
         self.backend = attention_backend
         self.sliding_window = cfg.sliding_window
         bias = cfg.attention_bias
+        packed = use_packed_weights(attention_backend, dtype, mesh)
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_attention_heads,
                                   cfg.num_key_value_heads, cfg.head_dim, use_bias=bias,
-                                  dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, use_bias=False, dtype=dtype, rngs=rngs)
+                                  dtype=dtype, rngs=rngs, packed=packed)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, use_bias=False, dtype=dtype, rngs=rngs,
+                             packed=packed)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
@@ -66,7 +69,8 @@ class LlamaDecoderLayer(nnx.Module):
         self.self_attn = LlamaAttention(cfg, dtype=dtype, attention_backend=attention_backend,
                                         rngs=rngs, mesh=mesh)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,
+                            packed=use_packed_weights(attention_backend, dtype, mesh))
 
     def __call__(self, x, cos, sin, kv_cache: KVCache, md: AttentionMetadata):
         h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md)
@@ -78,7 +82,10 @@ class LlamaDecoderLayer(nnx.Module):
 class LlamaModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs,
                  mesh=None):
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.embed_tokens = Embedding(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs,
+            packed_lm_head=cfg.tie_word_embeddings and use_packed_weights(attention_backend,
+                                                                          dtype, mesh))
         self.layers = module_list(
             LlamaDecoderLayer(cfg, dtype=dtype, attention_backend=attention_backend, rngs=rngs,
                               mesh=mesh)
@@ -100,7 +107,8 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype,
-                                  rngs=rngs)
+                                  rngs=rngs,
+                                  packed=use_packed_weights(attention_backend, dtype, mesh))
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[KVCache],
                  md: AttentionMetadata, aux_layers: tuple[int, ...] = ()):

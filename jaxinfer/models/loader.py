@@ -18,7 +18,8 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig, resolve_dtype
-from jaxinfer.models.fused import checkpoint_names, fuse, source_shape
+from jaxinfer.models.fused import (TIED_LM_HEAD, checkpoint_names, fuse, logical_shape,
+                                   source_shape, to_param_layout)
 from jaxinfer.models.registry import get_model_class
 from jaxinfer.parallel import param_spec, replicate_kv_heads, sharding, tp_model_config
 
@@ -94,10 +95,18 @@ def _place(name: str, tensor: np.ndarray, *, mesh, to_host: bool = False) -> jax
 
 
 def build_model(model_config: ModelConfig, *, dtype: str, attention_backend: str, seed: int = 0,
-                mesh=None):
+                mesh=None, tp: int = 1):
+    """A function building the model (packed CPU weights only where it runs on one device)."""
+    from jaxinfer.layers.cpu_kernels import packing
+
     cls = get_model_class(model_config.architecture)
-    return lambda: cls(model_config, dtype=_dtype(dtype), attention_backend=attention_backend,
+
+    def make():
+        with packing(tp == 1):
+            return cls(model_config, dtype=_dtype(dtype), attention_backend=attention_backend,
                        rngs=nnx.Rngs(seed), mesh=mesh)
+
+    return make
 
 
 def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto",
@@ -118,7 +127,7 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
     model_config, kv_repeat = tp_model_config(model_config, tp)
     dtype_name = resolve_dtype(dtype, model_config)
     make = build_model(model_config, dtype=dtype_name, attention_backend=attention_backend,
-                       seed=seed, mesh=mesh)
+                       seed=seed, mesh=mesh, tp=tp)
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
     flat = nnx.to_flat_state(abstract)
     names = [_param_name(path) for path, _ in flat]
@@ -126,8 +135,12 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
         shardings = nnx.from_flat_state([
             (path, sharding(mesh, param_spec(name, var.shape, tp)) if mesh else None)
             for (path, var), name in zip(flat, names)])
-        init = jax.jit(lambda: nnx.state(make()),
-                       out_shardings=shardings if mesh is not None else None)
+        def dummy():
+            model = make()
+            getattr(model.model, "embed_tokens").tie()  # (a packed tied LM head: its table^T)
+            return nnx.state(model)
+
+        init = jax.jit(dummy, out_shardings=shardings if mesh is not None else None)
         state = init()
         if to_host:
             state = jax.device_get(state)
@@ -135,8 +148,11 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
 
     files_by_name = _safetensors_index(model_dir)
     sources = {name: checkpoint_names(name) for name in names}  # fused params: several
-    owner = {src: name for name, srcs in sources.items() for src in srcs}
-    wanted = [src for name in names for src in sources[name]]
+    owners: dict[str, list[str]] = {}  # (a tied packed LM head shares the embedding's tensor)
+    for name in names:
+        for src in sources[name]:
+            owners.setdefault(src, []).append(name)
+    wanted = list(owners)
     missing = [n for n in wanted if n not in files_by_name]
     if missing:
         raise ValueError(
@@ -147,17 +163,26 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
     head_dim = model_config.head_dim
     pending: dict[str, dict[str, np.ndarray]] = {}  # fused params still missing a part
     for src, tensor in _iter_tensors(files_by_name, wanted):
-        name = owner[src]
-        var = expected[name]
-        srcs = sources[name]
-        shape = var.shape if len(srcs) == 1 else source_shape(name, src, var.shape, head_dim)
-        parts = pending.setdefault(name, {})
-        parts[src] = _host_tensor(src, tensor, shape, var.dtype, kv_repeat=kv_repeat,
-                                  head_dim=head_dim)
-        if len(parts) < len(srcs):
-            continue
-        del pending[name]
-        value = parts[src] if len(srcs) == 1 else fuse(name, [parts[s] for s in srcs], head_dim)
-        var.set_value(_place(name, value, mesh=mesh, to_host=to_host))
+        for name in owners[src]:
+            var = expected[name]
+            srcs = sources[name]
+            want = logical_shape(var)
+            if name.endswith(TIED_LM_HEAD):  # the embedding [V, H], transposed
+                value = _host_tensor(src, tensor, want[::-1], var.dtype, kv_repeat=kv_repeat,
+                                     head_dim=head_dim).T
+                var.set_value(_place(name, to_param_layout(var, value), mesh=mesh,
+                                     to_host=to_host))
+                continue
+            shape = want if len(srcs) == 1 else source_shape(name, src, want, head_dim)
+            parts = pending.setdefault(name, {})
+            parts[src] = _host_tensor(src, tensor, shape, var.dtype, kv_repeat=kv_repeat,
+                                      head_dim=head_dim)
+            if len(parts) < len(srcs):
+                continue
+            del pending[name]
+            value = (parts[src] if len(srcs) == 1
+                     else fuse(name, [parts[s] for s in srcs], head_dim))
+            var.set_value(_place(name, to_param_layout(var, value), mesh=mesh,
+                                 to_host=to_host))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     return model, model_config, dtype_name

@@ -43,11 +43,10 @@ class BucketTable:
 
     def start_pairs(self) -> list[tuple[int, int]]:
         """The buckets compiled before an engine serves (the others compile when first used
-        or in the background): the smallest token bucket for every request count it holds,
-        which every decode step uses. A first prompt compiles its own bucket when it comes
-        (~2 s here); nobody waits for the largest buckets at start-up."""
-        t0 = self.token_buckets[0]
-        return [(t, r) for t, r in self.all_pairs() if t == t0]
+        or in the background): the bucket of a pure decode step of each request count, what
+        every decode step uses. A first prompt compiles its own bucket when it comes (~2 s
+        here); nobody waits for the largest buckets at start-up."""
+        return sorted({self.pick(r, r) for r in self.req_buckets})
 
     def all_pairs(self) -> list[tuple[int, int]]:
         """Every (T, R) a step can map to: R up to the first request bucket >= T."""

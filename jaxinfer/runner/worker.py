@@ -154,9 +154,9 @@ def resolve_attention_backend(name: str, devices) -> str:
     platform = devices[0].platform
     if name == "auto":
         if platform == "cpu":
-            from jaxinfer.layers import cpu_attention
+            from jaxinfer.layers import cpu_kernels
 
-            return "cpu" if cpu_attention.available() else "xla"
+            return "cpu" if cpu_kernels.available() else "xla"
         return "xla"
     if name == "cpu" and platform != "cpu":
         raise ValueError(f"attention_backend='cpu' runs on CPU devices only, not {platform}")

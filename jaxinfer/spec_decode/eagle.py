@@ -34,10 +34,12 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.layers import module_list
 from jaxinfer.layers.attention import AttentionMetadata
+from jaxinfer.layers.cpu_kernels import use_packed_weights
 from jaxinfer.layers.linear import Embedding, GatedMLP, Linear, QKVLinear
 from jaxinfer.layers.norms import RMSNorm
 from jaxinfer.layers.rotary import rope_cos_sin, rope_inv_freq
-from jaxinfer.models.fused import checkpoint_names, fuse, source_shape
+from jaxinfer.models.fused import (checkpoint_names, fuse, logical_shape, source_shape,
+                                   to_param_layout)
 from jaxinfer.models.llama import LlamaAttention, LlamaDecoderLayer
 
 
@@ -57,9 +59,9 @@ class Eagle3Layer(nnx.Module):
         self.self_attn = LlamaAttention(cfg, dtype=dtype, attention_backend=attention_backend,
                                         rngs=rngs)
         bias = cfg.attention_bias
-        self.self_attn.qkv_proj = QKVLinear(2 * h, cfg.num_attention_heads,
-                                            cfg.num_key_value_heads, cfg.head_dim,
-                                            use_bias=bias, dtype=dtype, rngs=rngs)
+        self.self_attn.qkv_proj = QKVLinear(
+            2 * h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, use_bias=bias,
+            dtype=dtype, rngs=rngs, packed=use_packed_weights(attention_backend, dtype, None))
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = GatedMLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
         self.norm_before_residual = norm_before_residual
@@ -228,13 +230,13 @@ def load_eagle_head(model_dir: str, method: str, target_config: ModelConfig, *, 
             t = tensors[src]
             if src.endswith(("_proj.weight", "lm_head.weight", "fc.weight")):
                 t = t.T
-            want = (var.shape if len(sources[name]) == 1
-                    else source_shape(name, src, var.shape, cfg.head_dim))
+            want = (logical_shape(var) if len(sources[name]) == 1
+                    else source_shape(name, src, logical_shape(var), cfg.head_dim))
             if tuple(t.shape) != tuple(want):
                 raise ValueError(f"EAGLE tensor {src!r} has shape {tuple(t.shape)} (after "
                                  f"transposing [out, in]), the head expects {tuple(want)}")
             parts.append(t)
         t = parts[0] if len(parts) == 1 else fuse(name, parts, cfg.head_dim)
-        var.set_value(jnp.asarray(t.astype(var.dtype)))
+        var.set_value(jnp.asarray(to_param_layout(var, t.astype(var.dtype))))
     nnx.update(head, nnx.from_flat_state(flat))
     return head

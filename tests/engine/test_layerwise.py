@@ -162,9 +162,14 @@ def test_a_step_pads_up_to_a_ready_bucket_only_when_near():
 
 def test_background_compiles_the_rest_and_stops_on_close():
     steps, log = _steps(delay=0.05)
-    table = BucketTable.build(256, 8)
+    table = BucketTable.build(256, 8, min_tokens=16)
     start = table.start_pairs()
     assert start == [(16, 1), (16, 2), (16, 4), (16, 8)]
+    # from one token up (the default): each decode batch size its own bucket
+    assert BucketTable.build(256, 8, min_tokens=1).start_pairs() == [(1, 1), (2, 2), (4, 4),
+                                                                     (8, 8)]
+    assert BucketTable.build(2048, 64, min_tokens=16).start_pairs()[-2:] == [(32, 32),
+                                                                             (64, 64)]
     steps.warmup([(t, r, PLAIN) for t, r in start], num_threads=2)
     assert sorted(k[:2] for k in steps.keys()) == sorted(start)
     rest = [(t, r, PLAIN) for t, r in table.all_pairs() if (t, r) not in start]

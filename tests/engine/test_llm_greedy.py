@@ -103,13 +103,13 @@ def test_cpu_default_and_xla_backends_match_hf_with_sliding_window(tmp_path, smo
                                                                    backend):
     """The default backend on CPU is the C++ kernel ("cpu"); "xla" stays selectable; both give
     HF's greedy tokens, here with a sliding window shorter than the prompts."""
-    from jaxinfer.layers import cpu_attention
+    from jaxinfer.layers import cpu_kernels
 
     hf = make_tiny_model_dir(tmp_path, "mistral", smollm2_dir, sliding_window=8)
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=32, warmup=False, num_kv_blocks=40,
               attention_backend=backend)
-    want = backend or ("cpu" if cpu_attention.available() else "xla")
+    want = backend or ("cpu" if cpu_kernels.available() else "xla")
     assert llm.llm_engine.attention_backend == want
     tok = llm.get_tokenizer()
     prompts = PROMPTS[:5]

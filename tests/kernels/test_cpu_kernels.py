@@ -9,17 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.layers import cpu_attention
+from jaxinfer.layers import cpu_kernels
 from pallas_kernels.reference import ragged_paged_attention_reference
 from tests.kernels.test_ragged_paged_attention import make_case
 from tests.kernels.test_xla_attention import CASES
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(),
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="the C++ kernel could not be built here")
 
 
 def run(args, **kw):
-    return jax.jit(lambda *a: cpu_attention.ragged_paged_attention_cpu(*a, sm_scale=0.125, **kw))(
+    return jax.jit(lambda *a: cpu_kernels.ragged_paged_attention_cpu(*a, sm_scale=0.125, **kw))(
         *args)
 
 
@@ -98,6 +98,60 @@ def test_out_of_range_metadata_is_an_error_not_a_crash(field):
 
 
 def test_build_is_cached_and_keyed_by_source():
-    path = cpu_attention.build()
-    assert path == cpu_attention.library_path()
-    assert cpu_attention.build() == path  # no rebuild
+    path = cpu_kernels.build()
+    assert path == cpu_kernels.library_path()
+    assert cpu_kernels.build() == path  # no rebuild
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (7, 64, 33), (32, 1536, 576), (50, 40, 31),
+                                   (130, 96, 64), (0, 16, 32)])
+def test_packed_matmul_matches_numpy(m, k, n):
+    """Every row-block remainder (1..5 of 6), a partial last panel (n % 32), one panel,
+    zero rows."""
+    rng = np.random.default_rng(m * 1000 + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    wp = cpu_kernels.pack(w)
+    assert wp.shape == cpu_kernels.packed_shape(k, n)
+    out = jax.jit(lambda x, wp: cpu_kernels.matmul(x, wp, n))(x, wp)
+    np.testing.assert_allclose(np.asarray(out), x @ w, rtol=2e-5, atol=2e-4)
+
+
+def test_packed_matmul_refuses_mismatched_shapes():
+    x = jnp.ones((2, 16), jnp.float32)
+    wp = jnp.asarray(cpu_kernels.pack(np.ones((16, 64), np.float32)))  # 2 panels
+    with pytest.raises(Exception, match="packed_matmul_cpu"):
+        np.asarray(jax.jit(lambda x, wp: cpu_kernels.matmul(x, wp, 20))(x, wp))  # 1 panel's
+
+
+def test_packed_model_matches_unpacked():
+    """The same checkpoint loaded packed (`cpu` backend, fp32, one device) and plain (xla):
+    layer outputs agree; bf16 models and tensor-parallel builds are never packed."""
+    from jaxinfer.models.default_model import ensure_default_model
+    from jaxinfer.models.loader import load_model
+
+    path = ensure_default_model()
+    packed, _, _ = load_model(path, dtype="float32", attention_backend="cpu")
+    plain, _, _ = load_model(path, dtype="float32", attention_backend="xla")
+    assert packed.model.layers[0].mlp.down_proj.weight[...].ndim == 3
+    assert plain.model.layers[0].mlp.down_proj.weight[...].ndim == 2
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 576)), jnp.float32)
+    for fn in (lambda m: m.model.layers[3].mlp(x),
+               lambda m: m.model.layers[3].self_attn.qkv_proj(x),
+               lambda m: m.compute_logits(x)):  # the tied LM head, packed from the table
+        for a, b in zip(jax.tree.leaves(fn(packed)), jax.tree.leaves(fn(plain))):
+            b = np.asarray(b)  # (fp32 sums in another order: relative to the output's scale)
+            np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
+    bf16, _, _ = load_model(path, dtype="bfloat16", attention_backend="cpu", load_format="dummy")
+    assert bf16.model.layers[0].mlp.down_proj.weight[...].ndim == 2
+
+
+def test_dummy_weights_keep_the_packed_lm_head_tied():
+    from jaxinfer.models.default_model import ensure_default_model
+    from jaxinfer.models.loader import load_model
+
+    m, _, _ = load_model(ensure_default_model(), dtype="float32", attention_backend="cpu",
+                         load_format="dummy")
+    emb = m.model.embed_tokens
+    np.testing.assert_array_equal(np.asarray(emb.lm_weight[...]),
+                                  cpu_kernels.pack(np.asarray(emb.weight[...]).T))

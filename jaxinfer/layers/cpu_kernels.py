@@ -1,0 +1,184 @@
+"""The `cpu` backend's C++ kernels, XLA FFI custom calls on XLA's intra-op thread pool.
+
+- ragged paged attention (jaxinfer/csrc/paged_attention_cpu.cc): reads each KV page in place
+  and does only the attention math;
+- packed matmul (jaxinfer/csrc/packed_matmul_cpu.cc): x @ W with W packed at load time into
+  column panels [ceil(N/32), K, 32] (`pack`): the weights stream once per step, the rows of x
+  stay in cache; measured faster than XLA's dot here from 1 to 1024 rows
+  (benchmarks/cpu_matmul.py).
+
+Both are compiled here into one library, on first use, with the machine's C++ compiler against
+the FFI headers jaxlib ships (no network), into the cache folder (<cache>/ext, keyed by the
+sources, jaxlib's version, the compiler flags and this CPU's instruction-set flags), under a
+file lock so concurrent engine processes build it once. `make setup` builds it ahead. Where it
+cannot be built (no compiler), `available()` says so, the reason is logged once, and the
+default backend on CPU stays `xla` (unpacked weights, XLA's dots).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+
+import jax
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+TARGET = "jaxinfer_paged_attention_cpu"
+MATMUL_TARGET = "jaxinfer_packed_matmul_cpu"
+_CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+_SOURCES = [os.path.join(_CSRC, f) for f in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc")]
+PANEL = 32  # packed weights: column panels of this many outputs (kNR in the kernel)
+# -ffast-math lets GCC call glibc's vector exp (libmvec); the kernel uses no infinities or NaNs
+# (a finite mask value; positions outside a row's window are never read).
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-std=c++17", "-fPIC",
+          "-shared"]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine()
+
+
+def _cache_dir() -> str:
+    from jaxinfer.models.default_model import cache_dir
+
+    return os.path.join(cache_dir(), "ext")
+
+
+def library_path() -> str:
+    import jaxlib
+
+    key = hashlib.sha256()
+    for src in _SOURCES:
+        with open(src, "rb") as f:
+            key.update(f.read())
+    key.update(" ".join(_FLAGS + [jaxlib.__version__, _cpu_flags()]).encode())
+    return os.path.join(_cache_dir(), f"cpu_kernels-{key.hexdigest()[:16]}.so")
+
+
+def build() -> str:
+    """Compile the kernels unless this exact build exists; returns the library's path."""
+    import fcntl
+
+    path = library_path()
+    if os.path.isfile(path):
+        return path
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") \
+        or shutil.which("clang++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++, c++ or clang++; or set CXX)")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(path):  # another process built it meanwhile
+            return path
+        tmp = f"{path}.{os.getpid()}.tmp"
+        cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), *_SOURCES, "-o", tmp, "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, path)  # atomic: a reader never sees half a library
+    return path
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels are built (building them now if needed) and registered with XLA."""
+    if os.environ.get("JAXINFER_CPU_ATTENTION", "1") == "0":
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(build())
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxinferPagedAttentionCpu),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(MATMUL_TARGET,
+                                    jax.ffi.pycapsule(lib.JaxinferPackedMatmulCpu),
+                                    platform="cpu")
+    except Exception as e:  # noqa: BLE001  (any build or load failure: fall back, say why)
+        logger.warning("cpu kernels unavailable, using the xla backend: %s", e)
+        return False
+    return True
+
+
+def ragged_paged_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+                               num_seqs, *, sm_scale: float, sliding_window: int | None = None):
+    """Same contract as `ragged_paged_attention_reference`; q [T, Hq, D] -> [T, Hq, D]."""
+    if not available():
+        raise RuntimeError("attention_backend='cpu' needs the C++ kernel, which could not be "
+                           "built here (see the warning above)")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype),
+                            vmap_method="sequential")
+    i32 = np.int32
+    return call(q, k_cache, v_cache, kv_lens.astype(i32), block_tables.astype(i32),
+                query_start_loc.astype(i32), num_seqs.astype(i32),
+                sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0))
+
+
+def packed_shape(in_features: int, out_features: int) -> tuple[int, int, int]:
+    return (-(-out_features // PANEL), in_features, PANEL)
+
+
+def pack(w: np.ndarray) -> np.ndarray:
+    """[K, N] -> [ceil(N/32), K, 32] column panels, the last zero-padded."""
+    k, n = w.shape
+    panels = -(-n // PANEL)
+    padded = np.zeros((k, panels * PANEL), w.dtype)
+    padded[:, :n] = w
+    return np.ascontiguousarray(padded.reshape(k, panels, PANEL).transpose(1, 0, 2))
+
+
+def pack_jnp(w):
+    """`pack` on device (jnp): [K, N] -> [ceil(N/32), K, 32]."""
+    k, n = w.shape
+    panels = -(-n // PANEL)
+    w = jax.numpy.pad(w, ((0, 0), (0, panels * PANEL - n)))
+    return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
+
+
+def matmul(x, w_packed, out_features: int):
+    """x [..., K] float32 @ the packed weight [P, K, 32] -> [..., out_features]."""
+    if not available():
+        raise RuntimeError("packed weights need the C++ kernels, which could not be built here")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    call = jax.ffi.ffi_call(MATMUL_TARGET,
+                            jax.ShapeDtypeStruct((x2.shape[0], out_features), x.dtype),
+                            vmap_method="sequential")
+    return call(x2, w_packed).reshape(*lead, out_features)
+
+
+_PACKING = contextvars.ContextVar("jaxinfer_packing", default=True)
+
+
+@contextlib.contextmanager
+def packing(enabled: bool):
+    """Models built inside take packed weights only if `enabled` (the loader turns packing off
+    for tensor-parallel builds, which place the parameters on a mesh later)."""
+    token = _PACKING.set(enabled)
+    try:
+        yield
+    finally:
+        _PACKING.reset(token)
+
+
+def use_packed_weights(attention_backend: str, dtype, mesh) -> bool:
+    """Packed weights and the matmul kernel go with the `cpu` backend: float32 models on one
+    device (under a mesh XLA could not partition the custom call; the kernel is fp32)."""
+    return (attention_backend == "cpu" and mesh is None and np.dtype(dtype) == np.float32
+            and _PACKING.get())
