@@ -32,6 +32,19 @@ constexpr int64_t kTile = 16;  // query tokens per work item
 // The running max's start: finite (the kernel is built with -ffast-math, which assumes no
 // infinities), and exp(it - any real score) is exactly 0.
 constexpr float kMaskValue = -1e30f;
+constexpr int64_t kC = 16;  // keys per transposed chunk (blocked scores)
+constexpr int64_t kRB = 4;  // query rows per register block (blocked scores)
+constexpr int64_t kBlockedMinRows = 8;  // items with fewer rows (decode) take per-row dots
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
 inline float bf16_to_float(uint16_t x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -133,15 +146,23 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const int64_t kv_len = p.kv_lens[it.seq], ctx = kv_len - q_len;
   const int64_t r0 = it.tile * kTile, r1 = std::min(q_len, r0 + kTile);
   const int64_t rows = (r1 - r0) * G;  // (query token, head in group) pairs
-  // scratch: q [rows, D] | acc [rows, D] | m, l [rows] | scores [rows, BS] | k, v page [BS, D]
-  scratch.resize(static_cast<size_t>(2 * rows * D + 2 * rows + rows * BS + 2 * BS * D));
+  // scratch: q [rows + kRB, D] (zero tail rows for the last register block) | acc [rows, D] |
+  // m, l [rows] | scores [rows, BS] | k, v page [BS, D] | keys^T [D, kC]
+  scratch.resize(static_cast<size_t>(2 * rows * D + kRB * D + 2 * rows + rows * BS +
+                                     2 * BS * D + D * kC));
   float* qf = scratch.data();
-  float* acc = qf + rows * D;
+  std::fill(qf + rows * D, qf + (rows + kRB) * D, 0.0f);
+  float* acc = qf + (rows + kRB) * D;
   float* m = acc + rows * D;
   float* l = m + rows;
   float* s = l + rows;
   float* kbuf = s + rows * BS;
   float* vbuf = kbuf + BS * D;
+  float* kt = vbuf + BS * D;
+  // Many rows (prefill tiles): every row's scores for a page at once, kRB rows x kC keys per
+  // register block over the page's keys transposed, instead of one dot product per pair.
+  const bool blocked = rows >= kBlockedMinRows && D % 16 == 0;
+  const bool vec_d = D % 16 == 0;
   for (int64_t t = r0; t < r1; ++t) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t row = (t - r0) * G + g;
@@ -183,6 +204,28 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
       vp = vbuf;
       kstride = D;
     }
+    if (blocked) {
+      for (int64_t c = 0; c < n; c += kC) {
+        const int64_t nc = std::min(kC, n - c);
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t jj = 0; jj < kC; ++jj)
+            kt[d * kC + jj] = jj < nc ? kp[(c + jj) * kstride + d] : 0.0f;
+        for (int64_t r = 0; r < rows; r += kRB) {
+          v16 acc4[kRB];
+          for (int64_t i = 0; i < kRB; ++i) acc4[i] = v16{};
+          const float* q0 = qf + r * D;
+          for (int64_t d = 0; d < D; ++d) {
+            const v16 kv = load16(kt + d * kC);
+            for (int64_t i = 0; i < kRB; ++i) acc4[i] += q0[i * D + d] * kv;
+          }
+          for (int64_t i = 0; i < kRB && r + i < rows; ++i) {
+            float tmp[kC];
+            store16(tmp, acc4[i]);
+            std::memcpy(s + (r + i) * BS + c, tmp, nc * sizeof(float));
+          }
+        }
+      }
+    }
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t pos = ctx + r0 + row / G;  // this query token's position
       // Positions [j0 + a, j0 + b) of this page are visible to this row (causal, window).
@@ -192,13 +235,17 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
       const float* qr = qf + row * D;
       float* sr = s + row * BS;
       float mx = m[row];
-      for (int64_t j = a; j < b; ++j) {
-        const float* kr = kp + j * kstride;
-        float dot = 0.0f;
+      if (blocked) {
+        for (int64_t j = a; j < b; ++j) mx = std::max(mx, sr[j]);
+      } else {
+        for (int64_t j = a; j < b; ++j) {
+          const float* kr = kp + j * kstride;
+          float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
-        sr[j] = dot;
-        mx = std::max(mx, dot);
+          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+          sr[j] = dot;
+          mx = std::max(mx, dot);
+        }
       }
       const float corr = std::exp(m[row] - mx);  // 0 on the row's first page
       float sum = 0.0f;
@@ -208,13 +255,21 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
         sum += sr[j];
       }
       float* ar = acc + row * D;
+      if (vec_d) {  // each 16-wide slice of the output stays in a register over the keys
+        for (int64_t d = 0; d < D; d += 16) {
+          v16 av = load16(ar + d) * corr;
+          for (int64_t j = a; j < b; ++j) av += sr[j] * load16(vp + j * kstride + d);
+          store16(ar + d, av);
+        }
+      } else {
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
-      for (int64_t j = a; j < b; ++j) {
-        const float e = sr[j];
-        const float* vr = vp + j * kstride;
+        for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+        for (int64_t j = a; j < b; ++j) {
+          const float e = sr[j];
+          const float* vr = vp + j * kstride;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ar[d] += e * vr[d];
+          for (int64_t d = 0; d < D; ++d) ar[d] += e * vr[d];
+        }
       }
       l[row] = l[row] * corr + sum;
       m[row] = mx;
