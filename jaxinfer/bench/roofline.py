@@ -117,7 +117,8 @@ def measure_decode_steps(args, batch_sizes) -> dict[int, dict]:
 
     max_b = max(batch_sizes)
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.context + args.decode_steps + 8,
-              max_num_seqs=max_b, max_num_batched_tokens=max(2048, max_b))
+              max_num_seqs=max_b, max_num_batched_tokens=max(256, max_b),
+              warmup_buckets="all")  # (no compiling in the background while it is timed)
     vocab = llm.llm_engine.model_config.vocab_size
     rng = np.random.default_rng(0)
     out = {}
