@@ -37,10 +37,14 @@ MATMUL_TARGET = "jaxinfer_packed_matmul_cpu"
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 _SOURCES = [os.path.join(_CSRC, f) for f in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc")]
 PANEL = 32  # packed weights: column panels of this many outputs (kNR in the kernel)
-# -ffast-math lets GCC call glibc's vector exp (libmvec); the kernel uses no infinities or NaNs
-# (a finite mask value; positions outside a row's window are never read).
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-std=c++17", "-fPIC",
-          "-shared"]
+# -ffast-math lets GCC call glibc's vector exp (libmvec); the kernels use no infinities or NaNs
+# (a finite mask value; positions outside a row's window are never read). Compile flags only:
+# linking with -ffast-math would add crtfastmath.o, whose constructor turns on flush-to-zero
+# for the whole process when the library loads (subnormals would vanish from every numpy and
+# XLA computation of the engine: a test catches it).
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-std=c++17", "-fPIC"]
+_LINK_FLAGS = ["-shared"]
+_RECIPE = "compile-then-link"  # (part of the cache key: a build made another way never matches)
 
 
 def _cpu_flags() -> str:
@@ -69,7 +73,8 @@ def library_path() -> str:
     for src in _SOURCES:
         with open(src, "rb") as f:
             key.update(f.read())
-    key.update(" ".join(_FLAGS + [jaxlib.__version__, _cpu_flags()]).encode())
+    key.update(" ".join([_RECIPE, *_FLAGS, "|", *_LINK_FLAGS, jaxlib.__version__,
+                         _cpu_flags()]).encode())
     return os.path.join(_cache_dir(), f"cpu_kernels-{key.hexdigest()[:16]}.so")
 
 
@@ -90,10 +95,19 @@ def build() -> str:
         if os.path.isfile(path):  # another process built it meanwhile
             return path
         tmp = f"{path}.{os.getpid()}.tmp"
-        cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), *_SOURCES, "-o", tmp, "-lm"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        objects = [f"{tmp}.{i}.o" for i in range(len(_SOURCES))]
+        cmds = [[cxx, *_FLAGS, "-I", jax.ffi.include_dir(), "-c", src, "-o", obj]
+                for src, obj in zip(_SOURCES, objects)]
+        cmds.append([cxx, *_LINK_FLAGS, *objects, "-o", tmp, "-lm"])
+        try:
+            for cmd in cmds:
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        finally:
+            for obj in objects:
+                if os.path.exists(obj):
+                    os.remove(obj)
         os.replace(tmp, path)  # atomic: a reader never sees half a library
     return path
 

@@ -97,6 +97,20 @@ def test_out_of_range_metadata_is_an_error_not_a_crash(field):
         np.asarray(run((q, k, v, lens, tables, qsl, ns)))
 
 
+def test_loading_the_kernels_keeps_subnormal_floats():
+    """The library is compiled with -ffast-math but not linked with it: loading it must not
+    turn on flush-to-zero for the process (hypothesis, numpy and XLA all rely on subnormals)."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np; from jaxinfer.layers import cpu_kernels as c; "
+            "assert c.available(); x = np.float32(1e-38) / np.float32(1000); "
+            "print(float(x) > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "True"
+
+
 def test_build_is_cached_and_keyed_by_source():
     path = cpu_kernels.build()
     assert path == cpu_kernels.library_path()
