@@ -114,8 +114,13 @@ def build() -> str:
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernels are built (building them now if needed) and registered with XLA."""
-    if os.environ.get("JAXINFER_CPU_ATTENTION", "1") == "0":
+    """Whether the kernels are built (building them now if needed) and registered with XLA.
+    JAXINFER_CPU_ATTENTION: "1" (default) or "0" (off: the xla backend); anything else is
+    refused."""
+    value = os.environ.get("JAXINFER_CPU_ATTENTION", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"JAXINFER_CPU_ATTENTION={value!r}: use 0 or 1")
+    if value == "0":
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(build())

@@ -169,3 +169,19 @@ def test_dummy_weights_keep_the_packed_lm_head_tied():
     emb = m.model.embed_tokens
     np.testing.assert_array_equal(np.asarray(emb.lm_weight[...]),
                                   cpu_kernels.pack(np.asarray(emb.weight[...]).T))
+
+
+def test_switch_env_var_takes_0_or_1_only(monkeypatch):
+    try:
+        for value, want in (("0", False), ("1", True)):
+            monkeypatch.setenv("JAXINFER_CPU_ATTENTION", value)
+            cpu_kernels.available.cache_clear()
+            assert cpu_kernels.available() is want
+        monkeypatch.setenv("JAXINFER_CPU_ATTENTION", "yes")
+        cpu_kernels.available.cache_clear()
+        with pytest.raises(ValueError, match="JAXINFER_CPU_ATTENTION='yes'"):
+            cpu_kernels.available()
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.available.cache_clear()
+        assert cpu_kernels.available()
