@@ -12,24 +12,18 @@
 #include <memory>
 #include <thread>
 
+#include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxinfer_cpu::load16;
+using jaxinfer_cpu::store16;
+using jaxinfer_cpu::v16;
 
 namespace {
 
 constexpr int64_t kNR = 32;  // panel width (2 x 16 floats)
 constexpr int64_t kMR = 6;  // rows per register block
-
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
 // rows [m0, m0 + MR) x panel `panel`: acc = x rows . panel, written to y.
 template <int MR>
@@ -114,7 +108,7 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   // A few chunks per thread: balance without much contention on the counter.
   sh->per_task = std::max<int64_t>(1, sh->panels / (4 * (threads + 1)));
   const int64_t chunks = (sh->panels + sh->per_task - 1) / sh->per_task;
-  const int64_t helpers = std::min<int64_t>(threads, chunks - 1);
+  const int64_t helpers = jaxinfer_cpu::helper_count(threads, chunks);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work(*sh); });
   work(*sh);
   while (sh->done.load(std::memory_order_acquire) < sh->panels) std::this_thread::yield();

@@ -36,6 +36,7 @@ TARGET = "jaxinfer_paged_attention_cpu"
 MATMUL_TARGET = "jaxinfer_packed_matmul_cpu"
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 _SOURCES = [os.path.join(_CSRC, f) for f in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc")]
+_HEADERS = [os.path.join(_CSRC, "cpu_common.h")]
 PANEL = 32  # packed weights: column panels of this many outputs (kNR in the kernel)
 # -ffast-math lets GCC call glibc's vector exp (libmvec); the kernels use no infinities or NaNs
 # (a finite mask value; positions outside a row's window are never read). Compile flags only:
@@ -70,7 +71,7 @@ def library_path() -> str:
     import jaxlib
 
     key = hashlib.sha256()
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         with open(src, "rb") as f:
             key.update(f.read())
     key.update(" ".join([_RECIPE, *_FLAGS, "|", *_LINK_FLAGS, jaxlib.__version__,
@@ -96,7 +97,7 @@ def build() -> str:
             return path
         tmp = f"{path}.{os.getpid()}.tmp"
         objects = [f"{tmp}.{i}.o" for i in range(len(_SOURCES))]
-        cmds = [[cxx, *_FLAGS, "-I", jax.ffi.include_dir(), "-c", src, "-o", obj]
+        cmds = [[cxx, *_FLAGS, "-I", _CSRC, "-I", jax.ffi.include_dir(), "-c", src, "-o", obj]
                 for src, obj in zip(_SOURCES, objects)]
         cmds.append([cxx, *_LINK_FLAGS, *objects, "-o", tmp, "-lm"])
         try:

@@ -78,6 +78,39 @@ def test_many_items_use_the_thread_pool_and_stay_exact():
     np.testing.assert_array_equal(np.asarray(run(args)), np.asarray(run(args)))
 
 
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 1), (9, 3)])
+@pytest.mark.parametrize("bs", [16, 128])
+def test_decode_items_take_all_heads_and_match(hq, hkv, bs):
+    """Eight tiles or more: decode-sized sequences (1-2 query tokens) go through the
+    all-heads, key-by-key path (run_decode_item) while the prefill beside them stays per head;
+    contexts from empty to many pages, pages in random places."""
+    rng = np.random.default_rng(hq * 1000 + bs)
+    q_lens = [1] * 10 + [2, 2, 37]
+    ctx = [0, 1, 15, 16, 17, 200, 31, 129, 300, 64, 5, 140, 20]
+    args, n = make_case(rng, q_lens, ctx, hq=hq, hkv=hkv, d=64, bs=bs, dtype=jnp.float32)
+    check(args, n, tol=2e-5)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 7, 40])
+def test_decode_items_with_sliding_window(sliding_window):
+    rng = np.random.default_rng(100 + sliding_window)
+    q_lens = [1] * 9 + [2]
+    ctx = [0, 3, 39, 40, 41, 100, 250, 16, 17, 90]
+    args, n = make_case(rng, q_lens, ctx, hq=6, hkv=2, d=64, bs=16, dtype=jnp.float32)
+    check(args, n, tol=2e-5, sliding_window=sliding_window)
+
+
+def test_decode_items_refuse_a_bad_block_id_on_a_later_page():
+    """The next page is prefetched while one is computed: a bad id there is skipped by the
+    prefetch and refused when its page comes, never read."""
+    rng = np.random.default_rng(9)
+    (q, k, v, lens, tables, qsl, ns), _ = make_case(rng, [1] * 10, [100] * 10, hq=6, hkv=2,
+                                                    d=64, bs=16, dtype=jnp.float32)
+    tables = tables.at[4, 3].set(-7)
+    with pytest.raises(Exception, match="block id out of range"):
+        np.asarray(run((q, k, v, lens, tables, qsl, ns)))
+
+
 @pytest.mark.parametrize("field", ["block_id", "kv_len", "query_start_loc", "num_seqs"])
 def test_out_of_range_metadata_is_an_error_not_a_crash(field):
     """Indices come from the device: a bad one fails the call with a message instead of

@@ -1,0 +1,55 @@
+// Shared by the cpu backend's kernels: 16-float vectors and how many helper threads a kernel
+// asks XLA's intra-op pool for.
+
+#pragma once
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace jaxinfer_cpu {
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+// A prefetch the compiler must keep: GCC 12 drops __builtin_prefetch calls in loops it finds
+// have no other effect (the kernel's first prefetching loop compiled to nothing).
+inline void prefetch(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
+// CPUs this process may run on (its affinity mask), at least 1.
+inline int64_t usable_cpus() {
+  static const int64_t n = [] {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) != 0) return int64_t{1};
+    return std::max<int64_t>(1, CPU_COUNT(&set));
+  }();
+  return n;
+}
+
+// Helper tasks to schedule beside the calling thread, which works too: one fewer than the
+// CPUs, and no more than the pool's threads or the work items past the caller's first. The
+// caller may or may not be one of the pool's threads (XLA runs a program on the thread that
+// dispatched it, or on one of its own); asking for a helper per pool thread on top of the
+// caller put three busy threads on two cores whenever it was not, and the caller's final wait
+// then took CPU from the helper still finishing (benchmarks/step_cost.py: layer-wise steps
+// lost ~15% to it).
+inline int64_t helper_count(int64_t pool_threads, int64_t items) {
+  return std::max<int64_t>(0, std::min({pool_threads, usable_cpus() - 1, items - 1}));
+}
+
+}  // namespace jaxinfer_cpu
