@@ -30,11 +30,16 @@ def measure(model: str, num_reqs: int, steps: int, prompt_len: int, async_schedu
     from jaxinfer.engine.messages import EngineCoreRequest
     from jaxinfer.sampling_params import SamplingParams
 
+    import jax
+
+    from jaxinfer.runner.worker import resolve_block_size
+
     max_len = prompt_len + steps + warmup_steps + 64
+    bs = resolve_block_size(None, jax.devices())
     cfg = EngineConfig(model=model, load_format="dummy", skip_tokenizer_init=True,
                        dtype="float32", max_model_len=max_len, max_num_seqs=num_reqs,
                        max_num_batched_tokens=max(2048, num_reqs), warmup=False,
-                       num_kv_blocks=num_reqs * (max_len // 16 + 2) + 1,
+                       num_kv_blocks=num_reqs * (-(-max_len // bs) + 1) + 1,
                        async_scheduling=async_scheduling, compilation_cache_dir="")
     core = EngineCore(resolve_config(cfg))
     params = SamplingParams(temperature=0, max_tokens=steps + warmup_steps + 32, ignore_eos=True)

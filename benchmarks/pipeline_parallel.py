@@ -36,6 +36,7 @@ def worker(pp: int) -> dict:
 
     llm = LLM(None, dtype="bfloat16", pipeline_parallel_size=pp, max_model_len=256,
               max_num_seqs=16, max_num_batched_tokens=256, warmup=False, num_kv_blocks=800,
+              block_size=16,
               enable_multiprocessing=False)
     core = llm.llm_engine.engine_core.core
     rng = np.random.default_rng(0)

@@ -68,6 +68,8 @@ def main():
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="tokens per KV block (default: the engine's, 128 on CPU)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
 
@@ -76,11 +78,14 @@ def main():
     from jaxinfer import LLM
     from jaxinfer.bench import write_result
 
+    from jaxinfer.runner.worker import resolve_block_size
+
+    bs = resolve_block_size(args.block_size, jax.devices())
     rows = []
     for backend in args.backends.split(","):
         llm = LLM(None, dtype="float32", max_model_len=args.max_model_len, max_num_seqs=64,
                   max_num_batched_tokens=2048, attention_backend=backend, warmup=False,
-                  num_kv_blocks=64 * (args.max_model_len // 16) + 2,
+                  num_kv_blocks=64 * -(-args.max_model_len // bs) + 2, block_size=bs,
                   step_compilation=args.step_compilation,
                   layers_per_program=args.layers_per_program,
                   enable_multiprocessing=False)  # times the runner in this process
@@ -90,7 +95,7 @@ def main():
             s = time_case(runner, seqs, args.iters)
             work = sum(q * (c + (q + 1) / 2) for q, c in seqs)  # query x key pairs
             rows.append({"backend": backend, "step_compilation": args.step_compilation,
-                         "layers_per_program": args.layers_per_program,
+                         "layers_per_program": args.layers_per_program, "block_size": bs,
                          "case": name, "tokens": sum(q for q, _ in seqs),
                          "seqs": len(seqs), "attention_pairs": work, "step_s": s})
             print(f"{backend:>9} {name:>24}: {s * 1e3:9.1f} ms", flush=True)

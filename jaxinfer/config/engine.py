@@ -24,14 +24,17 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 class CacheConfig:
     """Paged KV cache: block geometry and prefix caching."""
 
-    block_size: int = 16  # tokens per KV block
+    # tokens per KV block; None: 128 on CPU devices (vLLM's CPU backend default: long
+    # contiguous pages keep decode attention streaming from memory), 16 on GPUs
+    block_size: int | None = None
     num_blocks: int | None = None  # total blocks incl. the null block (None: sized by the runner)
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"  # "sha256" (stable across processes) | "builtin"
     hash_seed: int = 0  # root of the chained block hashes
 
     def __post_init__(self):
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (self.block_size < 1
+                                            or self.block_size & (self.block_size - 1)):
             raise ValueError(f"CacheConfig.block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"CacheConfig.num_blocks must be >= 2, got {self.num_blocks}")
@@ -96,7 +99,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: max(2048, max_num_seqs), chunked prefill
-    block_size: int = 16
+    block_size: int | None = None  # None: 128 on CPU devices, 16 on GPUs (CacheConfig)
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "bfloat16" | "float16" | "float32"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -56,7 +56,8 @@ class EngineCore:
         self.worker = Worker(rc, devices)
         self.runner = self.worker.runner
         cache, sched = rc.cache, rc.scheduler
-        kv = KVCacheManager(self.worker.num_kv_blocks, cache.block_size, rc.max_model_len,
+        block_size = self.worker.block_size  # (None resolved for these devices)
+        kv = KVCacheManager(self.worker.num_kv_blocks, block_size, rc.max_model_len,
                             enable_caching=cache.enable_prefix_caching,
                             hash_algo=cache.prefix_caching_hash_algo, hash_seed=cache.hash_seed)
         self.structured_output_manager = None
@@ -75,9 +76,9 @@ class EngineCore:
                 raise ValueError("kv_transfer_config is not supported with multi-host engines "
                                  "yet (the connector runs on process 0 only)")
             kv_sched, kv_worker = create_connector(
-                kvt, block_size=cache.block_size, device=self.worker.devices[0],
+                kvt, block_size=block_size, device=self.worker.devices[0],
                 fingerprint=model_fingerprint(os.path.basename(os.path.normpath(rc.model_dir)),
-                                              self.model_config, cache.block_size,
+                                              self.model_config, block_size,
                                               self.worker.kv_dtype))
         spec = cfg.speculative_config
         self.scheduler = Scheduler(sched, kv, kv_connector=kv_sched,

@@ -193,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoder layers split over this many stages (each on "
                         "--tensor-parallel-size devices of its own), that many batches in "
                         "flight; JAXINFER_PP_LAYER_PARTITION='4,4,5,3' sets the split")
-    v.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    v.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: 128 on CPU, as vLLM's CPU backend; 16 "
+                        "on GPUs)")
     v.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="KV cache size in blocks (default: from the memory budget)")
     v.add_argument("--no-enable-prefix-caching", action="store_true",

@@ -79,7 +79,8 @@ def smol(smollm2_dir):
     from jaxinfer import LLM
 
     llm = LLM(smollm2_dir, dtype="float32", max_model_len=256, max_num_seqs=8,
-              max_num_batched_tokens=128, warmup=False, num_kv_blocks=200)
+              max_num_batched_tokens=128, warmup=False, num_kv_blocks=200,
+              block_size=16)  # (16-token blocks: the short prompts fill some, prefix hits)
     yield llm
     assert_no_leaks(llm)
     llm.shutdown()  # its engine-core process

@@ -79,7 +79,7 @@ def test_donated_step_never_copies_the_kv_cache(tmp_path, smollm2_dir):
     kv_shape = "f32[10,16,2,16]"
     for mode in ("whole", "layerwise"):
         llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=2,
-                  max_num_batched_tokens=16, warmup=False, num_kv_blocks=10,
+                  max_num_batched_tokens=16, warmup=False, num_kv_blocks=10, block_size=16,
                   compilation_cache_dir="", enable_multiprocessing=False,
                   step_compilation=mode)
         runner = llm.llm_engine.runner

@@ -167,9 +167,35 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def test_block_size_defaults_to_128_on_cpu_and_a_set_one_is_kept(tiny_dir):
+    """vLLM's CPU backend default: 128-token KV blocks on CPU devices (16 on GPUs); the core
+    tells the front end (its processor checks prompts against blocks of that size)."""
+    import jax
+
+    from jaxinfer.runner.worker import resolve_block_size
+
+    assert resolve_block_size(None, jax.devices("cpu")) == 128
+    assert resolve_block_size(32, jax.devices("cpu")) == 32
+
+    class Gpu:
+        platform = "gpu"
+
+    assert resolve_block_size(None, [Gpu()]) == 16
+    for block_size, want in ((None, 128), (16, 16)):
+        llm = LLM(tiny_dir, num_kv_blocks=12, block_size=block_size,
+                  enable_multiprocessing=False, **OPTS)
+        assert llm.llm_engine.processor.block_size == want
+        assert llm.llm_engine.engine_core.core.runner.block_size == want
+        out = llm.generate({"prompt_token_ids": list(range(10, 60))},
+                           SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        llm.shutdown()
+
+
 def test_core_start_up_errors_reach_the_front_end(tiny_dir):
     with pytest.raises(ValueError, match="fewer than max_model_len"):
-        LLM(tiny_dir, num_kv_blocks=3, **OPTS)  # the core's Scheduler refuses: 2 usable blocks
+        # the core's Scheduler refuses: 2 usable blocks of 16 < 96 tokens
+        LLM(tiny_dir, num_kv_blocks=3, block_size=16, **OPTS)
 
 
 def test_multiprocessing_switch(tiny_dir, monkeypatch):

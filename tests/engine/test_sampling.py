@@ -16,7 +16,7 @@ def tiny(tmp_path_factory, smollm2_dir):
     path = tmp_path_factory.mktemp("tiny-llama")
     hf = make_tiny_model_dir(path, "llama", smollm2_dir, sharpen=3.0)
     llm = LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=64,
-              max_num_batched_tokens=256, warmup=False, num_kv_blocks=600)
+              max_num_batched_tokens=256, warmup=False, num_kv_blocks=600, block_size=16)
     yield llm, hf
     assert_no_leaks(llm)
     llm.shutdown()  # its engine-core process

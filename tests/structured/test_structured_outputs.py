@@ -177,7 +177,7 @@ def tiny(request, tmp_path_factory, smollm2_dir):
     make_tiny_model_dir(path, "llama", smollm2_dir, sharpen=3.0)
     # A small KV cache: the big batch below runs into preemptions.
     llm = LLM(str(path), dtype="float32", max_model_len=256, max_num_seqs=64,
-              max_num_batched_tokens=256, warmup=False, num_kv_blocks=160,
+              max_num_batched_tokens=256, warmup=False, num_kv_blocks=160, block_size=16,
               enable_multiprocessing=False,
               structured_outputs_config={"backend": request.param})
     llm.backend = request.param
