@@ -169,9 +169,10 @@ GPU_BLOCK_SIZE = 16
 
 def resolve_block_size(block_size: int | None, devices) -> int:
     """The KV block size, None resolved: 128 tokens on CPU devices, where decode attention is
-    bound by reading the cache and long contiguous pages stream (benchmarks/results/
-    block_size_cpu.json: a 32-sequence decode step at 256 tokens of context, 84 -> 70 ms); 16
-    on GPUs (the Pallas kernel's page size)."""
+    bound by reading the cache and long contiguous pages stream (benchmarks/block_size.py,
+    results/block_size_cpu.json, pages scattered as after a while of serving: a decode step of
+    32 sequences at 256 tokens of context 101 -> 91 ms, of 64 at 1000 318 -> 273 ms); 16 on
+    GPUs (the Pallas kernel's page size)."""
     if block_size is not None:
         return block_size
     return CPU_BLOCK_SIZE if devices[0].platform == "cpu" else GPU_BLOCK_SIZE
