@@ -130,45 +130,44 @@ struct Problem {
 };
 
 struct Item {
-  int32_t seq, head0, head1, tile;  // KV heads [head0, head1)
+  int32_t seq, head, tile;  // (a decode item: every KV head; `head` is 0)
   bool decode;  // run_decode_item (all heads, f32, D % 16 == 0), else run_item
 };
 
-// Ask for a page's K and V rows of KV heads [h0, h1) ahead of use: pages sit anywhere in the
-// cache, so the hardware prefetcher cannot guess the next one.
-inline void prefetch_page(const Problem& p, int64_t blk, int64_t h0, int64_t h1) {
-  if (blk < 0 || blk >= p.NB) return;  // (checked, with an error, when it is read)
-  const int64_t esize = p.kv_kind == Kind::kF32 ? 4 : 2;
-  const int64_t span = (h1 - h0) * p.D * esize, stride = p.Hkv * p.D * esize;
-  const char* k = static_cast<const char*>(p.k) + (blk * p.BS * p.Hkv + h0) * p.D * esize;
-  const char* v = static_cast<const char*>(p.v) + (blk * p.BS * p.Hkv + h0) * p.D * esize;
-  for (int64_t j = 0; j < p.BS; ++j)
-    for (int64_t b = 0; b < span; b += 64) {
-      jaxinfer_cpu::prefetch(k + j * stride + b);
-      jaxinfer_cpu::prefetch(v + j * stride + b);
-    }
+// An item's query tokens [start + r0, start + r1) of its sequence, the sequence's context
+// before this step (ctx) and the KV positions the tile sees, [lo, hi) (causal, window).
+struct Span {
+  int64_t start, ctx, r0, r1, lo, hi;
+};
+
+inline Span span_of(const Problem& p, const Item& it) {
+  Span sp;
+  sp.start = p.qsl[it.seq];
+  const int64_t q_len = p.qsl[it.seq + 1] - sp.start, kv_len = p.kv_lens[it.seq];
+  sp.ctx = kv_len - q_len;
+  sp.r0 = it.tile * kTile;
+  sp.r1 = std::min(q_len, sp.r0 + kTile);
+  sp.hi = std::min(kv_len, sp.ctx + sp.r1);
+  sp.lo = p.window > 0 ? std::max<int64_t>(0, sp.ctx + sp.r0 - p.window + 1) : 0;
+  return sp;
 }
 
-// Online-softmax attention of one item (a tile of one sequence's query tokens, for KV heads
-// [head0, head1)); returns false on an out-of-range block id.
+// Online-softmax attention of one item; returns false on an out-of-range block id.
 bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const int64_t D = p.D, G = p.group, BS = p.BS;
-  const int64_t start = p.qsl[it.seq], q_len = p.qsl[it.seq + 1] - start;
-  const int64_t kv_len = p.kv_lens[it.seq], ctx = kv_len - q_len;
-  const int64_t r0 = it.tile * kTile, r1 = std::min(q_len, r0 + kTile);
-  const int64_t nh = it.head1 - it.head0;
-  const int64_t rows = (r1 - r0) * G;  // per KV head: (query token, head in group) pairs
-  const int64_t all = rows * nh;
-  // scratch: q [all + kRB, D] (zero tail rows for the last register block) | acc [all, D] |
-  // m, l [all] | scores [rows, BS] | k, v page [BS, D] | keys^T [D, kC]
-  scratch.resize(static_cast<size_t>(2 * all * D + kRB * D + 2 * all + rows * BS +
+  const Span sp = span_of(p, it);
+  const int64_t start = sp.start, ctx = sp.ctx, r0 = sp.r0, r1 = sp.r1, lo = sp.lo, hi = sp.hi;
+  const int64_t rows = (r1 - r0) * G;  // (query token, head in group) pairs
+  // scratch: q [rows + kRB, D] (zero tail rows for the last register block) | acc [rows, D] |
+  // m, l [rows] | scores [rows, BS] | k, v page [BS, D] | keys^T [D, kC]
+  scratch.resize(static_cast<size_t>(2 * rows * D + kRB * D + 2 * rows + rows * BS +
                                      2 * BS * D + D * kC));
   float* qf = scratch.data();
-  std::fill(qf + all * D, qf + (all + kRB) * D, 0.0f);
-  float* acc = qf + (all + kRB) * D;
-  float* m_all = acc + all * D;
-  float* l_all = m_all + all;
-  float* s = l_all + all;
+  std::fill(qf + rows * D, qf + (rows + kRB) * D, 0.0f);
+  float* acc = qf + (rows + kRB) * D;
+  float* m = acc + rows * D;
+  float* l = m + rows;
+  float* s = l + rows;
   float* kbuf = s + rows * BS;
   float* vbuf = kbuf + BS * D;
   float* kt = vbuf + BS * D;
@@ -176,134 +175,123 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
   // register block over the page's keys transposed, instead of one dot product per pair.
   const bool blocked = rows >= kBlockedMinRows && D % 16 == 0;
   const bool vec_d = D % 16 == 0;
-  for (int64_t hh = 0; hh < nh; ++hh)
-    for (int64_t t = r0; t < r1; ++t)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t row = hh * rows + (t - r0) * G + g;
-        const int64_t src = ((start + t) * p.Hq + (it.head0 + hh) * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[row * D + d] = load(p.q, src + d, p.q_kind) * p.scale;
-      }
-  std::fill(acc, acc + all * D, 0.0f);
-  std::fill(m_all, m_all + all, kMaskValue);
-  std::fill(l_all, l_all + all, 0.0f);
+  for (int64_t t = r0; t < r1; ++t) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t row = (t - r0) * G + g;
+      const int64_t src = ((start + t) * p.Hq + it.head * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) qf[row * D + d] = load(p.q, src + d, p.q_kind) * p.scale;
+    }
+  }
+  std::fill(acc, acc + rows * D, 0.0f);
+  std::fill(m, m + rows, kMaskValue);
+  std::fill(l, l + rows, 0.0f);
   // KV positions this tile sees: [lo, hi)
-  const int64_t hi = std::min(kv_len, ctx + r1);
-  int64_t lo = 0;
-  if (p.window > 0) lo = std::max<int64_t>(0, ctx + r0 - p.window + 1);
   const int32_t* table = p.tables + it.seq * p.MB;
   const bool f32_kv = p.kv_kind == Kind::kF32;
-  const int64_t stride = p.Hkv * D;  // between a head's K (V) rows
   for (int64_t page = lo / BS; page * BS < hi; ++page) {
     const int64_t blk = table[page];
     if (blk < 0 || blk >= p.NB) return false;
-    if ((page + 1) * BS < hi) prefetch_page(p, table[page + 1], it.head0, it.head1);
     const int64_t j0 = std::max(lo, page * BS), j1 = std::min(hi, (page + 1) * BS);
     const int64_t n = j1 - j0;
-    for (int64_t hh = 0; hh < nh; ++hh) {
-      // K and V rows of this page and head: contiguous D values each, stride Hkv * D.
-      const int64_t base = ((blk * BS + (j0 - page * BS)) * p.Hkv + it.head0 + hh) * D;
-      const float* kp;
-      const float* vp;
-      int64_t kstride;
-      if (f32_kv) {
-        kp = static_cast<const float*>(p.k) + base;
-        vp = static_cast<const float*>(p.v) + base;
-        kstride = stride;
-      } else {
-        for (int64_t j = 0; j < n; ++j)
+    // K and V rows of this page and head: contiguous D floats each, stride Hkv * D.
+    const int64_t base = ((blk * BS + (j0 - page * BS)) * p.Hkv + it.head) * D;
+    const int64_t stride = p.Hkv * D;
+    const float* kp;
+    const float* vp;
+    int64_t kstride;
+    if (f32_kv) {
+      kp = static_cast<const float*>(p.k) + base;
+      vp = static_cast<const float*>(p.v) + base;
+      kstride = stride;
+    } else {
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < D; ++d) {
+          kbuf[j * D + d] = load(p.k, base + j * stride + d, p.kv_kind);
+          vbuf[j * D + d] = load(p.v, base + j * stride + d, p.kv_kind);
+        }
+      kp = kbuf;
+      vp = vbuf;
+      kstride = D;
+    }
+    if (blocked) {
+      for (int64_t c = 0; c < n; c += kC) {
+        const int64_t nc = std::min(kC, n - c);
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t jj = 0; jj < kC; ++jj)
+            kt[d * kC + jj] = jj < nc ? kp[(c + jj) * kstride + d] : 0.0f;
+        for (int64_t r = 0; r < rows; r += kRB) {
+          v16 acc4[kRB];
+          for (int64_t i = 0; i < kRB; ++i) acc4[i] = v16{};
+          const float* q0 = qf + r * D;
           for (int64_t d = 0; d < D; ++d) {
-            kbuf[j * D + d] = load(p.k, base + j * stride + d, p.kv_kind);
-            vbuf[j * D + d] = load(p.v, base + j * stride + d, p.kv_kind);
+            const v16 kv = load16(kt + d * kC);
+            for (int64_t i = 0; i < kRB; ++i) acc4[i] += q0[i * D + d] * kv;
           }
-        kp = kbuf;
-        vp = vbuf;
-        kstride = D;
-      }
-      const float* qh = qf + hh * rows * D;
-      float* acch = acc + hh * rows * D;
-      float* m = m_all + hh * rows;
-      float* l = l_all + hh * rows;
-      if (blocked) {
-        for (int64_t c = 0; c < n; c += kC) {
-          const int64_t nc = std::min(kC, n - c);
-          for (int64_t d = 0; d < D; ++d)
-            for (int64_t jj = 0; jj < kC; ++jj)
-              kt[d * kC + jj] = jj < nc ? kp[(c + jj) * kstride + d] : 0.0f;
-          for (int64_t r = 0; r < rows; r += kRB) {
-            v16 acc4[kRB];
-            for (int64_t i = 0; i < kRB; ++i) acc4[i] = v16{};
-            const float* q0 = qh + r * D;  // (past `rows`: the next head's or the zero tail)
-            for (int64_t d = 0; d < D; ++d) {
-              const v16 kv = load16(kt + d * kC);
-              for (int64_t i = 0; i < kRB; ++i) acc4[i] += q0[i * D + d] * kv;
-            }
-            for (int64_t i = 0; i < kRB && r + i < rows; ++i) {
-              float tmp[kC];
-              store16(tmp, acc4[i]);
-              std::memcpy(s + (r + i) * BS + c, tmp, nc * sizeof(float));
-            }
+          for (int64_t i = 0; i < kRB && r + i < rows; ++i) {
+            float tmp[kC];
+            store16(tmp, acc4[i]);
+            std::memcpy(s + (r + i) * BS + c, tmp, nc * sizeof(float));
           }
         }
-      }
-      for (int64_t row = 0; row < rows; ++row) {
-        const int64_t pos = ctx + r0 + row / G;  // this query token's position
-        // Positions [j0 + a, j0 + b) of this page are visible to this row (causal, window).
-        const int64_t a = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0;
-        const int64_t b = std::min<int64_t>(n, pos + 1 - j0);
-        if (a >= b) continue;
-        const float* qr = qh + row * D;
-        float* sr = s + row * BS;
-        float mx = m[row];
-        if (blocked) {
-          for (int64_t j = a; j < b; ++j) mx = std::max(mx, sr[j]);
-        } else {
-          for (int64_t j = a; j < b; ++j) {
-            const float* kr = kp + j * kstride;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
-            sr[j] = dot;
-            mx = std::max(mx, dot);
-          }
-        }
-        const float corr = std::exp(m[row] - mx);  // 0 on the row's first page
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = a; j < b; ++j) {  // vectorised exp (libmvec)
-          sr[j] = std::exp(sr[j] - mx);
-          sum += sr[j];
-        }
-        float* ar = acch + row * D;
-        if (vec_d) {  // each 16-wide slice of the output stays in a register over the keys
-          for (int64_t d = 0; d < D; d += 16) {
-            v16 av = load16(ar + d) * corr;
-            for (int64_t j = a; j < b; ++j) av += sr[j] * load16(vp + j * kstride + d);
-            store16(ar + d, av);
-          }
-        } else {
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
-          for (int64_t j = a; j < b; ++j) {
-            const float e = sr[j];
-            const float* vr = vp + j * kstride;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ar[d] += e * vr[d];
-          }
-        }
-        l[row] = l[row] * corr + sum;
-        m[row] = mx;
       }
     }
-  }
-  for (int64_t hh = 0; hh < nh; ++hh)
-    for (int64_t t = r0; t < r1; ++t)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t row = hh * rows + (t - r0) * G + g;
-        const int64_t dst = ((start + t) * p.Hq + (it.head0 + hh) * G + g) * D;
-        const float inv = l_all[row] > 0.0f ? 1.0f / l_all[row] : 0.0f;
-        for (int64_t d = 0; d < D; ++d)
-          store(p.out, dst + d, acc[row * D + d] * inv, p.q_kind);
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t pos = ctx + r0 + row / G;  // this query token's position
+      // Positions [j0 + a, j0 + b) of this page are visible to this row (causal, window).
+      const int64_t a = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0;
+      const int64_t b = std::min<int64_t>(n, pos + 1 - j0);
+      if (a >= b) continue;
+      const float* qr = qf + row * D;
+      float* sr = s + row * BS;
+      float mx = m[row];
+      if (blocked) {
+        for (int64_t j = a; j < b; ++j) mx = std::max(mx, sr[j]);
+      } else {
+        for (int64_t j = a; j < b; ++j) {
+          const float* kr = kp + j * kstride;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+          sr[j] = dot;
+          mx = std::max(mx, dot);
+        }
       }
+      const float corr = std::exp(m[row] - mx);  // 0 on the row's first page
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = a; j < b; ++j) {  // vectorised exp (libmvec)
+        sr[j] = std::exp(sr[j] - mx);
+        sum += sr[j];
+      }
+      float* ar = acc + row * D;
+      if (vec_d) {  // each 16-wide slice of the output stays in a register over the keys
+        for (int64_t d = 0; d < D; d += 16) {
+          v16 av = load16(ar + d) * corr;
+          for (int64_t j = a; j < b; ++j) av += sr[j] * load16(vp + j * kstride + d);
+          store16(ar + d, av);
+        }
+      } else {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+        for (int64_t j = a; j < b; ++j) {
+          const float e = sr[j];
+          const float* vr = vp + j * kstride;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ar[d] += e * vr[d];
+        }
+      }
+      l[row] = l[row] * corr + sum;
+      m[row] = mx;
+    }
+  }
+  for (int64_t t = r0; t < r1; ++t) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t row = (t - r0) * G + g;
+      const int64_t dst = ((start + t) * p.Hq + it.head * G + g) * D;
+      const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+      for (int64_t d = 0; d < D; ++d) store(p.out, dst + d, acc[row * D + d] * inv, p.q_kind);
+    }
+  }
   return true;
 }
 
@@ -320,9 +308,8 @@ inline float hsum(v16 v) {
 // of this machine's ~31). The accumulators live in L1. Returns false on a bad block id.
 bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const int64_t D = p.D, G = p.group, BS = p.BS, Hq = p.Hq, row_len = p.Hkv * D;
-  const int64_t start = p.qsl[it.seq], q_len = p.qsl[it.seq + 1] - start;
-  const int64_t kv_len = p.kv_lens[it.seq], ctx = kv_len - q_len;
-  const int64_t r0 = it.tile * kTile, r1 = std::min(q_len, r0 + kTile);
+  const Span sp = span_of(p, it);
+  const int64_t start = sp.start, ctx = sp.ctx, r0 = sp.r0, r1 = sp.r1, lo = sp.lo, hi = sp.hi;
   const int64_t nr = (r1 - r0) * Hq;  // rows (query token, query head), token-major
   // scratch: q [nr, D] | acc [nr, D] | m, l [nr] | probabilities [nr, BS]
   scratch.resize(static_cast<size_t>(2 * nr * D + 2 * nr + nr * BS));
@@ -336,9 +323,6 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
   std::fill(acc, acc + nr * D, 0.0f);
   std::fill(m, m + nr, kMaskValue);
   std::fill(l, l + nr, 0.0f);
-  const int64_t hi = std::min(kv_len, ctx + r1);
-  int64_t lo = 0;
-  if (p.window > 0) lo = std::max<int64_t>(0, ctx + r0 - p.window + 1);
   const int32_t* table = p.tables + it.seq * p.MB;
   const float* kc = static_cast<const float*>(p.k);
   const float* vc = static_cast<const float*>(p.v);
@@ -515,8 +499,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
     const int32_t step = decode ? static_cast<int32_t>(p.Hkv) : 1;
     for (int32_t h = 0; h < p.Hkv; h += step)
       for (int64_t t = 0; t * kTile < q_len; ++t)
-        sh->items.push_back({static_cast<int32_t>(s), h, h + step, static_cast<int32_t>(t),
-                             decode});
+        sh->items.push_back({static_cast<int32_t>(s), h, static_cast<int32_t>(t), decode});
   }
   // Padding rows are zero.
   const int64_t row_bytes = p.Hq * p.D * (p.q_kind == Kind::kF32 ? 4 : 2);
