@@ -251,6 +251,9 @@ class Worker:
                     f"got {tp} x {pp}")
             # Every process must size the cache as process 0 did.
             num_blocks = int(multihost_utils.broadcast_one_to_all(np.int64(num_blocks)))
+        if num_blocks * self.block_size > np.iinfo(np.int32).max:  # slot ids are int32
+            raise ValueError(f"num_kv_blocks={num_blocks} x block_size={self.block_size} KV "
+                             f"slots exceed the int32 slot ids ({np.iinfo(np.int32).max})")
         self.num_kv_blocks = num_blocks
         t1 = time.perf_counter()
         self.runner = self._make_runner()

@@ -181,6 +181,8 @@ def test_block_size_defaults_to_128_on_cpu_and_a_set_one_is_kept(tiny_dir):
         platform = "gpu"
 
     assert resolve_block_size(None, [Gpu()]) == 16
+    with pytest.raises(ValueError, match="num_kv_blocks=3 x block_size=1073741824"):
+        LLM(tiny_dir, num_kv_blocks=3, block_size=1 << 30, enable_multiprocessing=False, **OPTS)
     for block_size, want in ((None, 128), (16, 16)):
         llm = LLM(tiny_dir, num_kv_blocks=12, block_size=block_size,
                   enable_multiprocessing=False, **OPTS)
