@@ -11,15 +11,18 @@
 
 namespace jaxinfer_cpu {
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
+// 16 floats at any 4-byte-aligned address (aligned(4): unaligned vector loads and stores;
+// may_alias: they may read and write float arrays). Loads and stores are plain vector
+// accesses, not memcpy: on CPUs where GCC prefers 256-bit vectors (AVX-512 server parts:
+// -march=native sets -mprefer-vector-width=256), a 64-byte memcpy became two 32-byte moves
+// through the stack and a 64-byte reload, a store-forwarding stall on every load, and the
+// accumulators were spilled each iteration: the packed matmul ran at 23 GFLOP/s on one core
+// where XLA's dot ran at 65-144 (benchmarks/cpu_matmul.py).
+typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
 
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16*>(p); }
 
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+inline void store16(float* p, v16 v) { *reinterpret_cast<v16*>(p) = v; }
 
 // A prefetch the compiler must keep: GCC 12 drops __builtin_prefetch calls in loops it finds
 // have no other effect (the kernel's first prefetching loop compiled to nothing).
