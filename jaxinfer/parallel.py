@@ -1,7 +1,9 @@
 """Tensor parallelism: the device mesh, parameter-name -> PartitionSpec rules, shardings.
 
 One mesh axis, "tp". Attention heads and MLP columns are split over it (column-parallel q/k/v
-and gate/up, row-parallel o_proj and down_proj, whose partial sums XLA all-reduces), the
+and gate/up, row-parallel o_proj and down_proj, whose partial sums XLA all-reduces; in a
+mixture-of-experts block every expert split the same way, or with expert parallelism the
+experts themselves, E / tp per device: layers/moe.py), the
 embedding and LM head are vocab-parallel, the KV cache is split by KV head, and attention runs
 per device under jax.shard_map. When tp exceeds the KV heads, each KV head is replicated so
 every device holds one (as vLLM does).
@@ -33,17 +35,28 @@ def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh | None:
                 axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def tp_model_config(cfg: ModelConfig, tp: int) -> tuple[ModelConfig, int]:
+def tp_model_config(cfg: ModelConfig, tp: int,
+                    expert_parallel: bool = False) -> tuple[ModelConfig, int]:
     """Check divisibility; returns the config to build (KV heads replicated up to tp when
-    tp exceeds them) and the KV-head replication factor."""
+    tp exceeds them; expert_parallel set for a mixture-of-experts model when asked for) and
+    the KV-head replication factor."""
     if tp == 1:
         return cfg, 1
+    if expert_parallel and cfg.num_experts:
+        if cfg.num_experts % tp:
+            raise ValueError(f"enable_expert_parallel: tensor_parallel_size={tp} must divide "
+                             f"num_experts={cfg.num_experts}")
+        cfg = dataclasses.replace(cfg, expert_parallel=True)
     if cfg.num_attention_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads="
                          f"{cfg.num_attention_heads}")
-    if cfg.intermediate_size % tp:
+    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    if dense and cfg.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size="
                          f"{cfg.intermediate_size}")
+    if cfg.num_experts and not cfg.expert_parallel and cfg.moe_intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide moe_intermediate_size="
+                         f"{cfg.moe_intermediate_size} (each expert is split over the devices)")
     hkv = cfg.num_key_value_heads
     if hkv % tp == 0:
         return cfg, 1
@@ -62,16 +75,23 @@ def replicate_kv_heads(w: np.ndarray, factor: int, head_dim: int) -> np.ndarray:
     return np.repeat(heads, factor, axis=0).reshape(-1, *w.shape[1:])
 
 
-def param_spec(name: str, shape: tuple[int, ...], tp: int) -> P:
-    """PartitionSpec of a parameter from its (HF-style) name; our Linear weights are [in, out]."""
+def param_spec(name: str, shape: tuple[int, ...], tp: int, expert_parallel: bool = False) -> P:
+    """PartitionSpec of a parameter from its (HF-style) name; our Linear weights are [in, out].
+    expert_parallel: stacked expert weights split by expert instead of within each."""
     if tp == 1:
         return P()
+    if expert_parallel and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return P(TP, *([None] * (len(shape) - 1)))
     if name.endswith("qkv_proj.weight"):  # [in, Hkv, (G+2)*D]: by KV head with its group
         return P(None, TP, None)
     if name.endswith("qkv_proj.bias"):  # [Hkv, (G+2)*D]
         return P(TP, None)
     if name.endswith("gate_up_proj.weight"):  # [in, 2, I]
         return P(None, None, TP)
+    if name.endswith("experts.gate_up_proj"):  # [E, in, 2, I]: each expert by columns
+        return P(None, None, None, TP)
+    if name.endswith("experts.down_proj"):  # [E, I, out]: each expert by rows
+        return P(None, TP, None)
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return P(TP, None)
     if name.endswith("embed_tokens.weight"):

@@ -94,7 +94,7 @@ class PipelineStage(nnx.Module):
         return logits.astype(jnp.float32)
 
 
-def _placed(module, mesh, device):
+def _placed(module, mesh, device, expert_parallel: bool = False):
     """`module` with every parameter on the stage's devices (TP-sharded by name), from host
     memory straight to each device's part."""
     from jaxinfer.parallel import param_spec, sharding
@@ -107,7 +107,7 @@ def _placed(module, mesh, device):
                         if not isinstance(k, jax.tree_util.GetAttrKey))
         if mesh is None:
             return jax.device_put(x, device)
-        spec = sharding(mesh, param_spec(name, x.shape, tp))
+        spec = sharding(mesh, param_spec(name, x.shape, tp, expert_parallel))
         return jax.make_array_from_callback(x.shape, spec, lambda idx: x[idx])
 
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(put, state))
@@ -122,8 +122,11 @@ def split_model(model, parts: list[int], groups: list[list], meshes: list) -> li
     for s, (a, b) in enumerate(bounds):
         mesh, device = meshes[s], groups[s][0]
         layers = list(model.model.layers)[a:b]
-        for layer in layers:  # attention runs under this stage's mesh (TP within a stage)
+        for layer in layers:  # attention (and a MoE block) run under this stage's mesh
             layer.self_attn.mesh = mesh
+            ffn = getattr(layer, layer.ffn_name)
+            if hasattr(ffn, "expert_parallel"):
+                ffn.mesh = mesh
         tied = None
         if s == last and model.lm_head is None:  # tied: the last stage gets its own copy
             graphdef, state = nnx.split(model.model.embed_tokens)
@@ -133,7 +136,7 @@ def split_model(model, parts: list[int], groups: list[list], meshes: list) -> li
                               lm_head=model.lm_head if s == last else None,
                               tied_embed=tied, mesh=mesh)
         if is_local(groups[s]):
-            stage = _placed(stage, mesh, device)
+            stage = _placed(stage, mesh, device, cfg.expert_parallel)
         else:  # another process's stage: only its shapes are kept here
             graphdef, state = nnx.split(stage)
             stage = nnx.merge(graphdef, jax.tree.map(

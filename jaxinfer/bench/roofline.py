@@ -21,15 +21,40 @@ from jaxinfer.config import ModelConfig
 
 
 def param_count(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters by part. Mixture-of-experts models: "layers" counts every expert,
+    "active_layers" the router and the num_experts_per_tok experts one token runs through
+    (dense models: the two are equal), "expert" one expert's gated MLP, "moe_layers" how
+    many layers are sparse."""
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     attn = h * cfg.q_size + 2 * h * cfg.kv_size + cfg.q_size * h
     if cfg.attention_bias:
         attn += cfg.q_size + 2 * cfg.kv_size
-    layer = attn + 3 * h * i + 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    base = attn + 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    expert = 3 * h * cfg.moe_intermediate_size
+    layers = active = moe_layers = 0
+    for layer in range(cfg.num_hidden_layers):
+        if cfg.is_moe_layer(layer):
+            moe_layers += 1
+            router = h * cfg.num_experts
+            layers += base + router + cfg.num_experts * expert
+            active += base + router + cfg.num_experts_per_tok * expert
+        else:
+            layers += base + 3 * h * i
+            active += base + 3 * h * i
     embed = v * h
     lm_head = 0 if cfg.tie_word_embeddings else v * h
-    return {"embedding": embed, "layers": layer * cfg.num_hidden_layers, "lm_head": lm_head,
-            "final_norm": h, "total": embed + layer * cfg.num_hidden_layers + lm_head + h}
+    return {"embedding": embed, "layers": layers, "active_layers": active, "lm_head": lm_head,
+            "final_norm": h, "total": embed + layers + lm_head + h,
+            "active": embed + active + lm_head + h, "expert": expert, "moe_layers": moe_layers}
+
+
+def experts_touched(cfg: ModelConfig, rows: int) -> float:
+    """Expected distinct experts a MoE layer runs for `rows` tokens, were routing uniform:
+    E * (1 - (1 - k/E)^rows) (a decode step reads only those experts' weights)."""
+    if not cfg.num_experts:
+        return 0.0
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return e * (1 - (1 - k / e) ** rows)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
@@ -38,19 +63,21 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
 
 def decode_step_floor_s(cfg: ModelConfig, dtype_bytes: int, batch: int, context: int,
                         bandwidth: float) -> float:
-    """One decode step reads every weight once (the embedding only for `batch` rows) and the
+    """One decode step reads every weight once (the embedding only for `batch` rows; of a
+    mixture-of-experts layer only the experts some row chose, see experts_touched) and the
     KV of batch x context tokens."""
     p = param_count(cfg)
     weights = (p["total"] - p["embedding"] + (p["embedding"] if cfg.tie_word_embeddings else 0))
+    weights -= p["moe_layers"] * p["expert"] * (cfg.num_experts - experts_touched(cfg, batch))
     weight_bytes = weights * dtype_bytes
     return (weight_bytes + batch * context * kv_bytes_per_token(cfg, dtype_bytes)) / bandwidth
 
 
 def decode_step_flops(cfg: ModelConfig, batch: int, context: int) -> float:
-    """One decode step: 2 * params per row for the matmuls (layers + LM head) + attention
-    (q.k and p.v over `context` positions, every query head)."""
+    """One decode step: 2 * params per row for the matmuls (layers' active parameters + LM
+    head) + attention (q.k and p.v over `context` positions, every query head)."""
     p = param_count(cfg)
-    dense = 2 * (p["layers"] + cfg.vocab_size * cfg.hidden_size) * batch
+    dense = 2 * (p["active_layers"] + cfg.vocab_size * cfg.hidden_size) * batch
     attn = 4 * cfg.num_hidden_layers * batch * context * cfg.num_attention_heads * cfg.head_dim
     return float(dense + attn)
 
@@ -58,7 +85,7 @@ def decode_step_flops(cfg: ModelConfig, batch: int, context: int) -> float:
 def prefill_flops(cfg: ModelConfig, num_tokens: int, context: int = 0) -> float:
     """2 * params per token for the matmuls (logits for the last token only) + attention."""
     p = param_count(cfg)
-    dense = 2 * (p["layers"]) * num_tokens + 2 * cfg.vocab_size * cfg.hidden_size
+    dense = 2 * (p["active_layers"]) * num_tokens + 2 * cfg.vocab_size * cfg.hidden_size
     avg_kv = context + num_tokens / 2
     attn = 4 * cfg.num_hidden_layers * num_tokens * avg_kv * cfg.num_attention_heads \
         * cfg.head_dim
@@ -147,8 +174,8 @@ def run_roofline(args) -> dict:
     args.model = args.model or ensure_default_model()
     cfg = ModelConfig.from_pretrained(args.model)
     b_mid = max(args.batch_sizes)
-    dev = measure_device(args.dtype,
-                         decode_shape=(b_mid, cfg.hidden_size, cfg.intermediate_size))
+    width = cfg.moe_intermediate_size if cfg.num_experts else cfg.intermediate_size
+    dev = measure_device(args.dtype, decode_shape=(b_mid, cfg.hidden_size, width))
     dtype_bytes = 2 if args.dtype in ("bfloat16", "float16") else 4
     p = param_count(cfg)
     measured = measure_decode_steps(args, args.batch_sizes) if args.measure else {}
@@ -174,7 +201,9 @@ def run_roofline(args) -> dict:
               "kv_bytes_per_token": kv_bytes_per_token(cfg, dtype_bytes), "dtype": args.dtype,
               "device": dev, "decode": rows, "prefill_tokens": args.prefill_tokens,
               "prefill_flops": pf, "prefill_floor_s": pf / dev["matmul_flops_per_s"]}
-    print(f"{cfg.architecture}: {p['total'] / 1e6:.1f}M params, "
+    active = (f" ({p['active'] / 1e6:.1f}M active per token: {cfg.num_experts_per_tok} of "
+              f"{cfg.num_experts} experts)" if cfg.num_experts else "")
+    print(f"{cfg.architecture}: {p['total'] / 1e6:.1f}M params{active}, "
           f"{result['weight_bytes'] / 2**30:.2f} GiB weights ({args.dtype}), "
           f"{result['kv_bytes_per_token'] / 1024:.1f} KiB KV per token")
     print(f"device {dev['device']}: read {dev['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "

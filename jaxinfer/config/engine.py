@@ -111,6 +111,10 @@ class EngineConfig:
     # (pallas: not yet verified on GPU)
     attention_backend: str | None = None
     tensor_parallel_size: int = 1
+    # Mixture-of-experts models: experts split over the tensor-parallel devices (E / tp
+    # whole experts each) instead of each expert split over them (vLLM's name). No effect on
+    # dense models or at tensor_parallel_size 1.
+    enable_expert_parallel: bool = False
     num_kv_blocks: int | None = None  # explicit KV cache size in blocks (incl. null block)
     kv_cache_memory_bytes: int | None = None  # or a byte budget for the KV cache
     gpu_memory_utilization: float = 0.9  # on GPU: fraction of device memory the engine may use
@@ -165,6 +169,7 @@ class EngineConfig:
     def __post_init__(self):
         object.__setattr__(self, "parallel", ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
             pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size,
             pp_layer_partition=self.pp_layer_partition,

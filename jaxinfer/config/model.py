@@ -65,6 +65,16 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"  # the checkpoint's declared dtype ("auto" resolves to it)
+    # Mixture of experts (Qwen3-MoE, Mixtral); num_experts == 0: every layer's MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    # Set by the engine (enable_expert_parallel under a mesh): experts whole, E / tp of them
+    # per device, instead of every expert split over the devices.
+    expert_parallel: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -76,6 +86,27 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                    f"num_experts={self.num_experts}")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError(f"moe_intermediate_size must be > 0, got "
+                                 f"{self.moe_intermediate_size}")
+            if self.decoder_sparse_step < 1:
+                raise ValueError(f"decoder_sparse_step must be >= 1, got "
+                                 f"{self.decoder_sparse_step}")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer i has the sparse MoE block instead of the dense MLP."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_module(self) -> str:
+        """The MoE block's attribute (= checkpoint) name: Mixtral's or Qwen's."""
+        return "block_sparse_moe" if self.architecture == "MixtralForCausalLM" else "mlp"
 
     @property
     def q_size(self) -> int:
@@ -97,6 +128,8 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         is_qwen2 = arch == "Qwen2ForCausalLM"
+        _refuse_unsupported_math(d, arch)
+        moe = _moe_fields(d, arch)
         if is_qwen2 and d.get("use_sliding_window"):
             raise ValueError("Qwen2 use_sliding_window=True (per-layer windows) is not supported")
         use_sw = d.get("use_sliding_window", True) and d.get("sliding_window")
@@ -118,11 +151,12 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", is_qwen2)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=int(d["sliding_window"]) if use_sw and not is_qwen2 else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            **moe,
         )
 
     @staticmethod
@@ -132,6 +166,46 @@ class ModelConfig:
             raise FileNotFoundError(f"{path} not found: a model folder needs a config.json")
         with open(path) as f:
             return ModelConfig.from_hf_dict(json.load(f))
+
+
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
+
+def _refuse_unsupported_math(d: dict[str, Any], arch: str) -> None:
+    """Config keys that would change the model's math in ways not built: an error naming the
+    key, never a silently different model."""
+    act = d.get("hidden_act", d.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported for {arch} (supported: silu)")
+    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if d.get(key):
+            raise ValueError(f"{key}={d[key]}: shared experts are not supported yet")
+    if d.get("moe_layer_freq", 1) != 1 or d.get("first_k_dense_replace"):
+        raise ValueError("moe_layer_freq / first_k_dense_replace (DeepSeek's layer pattern) "
+                         "is not supported")
+
+
+def _moe_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The MoE fields of ModelConfig from an HF config (empty for dense architectures)."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    # Qwen3-MoE's configs say num_experts; Mixtral's (and transformers >= 5's) num_local_experts.
+    experts = d.get("num_experts") or d.get("num_local_experts")
+    if not experts:
+        raise ValueError(f"{arch} config has no num_experts / num_local_experts")
+    mixtral = arch == "MixtralForCausalLM"
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
+        # Mixtral's experts are intermediate_size wide; Qwen3-MoE's moe_intermediate_size.
+        moe_intermediate_size=int(d["intermediate_size"] if mixtral
+                                  else d["moe_intermediate_size"]),
+        # Mixtral always renormalises its top-2 (softmax over the selected logits).
+        norm_topk_prob=True if mixtral else bool(d.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(1 if d.get("decoder_sparse_step") is None
+                                else d["decoder_sparse_step"]),
+        mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+    )
 
 
 def resolve_dtype(dtype: str, model_config: ModelConfig) -> str:

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 class ParallelConfig:
     """tensor_parallel_size devices per pipeline stage, pipeline_parallel_size stages per
     engine core, data_parallel_size engine cores (ranks) behind one front end. (Expert
-    parallelism comes with the mixture-of-experts models.)"""
+    parallelism: enable_expert_parallel, over the tensor-parallel devices.)"""
 
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     # Layers per stage, e.g. "4,4,5,3" (vLLM's VLLM_PP_LAYER_PARTITION, also read from the

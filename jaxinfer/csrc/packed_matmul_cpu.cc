@@ -115,7 +115,90 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// Grouped (mixture-of-experts) form: rows of x sorted by expert, group_sizes[e] rows for
+// expert e, each multiplied by its own packed weight w[e] [P, K, kNR]. A work item is one
+// (expert with rows, panel) pair, so each used expert's weights stream once and an expert
+// no row chose is never read.
+struct GroupedShared {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t K, N, panels;
+  std::unique_ptr<int64_t[]> start, rows, expert;  // per used expert: first row, rows, id
+  int64_t items, per_task;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void grouped_work(GroupedShared& sh) {
+  for (;;) {
+    const int64_t first = sh.next.fetch_add(sh.per_task, std::memory_order_relaxed);
+    if (first >= sh.items) return;
+    const int64_t last = std::min(sh.items, first + sh.per_task);
+    for (int64_t it = first; it < last; ++it) {
+      const int64_t g = it / sh.panels, p = it % sh.panels;
+      panel_product(sh.x + sh.start[g] * sh.K, sh.w + sh.expert[g] * sh.panels * sh.K * kNR,
+                    sh.y + sh.start[g] * sh.N, sh.rows[g], sh.K, sh.N, p);
+    }
+    sh.done.fetch_add(last - first, std::memory_order_release);
+  }
+}
+
+ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> group_sizes,
+                             ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), gd = group_sizes.dimensions(),
+       yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || gd.size() != 1 || yd.size() != 2 || wd[3] != kNR ||
+      wd[2] != xd[1] || gd[0] != wd[0] || yd[0] != xd[0] || yd[1] > wd[1] * kNR ||
+      yd[1] <= (wd[1] - 1) * kNR)
+    return ffi::Error::InvalidArgument("grouped_matmul_cpu: shapes do not match");
+  const int64_t M = xd[0], E = wd[0];
+  auto sh = std::make_shared<GroupedShared>();
+  sh->x = x.typed_data();
+  sh->w = w.typed_data();
+  sh->y = y->typed_data();
+  sh->K = xd[1];
+  sh->N = yd[1];
+  sh->panels = wd[1];
+  sh->start.reset(new int64_t[E]);
+  sh->rows.reset(new int64_t[E]);
+  sh->expert.reset(new int64_t[E]);
+  const int32_t* gs = group_sizes.typed_data();
+  int64_t used = 0, row = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (gs[e] < 0 || gs[e] > M - row)
+      return ffi::Error::InvalidArgument("grouped_matmul_cpu: group sizes out of range");
+    if (gs[e] > 0) {
+      sh->start[used] = row;
+      sh->rows[used] = gs[e];
+      sh->expert[used++] = e;
+    }
+    row += gs[e];
+  }
+  if (row < M)  // rows past the groups belong to no expert: zeros, never stale memory
+    std::memset(sh->y + row * sh->N, 0, (M - row) * sh->N * sizeof(float));
+  sh->items = used * sh->panels;
+  if (sh->items == 0 || sh->N == 0) return ffi::Error::Success();
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  sh->per_task = std::max<int64_t>(1, sh->items / (4 * (threads + 1)));
+  const int64_t chunks = (sh->items + sh->per_task - 1) / sh->per_task;
+  const int64_t helpers = jaxinfer_cpu::helper_count(threads, chunks);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { grouped_work(*sh); });
+  grouped_work(*sh);
+  while (sh->done.load(std::memory_order_acquire) < sh->items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferGroupedMatmulCpu, GroupedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmulCpu, PackedMatmulImpl,
                               ffi::Ffi::Bind()

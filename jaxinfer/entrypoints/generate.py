@@ -29,6 +29,7 @@ def run_generate(args) -> int:
               kv_transfer_config=args.kv_transfer_config,
               data_parallel_size=args.data_parallel_size,
               tensor_parallel_size=args.tensor_parallel_size,
+              enable_expert_parallel=args.enable_expert_parallel,
               pipeline_parallel_size=args.pipeline_parallel_size)
     eng = llm.llm_engine
     stats = eng.get_stats()

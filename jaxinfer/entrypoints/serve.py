@@ -36,6 +36,7 @@ def engine_config_from_args(args):
                         num_kv_blocks=args.num_gpu_blocks_override,
                         enable_prefix_caching=not args.no_enable_prefix_caching,
                         tensor_parallel_size=args.tensor_parallel_size,
+                        enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
                         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
                         data_parallel_size=args.data_parallel_size,
                         data_parallel_prefix_affinity=not

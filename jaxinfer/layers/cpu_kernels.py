@@ -5,7 +5,9 @@
 - packed matmul (jaxinfer/csrc/packed_matmul_cpu.cc): x @ W with W packed at load time into
   column panels [ceil(N/32), K, 32] (`pack`): the weights stream once per step, the rows of x
   stay in cache (benchmarks/cpu_matmul.py, results/cpu_matmul.json: on this CPU 10-20% faster
-  than XLA's dot at 8-32 rows, level at 256, 9% faster at 1024, within noise at 1).
+  than XLA's dot at 8-32 rows, level at 256, 9% faster at 1024, within noise at 1); and its
+  grouped form for mixture-of-experts layers (rows sorted by expert, each expert's own
+  packed weight; experts no row chose are not read).
 
 Both are compiled here into one library, on first use, with the machine's C++ compiler against
 the FFI headers jaxlib ships (no network), into the cache folder (<cache>/ext, keyed by the
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 TARGET = "jaxinfer_paged_attention_cpu"
 MATMUL_TARGET = "jaxinfer_packed_matmul_cpu"
+GROUPED_MATMUL_TARGET = "jaxinfer_grouped_matmul_cpu"
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 _SOURCES = [os.path.join(_CSRC, f) for f in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc")]
 _HEADERS = [os.path.join(_CSRC, "cpu_common.h")]
@@ -130,6 +133,9 @@ def available() -> bool:
         jax.ffi.register_ffi_target(MATMUL_TARGET,
                                     jax.ffi.pycapsule(lib.JaxinferPackedMatmulCpu),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(GROUPED_MATMUL_TARGET,
+                                    jax.ffi.pycapsule(lib.JaxinferGroupedMatmulCpu),
+                                    platform="cpu")
     except Exception as e:  # noqa: BLE001  (any build or load failure: fall back, say why)
         logger.warning("cpu kernels unavailable, using the xla backend: %s", e)
         return False
@@ -181,6 +187,18 @@ def matmul(x, w_packed, out_features: int):
                             jax.ShapeDtypeStruct((x2.shape[0], out_features), x.dtype),
                             vmap_method="sequential")
     return call(x2, w_packed).reshape(*lead, out_features)
+
+
+def grouped_matmul(x, w_packed, group_sizes, out_features: int):
+    """Mixture-of-experts rows: x [M, K] float32, sorted by expert, group_sizes int32 [E]
+    (rows of each expert, in order), w_packed [E, P, K, 32] (each expert packed) -> [M, N];
+    rows past sum(group_sizes) come back zero."""
+    if not available():
+        raise RuntimeError("packed weights need the C++ kernels, which could not be built here")
+    call = jax.ffi.ffi_call(GROUPED_MATMUL_TARGET,
+                            jax.ShapeDtypeStruct((x.shape[0], out_features), x.dtype),
+                            vmap_method="sequential")
+    return call(x, w_packed, group_sizes.astype(np.int32))
 
 
 _PACKING = contextvars.ContextVar("jaxinfer_packing", default=True)

@@ -1,8 +1,10 @@
-"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3) as a Flax NNX module.
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, and the mixture-of-experts
+Qwen3-MoE and Mixtral) as a Flax NNX module.
 
 One module covers the family; config flags select the differences: `attention_bias` (Qwen2's
 q/k/v bias), `qk_norm` (Qwen3's per-head RMSNorm on q and k), tied or untied LM head, rope
-scaling. Attribute names follow HF's parameter names, so a checkpoint tensor's name is the
+scaling, and a sparse MoE block (layers/moe.py) in place of the dense MLP in the layers the
+config makes sparse (`mlp` in Qwen3-MoE, `block_sparse_moe` in Mixtral). Attribute names follow HF's parameter names, so a checkpoint tensor's name is the
 module path joined with dots (see loader.py), except the fused projections: qkv_proj (HF's
 q/k/v_proj) and mlp.gate_up_proj (gate/up_proj), built at load time (models/fused.py).
 
@@ -21,6 +23,7 @@ from jaxinfer.layers import module_list
 from jaxinfer.layers.attention import AttentionMetadata, paged_attention
 from jaxinfer.layers.cpu_kernels import use_packed_weights
 from jaxinfer.layers.linear import Embedding, GatedMLP, Linear, QKVLinear
+from jaxinfer.layers.moe import SparseMoE
 from jaxinfer.layers.norms import RMSNorm
 from jaxinfer.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 
@@ -64,18 +67,28 @@ class LlamaAttention(nnx.Module):
 
 class LlamaDecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, attention_backend: str, rngs: nnx.Rngs,
-                 mesh=None):
+                 mesh=None, layer_idx: int = 0):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = LlamaAttention(cfg, dtype=dtype, attention_backend=attention_backend,
                                         rngs=rngs, mesh=mesh)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,
-                            packed=use_packed_weights(attention_backend, dtype, mesh))
+        packed = use_packed_weights(attention_backend, dtype, mesh)
+        self.ffn_name = "mlp"
+        if cfg.is_moe_layer(layer_idx):
+            self.ffn_name = cfg.moe_module
+            ffn = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                            cfg.moe_intermediate_size, cfg.norm_topk_prob, dtype=dtype,
+                            rngs=rngs, packed=packed, mesh=mesh,
+                            expert_parallel=cfg.expert_parallel)
+        else:
+            ffn = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,
+                           packed=packed)
+        setattr(self, self.ffn_name, ffn)
 
     def __call__(self, x, cos, sin, kv_cache: KVCache, md: AttentionMetadata):
         h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
         return x, kv_cache
 
 
@@ -88,8 +101,8 @@ class LlamaModel(nnx.Module):
                                                                           dtype, mesh))
         self.layers = module_list(
             LlamaDecoderLayer(cfg, dtype=dtype, attention_backend=attention_backend, rngs=rngs,
-                              mesh=mesh)
-            for _ in range(cfg.num_hidden_layers)
+                              mesh=mesh, layer_idx=i)
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 

@@ -24,7 +24,9 @@ from jaxinfer.models.registry import get_model_class
 from jaxinfer.parallel import param_spec, replicate_kv_heads, sharding, tp_model_config
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-_TRANSPOSED_SUFFIXES = ("_proj.weight", "lm_head.weight")
+# HF's [out, in] linear weights (Mixtral's experts: w1/w2/w3; MoE routers: gate.weight).
+_TRANSPOSED_SUFFIXES = ("_proj.weight", "lm_head.weight", ".w1.weight", ".w2.weight",
+                        ".w3.weight", ".gate.weight")
 _KV_SUFFIXES = ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
 
 
@@ -82,7 +84,8 @@ def _host_tensor(name: str, tensor: np.ndarray, expected_shape, dtype, *, kv_rep
     return tensor.astype(dtype)
 
 
-def _place(name: str, tensor: np.ndarray, *, mesh, to_host: bool = False) -> jax.Array:
+def _place(name: str, tensor: np.ndarray, *, mesh, to_host: bool = False,
+           expert_parallel: bool = False) -> jax.Array:
     """Host tensor -> device array, placed straight into its shards."""
     tensor = np.ascontiguousarray(tensor)
     if to_host:  # (pipeline stages place their own parameters)
@@ -90,7 +93,7 @@ def _place(name: str, tensor: np.ndarray, *, mesh, to_host: bool = False) -> jax
     if mesh is None:
         return jax.device_put(tensor)
     # Each device (of every process) receives only its own slice.
-    spec = sharding(mesh, param_spec(name, tensor.shape, mesh.size))
+    spec = sharding(mesh, param_spec(name, tensor.shape, mesh.size, expert_parallel))
     return jax.make_array_from_callback(tensor.shape, spec, lambda idx: tensor[idx])
 
 
@@ -112,19 +115,21 @@ def build_model(model_config: ModelConfig, *, dtype: str, attention_backend: str
 def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto",
                attention_backend: str = "xla", seed: int = 0,
                model_config: ModelConfig | None = None, mesh=None, to_host: bool = False,
-               tp_size: int | None = None):
+               tp_size: int | None = None, expert_parallel: bool = False):
     """Returns (model, model_config, dtype_name). With a mesh (tensor parallelism), every
     parameter goes from host memory straight into its shards, and the returned config has its
     KV heads replicated up to the mesh size where they were fewer. to_host: parameters stay
     numpy arrays in host memory (pipeline stages place them), KV heads replicated up to
-    tp_size."""
+    tp_size. expert_parallel: a mixture-of-experts model's experts split by expert over the
+    devices (enable_expert_parallel), not each expert over them."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format={load_format!r} is not supported (supported: {', '.join(LOAD_FORMATS)})"
         )
     model_config = model_config or ModelConfig.from_pretrained(model_dir)
     tp = tp_size if tp_size is not None else (1 if mesh is None else mesh.size)
-    model_config, kv_repeat = tp_model_config(model_config, tp)
+    model_config, kv_repeat = tp_model_config(model_config, tp, expert_parallel)
+    ep = model_config.expert_parallel
     dtype_name = resolve_dtype(dtype, model_config)
     make = build_model(model_config, dtype=dtype_name, attention_backend=attention_backend,
                        seed=seed, mesh=mesh, tp=tp)
@@ -133,7 +138,7 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
     names = [_param_name(path) for path, _ in flat]
     if load_format == "dummy":
         shardings = nnx.from_flat_state([
-            (path, sharding(mesh, param_spec(name, var.shape, tp)) if mesh else None)
+            (path, sharding(mesh, param_spec(name, var.shape, tp, ep)) if mesh else None)
             for (path, var), name in zip(flat, names)])
         def dummy():
             model = make()
@@ -147,7 +152,9 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
         return nnx.merge(graphdef, state), model_config, dtype_name
 
     files_by_name = _safetensors_index(model_dir)
-    sources = {name: checkpoint_names(name) for name in names}  # fused params: several
+    expected = {name: var for (_, var), name in zip(flat, names)}
+    sources = {name: checkpoint_names(name, logical_shape(expected[name]))
+               for name in names}  # fused params: several
     owners: dict[str, list[str]] = {}  # (a tied packed LM head shares the embedding's tensor)
     for name in names:
         for src in sources[name]:
@@ -159,7 +166,6 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
             f"checkpoint in {model_dir} is missing tensor {missing[0]!r}"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
-    expected = {name: var for (_, var), name in zip(flat, names)}
     head_dim = model_config.head_dim
     pending: dict[str, dict[str, np.ndarray]] = {}  # fused params still missing a part
     for src, tensor in _iter_tensors(files_by_name, wanted):
@@ -171,7 +177,7 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
                 value = _host_tensor(src, tensor, want[::-1], var.dtype, kv_repeat=kv_repeat,
                                      head_dim=head_dim).T
                 var.set_value(_place(name, to_param_layout(var, value), mesh=mesh,
-                                     to_host=to_host))
+                                     to_host=to_host, expert_parallel=ep))
                 continue
             shape = want if len(srcs) == 1 else source_shape(name, src, want, head_dim)
             parts = pending.setdefault(name, {})
@@ -183,6 +189,6 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
             value = (parts[src] if len(srcs) == 1
                      else fuse(name, [parts[s] for s in srcs], head_dim))
             var.set_value(_place(name, to_param_layout(var, value), mesh=mesh,
-                                 to_host=to_host))
+                                 to_host=to_host, expert_parallel=ep))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     return model, model_config, dtype_name

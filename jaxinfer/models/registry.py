@@ -10,6 +10,9 @@ _REGISTRY = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    # Mixture of experts: the same decoder with a sparse block in place of the dense MLP.
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
 }
 
 

@@ -214,7 +214,8 @@ class Worker:
                                         load_format=cfg.load_format,
                                         attention_backend=self.attention_backend, seed=cfg.seed,
                                         model_config=rc.model_config, mesh=self.mesh,
-                                        to_host=pp > 1, tp_size=tp)
+                                        to_host=pp > 1, tp_size=tp,
+                                        expert_parallel=par.enable_expert_parallel)
         self.pp_partition = None
         if pp > 1:  # the loaded model -> P stages, each on its own devices
             from jaxinfer.config.parallel import get_pp_partition

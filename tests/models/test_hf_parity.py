@@ -33,6 +33,14 @@ def _configs():
                                     tie_word_embeddings=True),
         "qwen3-qknorm": T.Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
                                       head_dim=32, tie_word_embeddings=False),
+        # Mixture of experts: layer 0 sparse, layer 1 dense (mlp_only_layers).
+        "qwen3-moe": T.Qwen3MoeConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, norm_topk_prob=True,
+                                      mlp_only_layers=[1]),
+        "mixtral": T.MixtralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                   num_local_experts=4, num_experts_per_tok=2,
+                                   sliding_window=None),
     }
 
 
@@ -45,6 +53,8 @@ def _hf_model(cfg, seed=0):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+            elif name.endswith(".gate.weight"):  # MoE routers: decisive top-k choices
+                p.normal_(0.0, 0.5)
     return model.eval()
 
 

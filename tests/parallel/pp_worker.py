@@ -43,6 +43,7 @@ def main():
                   max_num_seqs=4, max_num_batched_tokens=16, warmup=False,
                   num_kv_blocks=24 if smollm2 else 9, block_size=8,
                   step_compilation=os.environ.get("PP_STEP_COMPILATION", "auto"),
+                  enable_expert_parallel=os.environ.get("PP_EXPERT_PARALLEL") == "1",
                   enable_multiprocessing=False)  # the test reads the core
     except ValueError as e:
         print(json.dumps({"error": str(e)}))
@@ -78,6 +79,7 @@ def main():
         "num_preemptions": core.scheduler.num_preemptions,
         "leaked": core.leak_report(),
         "partition": core.pp_partition,
+        "expert_parallel": core.model_config.expert_parallel,
         "step_compilation": core.runner.step_compilation,
         "max_in_flight": core.max_batches_in_flight,
         "overlap": any(seen_overlap),

@@ -104,9 +104,10 @@ def test_scheduler_batch_queue_keeps_batches_disjoint():
 
 
 def run_pp(model_dir, pp, tp=1, partition="-", mode="tiny", devices=4,
-           step_compilation="auto"):
+           step_compilation="auto", expert_parallel=False):
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "PP_STEP_COMPILATION": step_compilation}
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "PP_STEP_COMPILATION": step_compilation,
+           "PP_EXPERT_PARALLEL": "1" if expert_parallel else "0"}
     env.pop("JAXINFER_PP_LAYER_PARTITION", None)
     out = subprocess.run([sys.executable, "tests/parallel/pp_worker.py", model_dir, str(pp),
                           str(tp), partition, mode], cwd=ROOT, env=env, capture_output=True,
@@ -216,3 +217,16 @@ def test_pp_matches_single_stage_other_architectures(tmp_path, smollm2_dir, arch
         got = run_pp(str(tmp_path), pp, tp)
         _same(got, base)
         assert got["partition"] == [2, 1]
+
+
+def test_moe_pp_with_expert_parallel_matches_single_stage(tmp_path, smollm2_dir):
+    """Qwen3-MoE (layers 0 and 2 sparse, 1 dense) over 2 stages, alone and with 2 devices per
+    stage holding 2 of the 4 experts each (expert parallelism inside each stage)."""
+    make_tiny_model_dir(tmp_path, "qwen3_moe", smollm2_dir, num_hidden_layers=3, head_dim=16,
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        mlp_only_layers=[1])
+    base = run_pp(str(tmp_path), 1)
+    for pp, tp, ep in ((2, 1, False), (2, 2, True)):
+        got = run_pp(str(tmp_path), pp, tp, expert_parallel=ep)
+        _same(got, base)
+        assert got["partition"] == [2, 1] and got["expert_parallel"] == ep

@@ -26,10 +26,15 @@ def run_tp(model_dir, tp, mode="tiny"):
 
 
 # qwen3 (q/k norm, KV heads = tp) runs with the slow tests; CI covers llama (KV heads split).
+# qwen3_moe: a mixture-of-experts layer 0 (each expert split over the devices), a dense layer 1.
 @pytest.mark.parametrize("arch,kv_heads", [("llama", 2),
-                                           pytest.param("qwen3", 4, marks=pytest.mark.slow)])
+                                           pytest.param("qwen3", 4, marks=pytest.mark.slow),
+                                           ("qwen3_moe", 2)])
 def test_tp_matches_single_device(tmp_path, smollm2_dir, arch, kv_heads):
     extra = {"head_dim": 32} if arch == "qwen3" else {}
+    if arch == "qwen3_moe":
+        extra = {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 32, "mlp_only_layers": [1]}
     make_tiny_model_dir(tmp_path, arch, smollm2_dir, num_attention_heads=4,
                         num_key_value_heads=kv_heads, **extra)
     base = run_tp(str(tmp_path), 1)
@@ -43,6 +48,13 @@ def test_tp_matches_single_device(tmp_path, smollm2_dir, arch, kv_heads):
         assert got["kv_heads"] == max(kv_heads, tp)  # replicated when tp exceeds them
         if kv_heads < tp:
             assert got["num_preemptions"] > 0  # the same tight cache, with replicated heads
+        if arch == "qwen3_moe":  # expert parallelism: E / tp whole experts per device
+            ep = run_tp(str(tmp_path), tp, "ep")
+            assert ep["expert_parallel"] and not got["expert_parallel"]
+            assert ep["tokens"] == base["tokens"], tp
+            np.testing.assert_allclose(np.concatenate(ep["logprobs"]),
+                                       np.concatenate(base["logprobs"]), atol=2e-4)
+            assert ep["param_shards"] == tp and not ep["leaked"]
 
 
 @pytest.mark.slow  # speculative decoding's draft model (its own KV cache) sharded as well

@@ -10,6 +10,11 @@ import json
 import sys
 
 
+def _mlp_weight(mlp):
+    """Layer 0's gate/up weight: the dense MLP's, or a MoE block's stacked experts'."""
+    return mlp["experts"]["gate_up_proj"] if "experts" in mlp else mlp["gate_up_proj"]["weight"]
+
+
 def main():
     model_dir, tp, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     import jax
@@ -31,13 +36,15 @@ def main():
                       enable_multiprocessing=False)  # the test reads the runner
         else:
             # A tight cache forces preemption; repeated prompts hit the prefix cache. Mode
-            # "draft": speculative decoding with the model as its own draft model.
+            # "draft": speculative decoding with the model as its own draft model; "ep":
+            # expert parallelism (a mixture-of-experts model's experts split by expert).
             spec = ({"method": "draft_model", "num_speculative_tokens": 3, "model": model_dir}
                     if mode == "draft" else None)
             llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, max_model_len=64,
                       max_num_seqs=4, max_num_batched_tokens=32, warmup=False,
                       num_kv_blocks=11 if spec else 9, block_size=8,
-                      enable_multiprocessing=False, speculative_config=spec)
+                      enable_multiprocessing=False, speculative_config=spec,
+                      enable_expert_parallel=mode == "ep")
     except ValueError as e:
         print(json.dumps({"error": str(e)}))
         return
@@ -62,8 +69,9 @@ def main():
         "leaked": kv.get_num_free_blocks() != eng.runner.num_kv_blocks - 1,
         "kv_shards": len(eng.runner.kv_caches[0][0].sharding.device_set),
         "kv_heads": eng.engine_core.core.model_config.num_key_value_heads,  # as built
-        "param_shards": len(eng.runner.state["model"]["layers"][0]["mlp"]["gate_up_proj"]["weight"]
+        "param_shards": len(_mlp_weight(eng.runner.state["model"]["layers"][0]["mlp"])
                             .value.sharding.device_set),
+        "expert_parallel": eng.engine_core.core.model_config.expert_parallel,
         "spec": {k: v for k, v in eng.get_stats().items() if k.startswith("spec_decode")},
     }
     llm.shutdown()

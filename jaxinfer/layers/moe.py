@@ -1,0 +1,174 @@
+"""Mixture-of-experts block (Qwen3-MoE's `mlp`, Mixtral's `block_sparse_moe`).
+
+A router (`gate`, a linear layer to one logit per expert) scores every token; the softmax's
+top-k experts each run their gated MLP (down(silu(gate(x)) * up(x))) on the token, and the
+outputs are summed, weighted by the router probabilities (renormalised over the k chosen when
+`norm_topk_prob`: Mixtral always, Qwen3-MoE per its config).
+
+Grouped computation, never all experts for every token: the T*k (token, expert) pairs are
+sorted by expert and each expert's rows multiplied by its own weights, as one grouped matmul
+per projection:
+- packed float32 weights (the `cpu` backend): the C++ grouped kernel, which streams only the
+  weights of experts some token chose (layers/cpu_kernels.py);
+- otherwise `jax.lax.ragged_dot`, which XLA lowers to grouped GEMMs on GPU (on CPU it expands
+  to a masked dense product per expert: correct, not fast).
+`moe_reference` computes every expert for every token with one-hot weights: the test oracle.
+
+Expert weights are stacked: experts.gate_up_proj [E, H, 2, I] (gate, then up) and
+experts.down_proj [E, I, H], built at load time from the checkpoint's per-expert tensors
+(models/fused.py). Under tensor parallelism each expert is split over I, like the dense MLP.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.layers.linear import Linear, _init
+
+
+def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """Router logits [T, E] -> (weights float32 [T, k], expert ids int32 [T, k]): softmax over
+    all experts in float32, the top k, renormalised to sum 1 when norm_topk_prob."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def _expert_weight(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, packed: bool) -> nnx.Param:
+    """Stacked expert weights of logical shape (E, in, *out); packed: each expert's [in, out]
+    in column panels, [E, ceil(out/32), in, 32]."""
+    if not packed:
+        return nnx.Param(_init(rngs, shape, dtype))
+    from jaxinfer.layers.cpu_kernels import packed_shape
+
+    e, k, n = shape[0], shape[1], math.prod(shape[2:])
+    return nnx.Param(_init(rngs, (e, *packed_shape(k, n)), dtype), unpacked_shape=shape,
+                     stacked_experts=True)
+
+
+class Experts(nnx.Module):
+    """E gated MLPs with their weights stacked (see the module docstring)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, dtype,
+                 rngs: nnx.Rngs, packed: bool = False):
+        self.num_experts, self.intermediate_size, self.packed = (num_experts, intermediate_size,
+                                                                 packed)
+        self.hidden_size = hidden_size
+        self.gate_up_proj = _expert_weight(rngs, (num_experts, hidden_size, 2, intermediate_size),
+                                           dtype, packed)
+        self.down_proj = _expert_weight(rngs, (num_experts, intermediate_size, hidden_size),
+                                        dtype, packed)
+
+    def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """x [T, H], router weights [T, k] and expert ids int32 [T, k] -> [T, H]."""
+        return expert_mlp(x, weights, experts, self.gate_up_proj[...], self.down_proj[...],
+                          packed=self.packed, hidden_size=self.hidden_size,
+                          intermediate_size=self.intermediate_size)
+
+
+def _grouped(x, weight, group_sizes, out_features: int, packed: bool):
+    """rows sorted by expert [M, in] x each group's expert weight -> [M, out_features]."""
+    if packed:
+        from jaxinfer.layers.cpu_kernels import grouped_matmul
+
+        return grouped_matmul(x, weight, group_sizes, out_features)
+    w = weight.reshape(weight.shape[0], x.shape[-1], out_features)
+    return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+def expert_mlp(x, weights, experts, gate_up, down, *, packed: bool, hidden_size: int,
+               intermediate_size: int, first_expert=0):
+    """The experts held here (gate_up [E_here, H, 2, I_here], down [E_here, I_here, H]; packed:
+    their column panels) on the (token, slot) pairs routed to them: x [T, H], weights [T, k],
+    experts int32 [T, k] (global ids; those held here are first_expert .. + E_here) -> [T, H],
+    the pairs routed elsewhere contributing zero. With every expert and all of I here (one
+    device) that is the whole block; under tensor / expert parallelism, one device's partial
+    sum."""
+    t, k = experts.shape
+    e_here = gate_up.shape[0]
+    local = experts.reshape(-1) - first_expert  # [T*k]
+    here = (local >= 0) & (local < e_here)
+    key = jnp.where(here, local, e_here)  # pairs for other devices' experts sort last
+    order = jnp.argsort(key, stable=True)  # grouped by expert, tokens in order within
+    group_sizes = jnp.bincount(key, length=e_here + 1)[:e_here].astype(jnp.int32)
+    rows = jnp.take(x, order // k, axis=0)  # [T*k, H]
+    i = intermediate_size if packed else gate_up.shape[-1]
+    gate_up_out = _grouped(rows, gate_up, group_sizes, 2 * i, packed)
+    h = jax.nn.silu(gate_up_out[:, :i]) * gate_up_out[:, i:]
+    y = _grouped(h, down, group_sizes, hidden_size, packed)  # [T*k, H]
+    # Back to (token, slot) order, then the router-weighted sum over the k slots.
+    unsort = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
+    y = jnp.take(y, unsort, axis=0).reshape(t, k, -1)
+    y = jnp.where(here.reshape(t, k, 1), y, 0)  # rows past the groups: not ours
+    return jnp.einsum("tkh,tk->th", y, weights.astype(y.dtype))
+
+
+class SparseMoE(nnx.Module):
+    """Router + experts: x [T, H] -> [T, H]."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 norm_topk_prob: bool, *, dtype, rngs: nnx.Rngs, packed: bool = False,
+                 mesh=None, expert_parallel: bool = False):
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and "
+                             f"num_experts={num_experts}")
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.mesh, self.expert_parallel = mesh, expert_parallel
+        # The router stays unpacked: E logits, small next to the experts.
+        self.gate = Linear(hidden_size, num_experts, use_bias=False, dtype=dtype, rngs=rngs)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, dtype=dtype,
+                               rngs=rngs, packed=packed)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        if self.mesh is None:
+            return self.experts(x, weights, experts)
+        return self._sharded(x, weights, experts)
+
+    def _sharded(self, x, weights, experts):
+        """Under a mesh, per device (jax.shard_map): tokens and routing are replicated (the
+        residual stream is, between layers); each device runs the experts' weights it holds on
+        the pairs routed to them, and one all-reduce (psum) sums the partial outputs, as the
+        dense MLP's row-parallel down projection does. Tensor parallel: every expert split
+        over I. Expert parallel: experts whole, E / tp of them per device. (The all-reduce
+        needs no dispatch: with tokens replicated the all-gather of an all-gather +
+        reduce-scatter scheme is free; an all-to-all would pay off once tokens are sharded,
+        e.g. with data-parallel attention.)"""
+        from jaxinfer.parallel import TP
+
+        ex = self.experts
+        if self.expert_parallel:
+            specs = (P(TP, None, None, None), P(TP, None, None))
+        else:
+            specs = (P(None, None, None, TP), P(None, TP, None))
+        e_here = ex.num_experts // self.mesh.size if self.expert_parallel else ex.num_experts
+
+        def local(x, weights, experts, gate_up, down):
+            first = jax.lax.axis_index(TP) * e_here if self.expert_parallel else 0
+            y = expert_mlp(x, weights, experts, gate_up, down, packed=False,
+                           hidden_size=ex.hidden_size, intermediate_size=0, first_expert=first)
+            return jax.lax.psum(y, TP)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(), *specs),
+                             out_specs=P())(x, weights, experts, ex.gate_up_proj[...],
+                                            ex.down_proj[...])
+
+
+def moe_reference(x, router_w, gate_up, down, top_k: int, norm_topk_prob: bool):
+    """Every expert on every token, weighted by the router's (zero off the top k): the dense
+    oracle. x [T, H], router_w [H, E], gate_up [E, H, 2, I], down [E, I, H] (unpacked)."""
+    weights, experts = route(x @ router_w, top_k, norm_topk_prob)
+    e = router_w.shape[1]
+    dense_w = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32) * weights[..., None],
+                      axis=1)  # [T, E]
+    gu = jnp.einsum("th,ehgi->tegi", x, gate_up)
+    h = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]  # [T, E, I]
+    y = jnp.einsum("tei,eih->teh", h, down)
+    return jnp.einsum("teh,te->th", y, dense_w.astype(y.dtype))
