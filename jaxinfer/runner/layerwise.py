@@ -7,7 +7,7 @@ bucket instead, each traced and compiled once:
 
 - head: the step's token ids (patched with the previous step's samples) -> embeddings and the
   rotary cos/sin;
-- runs of `group` consecutive decoder layers (layers_per_program, default 3) over the
+- runs of `group` consecutive decoder layers (layers_per_program, default 5) over the
   residual stream and their own KV caches (donated); one executable runs every run of the
   same structure in turn, with that run's weights, and every variant of the bucket
   (logprobs, penalties, ... change only the tail) shares it;
@@ -18,7 +18,9 @@ So compiling a bucket costs one run + the tail whatever the depth (SmolLM2: ~1.4
 is L / group + 2 dispatches per step instead of one, each asynchronous; with group 3 the
 steady-state throughput measured within noise of whole steps on this CPU
 (benchmarks/results/layerwise_steady_state_cpu.json; one layer per program measured ~5%
-slower per step, a 30-layer program ~3x the compile time). The host keeps the per-layer
+slower per step, a 30-layer program ~3x the compile time; groups of 5 and 10 measured 3-4%
+above 3 in steady state with the same cold start, results/layers_per_program_cpu.json, so 5 is
+the default). The host keeps the per-layer
 weights and KV caches it always had: loading, tensor-parallel shardings and the KV connectors
 are unchanged. Under tensor parallelism the residual stream between runs is pinned replicated
 so every executable sees the sharding it was compiled for.
