@@ -85,7 +85,8 @@ def test_compile_cost_does_not_grow_with_depth(tmp_path, smollm2_dir):
         path = tmp_path / f"l{layers}"
         make_tiny_model_dir(path, "llama", smollm2_dir, num_hidden_layers=layers)
         for mode in ("whole", "layerwise"):
-            llm = LLM(str(path), warmup=False, step_compilation=mode, **OPTS)
+            llm = LLM(str(path), warmup=False, step_compilation=mode, layers_per_program=3,
+                      **OPTS)
             runner = llm.llm_engine.runner
             sizes[mode, layers] = _hlo_size(runner.compiled.compile(16, 2, PLAIN))
             if mode == "layerwise":  # one executable, run by every run of 3 layers
