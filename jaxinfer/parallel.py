@@ -35,13 +35,15 @@ def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh | None:
                 axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def tp_model_config(cfg: ModelConfig, tp: int,
-                    expert_parallel: bool = False) -> tuple[ModelConfig, int]:
+def tp_model_config(cfg: ModelConfig, tp: int, expert_parallel: bool = False,
+                    sequence_parallel: bool = False) -> tuple[ModelConfig, int]:
     """Check divisibility; returns the config to build (KV heads replicated up to tp when
-    tp exceeds them; expert_parallel set for a mixture-of-experts model when asked for) and
-    the KV-head replication factor."""
+    tp exceeds them; expert_parallel set for a mixture-of-experts model when asked for;
+    sequence_parallel when asked for) and the KV-head replication factor."""
     if tp == 1:
         return cfg, 1
+    if sequence_parallel:
+        cfg = dataclasses.replace(cfg, sequence_parallel=True)
     if expert_parallel and cfg.num_experts:
         if cfg.num_experts % tp:
             raise ValueError(f"enable_expert_parallel: tensor_parallel_size={tp} must divide "
@@ -99,6 +101,19 @@ def param_spec(name: str, shape: tuple[int, ...], tp: int, expert_parallel: bool
     if name.endswith("lm_head.weight"):
         return P(None, TP) if shape[1] % tp == 0 else P()
     return P()  # norms
+
+
+def sequence_shard(x, mesh: Mesh | None):
+    """Sequence parallelism (Megatron-style): the residual stream [T, H] split by tokens over
+    the mesh between tensor-parallel regions. XLA then reduce-scatters the row-parallel
+    projections' partial sums (instead of all-reducing them; its CPU pipeline keeps that as
+    an all-reduce and a slice, GPU pipelines form a reduce-scatter), runs the norms and
+    residual adds on each device's tokens, and all-gathers the tokens before the next
+    column-parallel projection. (A bucket of T tokens not divisible by the devices is padded
+    by XLA.)"""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(TP, None)))
 
 
 def sharding(mesh: Mesh | None, spec: P):

@@ -30,7 +30,7 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.config.parallel import stage_bounds
 from jaxinfer.layers import module_list
-from jaxinfer.layers.rotary import rope_cos_sin, rope_inv_freq
+from jaxinfer.models.llama import model_rope, softcap_logits
 
 
 def stage_devices(pp: int, tp: int, devices=None) -> list[list]:
@@ -74,10 +74,9 @@ class PipelineStage(nnx.Module):
         return x, new
 
     def rope(self, positions):
-        """positions int32 [T] -> the rotary cos, sin of this stage's layers [T, D/2]."""
-        cfg = self.config
-        return rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
-                                                     cfg.rope_scaling))
+        """positions int32 [T] -> the rotary cos, sin of this stage's layers (the whole
+        model's: models/llama.py model_rope)."""
+        return model_rope(self.config, positions)
 
     def compute_logits(self, hidden):
         import jax.numpy as jnp
@@ -91,7 +90,7 @@ class PipelineStage(nnx.Module):
 
             logits = jax.lax.with_sharding_constraint(
                 logits, NamedSharding(self.mesh, PartitionSpec()))
-        return logits.astype(jnp.float32)
+        return softcap_logits(self.config, logits.astype(jnp.float32))
 
 
 def _placed(module, mesh, device, expert_parallel: bool = False):
@@ -124,6 +123,8 @@ def split_model(model, parts: list[int], groups: list[list], meshes: list) -> li
         layers = list(model.model.layers)[a:b]
         for layer in layers:  # attention (and a MoE block) run under this stage's mesh
             layer.self_attn.mesh = mesh
+            if cfg.sequence_parallel:
+                layer.sp_mesh = mesh
             ffn = getattr(layer, layer.ffn_name)
             if hasattr(ffn, "expert_parallel"):
                 ffn.mesh = mesh

@@ -115,6 +115,9 @@ class EngineConfig:
     # whole experts each) instead of each expert split over them (vLLM's name). No effect on
     # dense models or at tensor_parallel_size 1.
     enable_expert_parallel: bool = False
+    # Sequence parallelism (Megatron-style) under tensor parallelism: the residual stream
+    # split by tokens between the tensor-parallel regions. No effect at tensor_parallel_size 1.
+    enable_sequence_parallelism: bool = False
     num_kv_blocks: int | None = None  # explicit KV cache size in blocks (incl. null block)
     kv_cache_memory_bytes: int | None = None  # or a byte budget for the KV cache
     gpu_memory_utilization: float = 0.9  # on GPU: fraction of device memory the engine may use
@@ -171,6 +174,7 @@ class EngineConfig:
         object.__setattr__(self, "parallel", ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
+            enable_sequence_parallelism=self.enable_sequence_parallelism,
             pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size,
             pp_layer_partition=self.pp_layer_partition,

@@ -75,6 +75,21 @@ class ModelConfig:
     # Set by the engine (enable_expert_parallel under a mesh): experts whole, E / tp of them
     # per device, instead of every expert split over the devices.
     expert_parallel: bool = False
+    # Set by the engine (enable_sequence_parallelism under a mesh): between the tensor-
+    # parallel regions the residual stream is split by tokens over the devices.
+    sequence_parallel: bool = False
+    # Gemma 3 (text): gelu-tanh MLP, (1 + w) RMSNorms, embeddings scaled by sqrt(hidden),
+    # four norms per layer, its own attention scale, sliding and global layers (each kind
+    # with its own rope base), optional final logit soft-capping.
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh"
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight)
+    scale_embeddings: bool = False  # embeddings x sqrt(hidden_size)
+    sandwich_norms: bool = False  # post-attention, pre- and post-feedforward norms
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    # Per layer: uses the sliding window (when one is set). Empty: every layer does.
+    sliding_layers: tuple[bool, ...] = ()
+    rope_local_theta: float | None = None  # sliding layers' rope base (default scaling)
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -97,6 +112,12 @@ class ModelConfig:
             if self.decoder_sparse_step < 1:
                 raise ValueError(f"decoder_sparse_step must be >= 1, got "
                                  f"{self.decoder_sparse_step}")
+
+    def layer_sliding_window(self, i: int) -> int | None:
+        """Decoder layer i's sliding window (None: it attends to the whole context)."""
+        if self.sliding_layers and not self.sliding_layers[i]:
+            return None
+        return self.sliding_window
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether decoder layer i has the sparse MoE block instead of the dense MLP."""
@@ -130,13 +151,14 @@ class ModelConfig:
         is_qwen2 = arch == "Qwen2ForCausalLM"
         _refuse_unsupported_math(d, arch)
         moe = _moe_fields(d, arch)
+        gemma = _gemma3_fields(d) if arch == "Gemma3ForCausalLM" else {}
         if is_qwen2 and d.get("use_sliding_window"):
             raise ValueError("Qwen2 use_sliding_window=True (per-layer windows) is not supported")
         use_sw = d.get("use_sliding_window", True) and d.get("sliding_window")
         # transformers >= 5 writes `rope_parameters` (rope_theta inside); older: `rope_scaling`.
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        return ModelConfig(
+        fields = dict(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
@@ -151,13 +173,16 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", is_qwen2)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=int(d["sliding_window"]) if use_sw and not is_qwen2 else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
-            **moe,
+            hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "silu",
         )
+        fields.update(moe)
+        fields.update(gemma)  # (Gemma 3 reads its rope, window and tying its own way)
+        return ModelConfig(**fields)
 
     @staticmethod
     def from_pretrained(model_dir: str | os.PathLike) -> "ModelConfig":
@@ -169,14 +194,58 @@ class ModelConfig:
 
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+
+
+def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 (text) fields. Its rope: global (full-attention) layers use rope_theta with
+    rope_scaling, sliding layers rope_local_base_freq unscaled; transformers >= 5 writes both
+    under rope_parameters, keyed by layer type."""
+    n = int(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    if types is None:  # older configs: every sliding_window_pattern-th layer is global
+        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(n)]
+    bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if len(types) != n or bad:
+        raise ValueError(f"layer_types must list {n} of full_attention / sliding_attention, "
+                         f"got {types!r}")
+    rp = d.get("rope_parameters") or {}
+    if "full_attention" in rp:
+        full, local = rp["full_attention"], rp.get("sliding_attention") or {}
+    else:
+        full = {**(d.get("rope_scaling") or {}), "rope_theta": d.get("rope_theta", 1e6)}
+        local = {"rope_theta": d.get("rope_local_base_freq", 10000.0)}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"sliding layers' rope_type={local['rope_type']!r} is not supported "
+                         "(supported: default)")
+    cap = d.get("final_logit_softcapping")
+    return dict(
+        norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,
+        hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
+        attn_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
+        sliding_layers=tuple(t == "sliding_attention" for t in types),
+        sliding_window=int(d["sliding_window"]) if d.get("sliding_window") else None,
+        rope_theta=float(full.get("rope_theta", 1e6)),
+        rope_scaling=RopeScaling.from_hf(full),
+        rope_local_theta=float(local.get("rope_theta", 10000.0)),
+        final_logit_softcapping=float(cap) if cap else None,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+    )
 
 
 def _refuse_unsupported_math(d: dict[str, Any], arch: str) -> None:
     """Config keys that would change the model's math in ways not built: an error naming the
     key, never a silently different model."""
-    act = d.get("hidden_act", d.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise ValueError(f"hidden_act={act!r} is not supported for {arch} (supported: silu)")
+    act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+    if act not in HIDDEN_ACTS:
+        raise ValueError(f"hidden_act={act!r} is not supported for {arch} (supported: "
+                         f"{', '.join(HIDDEN_ACTS)})")
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if d.get(key):
+            raise ValueError(f"{key}={d[key]!r} is not supported (the attention kernels have "
+                             f"no logit soft-capping and are causal)")
     for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
         if d.get(key):
             raise ValueError(f"{key}={d[key]}: shared experts are not supported yet")
@@ -194,6 +263,10 @@ def _moe_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
     if not experts:
         raise ValueError(f"{arch} config has no num_experts / num_local_experts")
     mixtral = arch == "MixtralForCausalLM"
+    act = d.get("hidden_act") or "silu"
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported for {arch}'s experts "
+                         "(supported: silu)")
     return dict(
         num_experts=int(experts),
         num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),

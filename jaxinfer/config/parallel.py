@@ -12,10 +12,12 @@ from dataclasses import dataclass
 class ParallelConfig:
     """tensor_parallel_size devices per pipeline stage, pipeline_parallel_size stages per
     engine core, data_parallel_size engine cores (ranks) behind one front end. (Expert
-    parallelism: enable_expert_parallel, over the tensor-parallel devices.)"""
+    parallelism: enable_expert_parallel, over the tensor-parallel devices; sequence
+    parallelism: enable_sequence_parallelism, the same devices.)"""
 
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    enable_sequence_parallelism: bool = False
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     # Layers per stage, e.g. "4,4,5,3" (vLLM's VLLM_PP_LAYER_PARTITION, also read from the

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="mixture-of-experts models: experts split over the tensor-parallel "
                         "devices (E / tp whole experts each) instead of every expert split")
+    g.add_argument("--enable-sequence-parallelism", action="store_true",
+                   help="tensor parallelism: the residual stream split by tokens between "
+                        "the tensor-parallel regions (reduce-scatter / all-gather)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="decoder layers split over this many stages, each on its own devices")
     g.set_defaults(func=_cmd_generate)
@@ -195,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--enable-expert-parallel", action="store_true",
                    help="mixture-of-experts models: experts split over the tensor-parallel "
                         "devices (E / tp whole experts each) instead of every expert split")
+    v.add_argument("--enable-sequence-parallelism", action="store_true",
+                   help="tensor parallelism: the residual stream split by tokens between "
+                        "the tensor-parallel regions (reduce-scatter / all-gather)")
     v.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="decoder layers split over this many stages (each on "
                         "--tensor-parallel-size devices of its own), that many batches in "

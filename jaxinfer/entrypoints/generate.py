@@ -30,6 +30,7 @@ def run_generate(args) -> int:
               data_parallel_size=args.data_parallel_size,
               tensor_parallel_size=args.tensor_parallel_size,
               enable_expert_parallel=args.enable_expert_parallel,
+              enable_sequence_parallelism=args.enable_sequence_parallelism,
               pipeline_parallel_size=args.pipeline_parallel_size)
     eng = llm.llm_engine
     stats = eng.get_stats()

@@ -37,6 +37,8 @@ def engine_config_from_args(args):
                         enable_prefix_caching=not args.no_enable_prefix_caching,
                         tensor_parallel_size=args.tensor_parallel_size,
                         enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+                        enable_sequence_parallelism=getattr(args, "enable_sequence_parallelism",
+                                                            False),
                         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
                         data_parallel_size=args.data_parallel_size,
                         data_parallel_prefix_affinity=not

@@ -95,11 +95,16 @@ class GateUpLinear(nnx.Module):
         return y[:, 0], y[:, 1]
 
 
+ACTIVATIONS = {"silu": jax.nn.silu,
+               "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class GatedMLP(nnx.Module):
-    """down(silu(gate(x)) * up(x)), the Llama/Qwen MLP."""
+    """down(act(gate(x)) * up(x)): the Llama/Qwen MLP (silu), Gemma's (gelu, tanh form)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs,
-                 packed: bool = False):
+                 packed: bool = False, act: str = "silu"):
+        self.act = act
         self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs,
                                          packed=packed)
         self.down_proj = Linear(intermediate_size, hidden_size, use_bias=False, dtype=dtype,
@@ -107,7 +112,7 @@ class GatedMLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = self.gate_up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(ACTIVATIONS[self.act](gate) * up)
 
 
 class Embedding(nnx.Module):
@@ -116,14 +121,18 @@ class Embedding(nnx.Module):
     same checkpoint tensor: weights stay tied; the table is held twice)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs,
-                 packed_lm_head: bool = False):
+                 packed_lm_head: bool = False, scale: float | None = None):
         self.vocab_size = vocab_size
+        self.scale = scale  # Gemma: looked-up rows x sqrt(hidden), in the table's dtype
         self.weight = nnx.Param(_init(rngs, (vocab_size, hidden_size), dtype))  # [V, H]
         self.lm_weight = (_weight(rngs, (hidden_size, vocab_size), dtype, True)
                           if packed_lm_head else None)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], ids, axis=0)
+        rows = jnp.take(self.weight[...], ids, axis=0)
+        if self.scale is not None:
+            rows = rows * jnp.asarray(self.scale, rows.dtype)
+        return rows
 
     def tie(self) -> None:
         """lm_weight := the packed transpose of the table (dummy weights: set, not loaded)."""

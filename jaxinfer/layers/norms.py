@@ -1,4 +1,5 @@
-"""RMSNorm, computed in float32 as HF does, returned in the input dtype."""
+"""RMSNorm, computed in float32 as HF does, returned in the input dtype. unit_offset: Gemma's
+form, scaled by (1 + weight) in float32 before the cast (HF's Gemma3RMSNorm)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ from flax import nnx
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))  # [dim]
+    def __init__(self, dim: int, eps: float, *, dtype, unit_offset: bool = False):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype) if unit_offset
+                                else jnp.ones((dim,), dtype))  # [dim]
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * x32.astype(x.dtype)

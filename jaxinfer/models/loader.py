@@ -115,20 +115,23 @@ def build_model(model_config: ModelConfig, *, dtype: str, attention_backend: str
 def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto",
                attention_backend: str = "xla", seed: int = 0,
                model_config: ModelConfig | None = None, mesh=None, to_host: bool = False,
-               tp_size: int | None = None, expert_parallel: bool = False):
+               tp_size: int | None = None, expert_parallel: bool = False,
+               sequence_parallel: bool = False):
     """Returns (model, model_config, dtype_name). With a mesh (tensor parallelism), every
     parameter goes from host memory straight into its shards, and the returned config has its
     KV heads replicated up to the mesh size where they were fewer. to_host: parameters stay
     numpy arrays in host memory (pipeline stages place them), KV heads replicated up to
     tp_size. expert_parallel: a mixture-of-experts model's experts split by expert over the
-    devices (enable_expert_parallel), not each expert over them."""
+    devices (enable_expert_parallel), not each expert over them. sequence_parallel: the
+    residual stream token-sharded between tensor-parallel regions."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format={load_format!r} is not supported (supported: {', '.join(LOAD_FORMATS)})"
         )
     model_config = model_config or ModelConfig.from_pretrained(model_dir)
     tp = tp_size if tp_size is not None else (1 if mesh is None else mesh.size)
-    model_config, kv_repeat = tp_model_config(model_config, tp, expert_parallel)
+    model_config, kv_repeat = tp_model_config(model_config, tp, expert_parallel,
+                                              sequence_parallel)
     ep = model_config.expert_parallel
     dtype_name = resolve_dtype(dtype, model_config)
     make = build_model(model_config, dtype=dtype_name, attention_backend=attention_backend,

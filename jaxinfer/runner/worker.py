@@ -215,7 +215,8 @@ class Worker:
                                         attention_backend=self.attention_backend, seed=cfg.seed,
                                         model_config=rc.model_config, mesh=self.mesh,
                                         to_host=pp > 1, tp_size=tp,
-                                        expert_parallel=par.enable_expert_parallel)
+                                        expert_parallel=par.enable_expert_parallel,
+                                        sequence_parallel=par.enable_sequence_parallelism)
         self.pp_partition = None
         if pp > 1:  # the loaded model -> P stages, each on its own devices
             from jaxinfer.config.parallel import get_pp_partition

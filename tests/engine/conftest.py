@@ -56,7 +56,8 @@ def make_tiny_model_dir(path, arch, smollm2_dir, sharpen: float = 1.0, **overrid
     common.update(overrides)
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-           "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[arch]
+           "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
+           "gemma3": transformers.Gemma3TextConfig}[arch]
     cfg = cls(**common)
     cfg._attn_implementation = "eager"
     torch.manual_seed(zlib.crc32(arch.encode()))  # str hash() differs per process

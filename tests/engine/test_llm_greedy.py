@@ -87,6 +87,8 @@ def test_smollm2_chunked_prefill_matches_hf(smollm2_dir, hf_refs):
     ("mistral", {"sliding_window": None}),
     ("qwen2", {}),
     ("qwen3", {"head_dim": 32}),
+    ("gemma3", {"head_dim": 16, "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"]}),
 ])
 def test_tiny_architectures_greedy_match_hf(tmp_path, smollm2_dir, arch, extra):
     hf = make_tiny_model_dir(tmp_path, arch, smollm2_dir, **extra)

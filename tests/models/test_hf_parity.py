@@ -41,6 +41,15 @@ def _configs():
         "mixtral": T.MixtralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
                                    num_local_experts=4, num_experts_per_tok=2,
                                    sliding_window=None),
+        # Gemma 3: a sliding layer (window 8 < the prompt), a global one with linear rope
+        # scaling, its own attention scale, final logit soft-capping.
+        "gemma3": T.Gemma3TextConfig(
+            **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24, final_logit_softcapping=2.0,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                             "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                "rope_theta": 10000.0}}),
     }
 
 

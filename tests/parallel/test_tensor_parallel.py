@@ -48,6 +48,18 @@ def test_tp_matches_single_device(tmp_path, smollm2_dir, arch, kv_heads):
         assert got["kv_heads"] == max(kv_heads, tp)  # replicated when tp exceeds them
         if kv_heads < tp:
             assert got["num_preemptions"] > 0  # the same tight cache, with replicated heads
+        if arch == "llama":  # sequence parallelism: the same tokens
+            sp = run_tp(str(tmp_path), tp, "sp")
+            assert sp["sequence_parallel"] and not got["sequence_parallel"]
+            assert sp["tokens"] == base["tokens"], tp
+            np.testing.assert_allclose(np.concatenate(sp["logprobs"]),
+                                       np.concatenate(base["logprobs"]), atol=2e-4)
+            # Tokens gathered before the column-parallel projections: the residual stream
+            # is token-sharded (XLA's CPU pipeline keeps the reduce-scatter as an all-reduce
+            # and a slice; GPU pipelines fuse the two into a reduce-scatter).
+            assert "all-gather" in sp["collectives"], sp["collectives"]
+            assert "all-gather" not in got["collectives"], got["collectives"]
+            assert not sp["leaked"]
         if arch == "qwen3_moe":  # expert parallelism: E / tp whole experts per device
             ep = run_tp(str(tmp_path), tp, "ep")
             assert ep["expert_parallel"] and not got["expert_parallel"]

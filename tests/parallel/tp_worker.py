@@ -15,6 +15,17 @@ def _mlp_weight(mlp):
     return mlp["experts"]["gate_up_proj"] if "experts" in mlp else mlp["gate_up_proj"]["weight"]
 
 
+def _collectives(runner) -> list[str]:
+    import re
+
+    text = ""
+    for compiled in list(runner.compiled._compiled.values()):
+        for ex in getattr(compiled, "layers", [compiled]):
+            text += ex.as_text()
+    return sorted(set(re.findall(r"\b(all-reduce|reduce-scatter|all-gather|all-to-all)\(",
+                                 text)))
+
+
 def main():
     model_dir, tp, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     import jax
@@ -37,14 +48,16 @@ def main():
         else:
             # A tight cache forces preemption; repeated prompts hit the prefix cache. Mode
             # "draft": speculative decoding with the model as its own draft model; "ep":
-            # expert parallelism (a mixture-of-experts model's experts split by expert).
+            # expert parallelism (a mixture-of-experts model's experts split by expert); "sp":
+            # sequence parallelism (the residual stream split by tokens between TP regions).
             spec = ({"method": "draft_model", "num_speculative_tokens": 3, "model": model_dir}
                     if mode == "draft" else None)
             llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, max_model_len=64,
                       max_num_seqs=4, max_num_batched_tokens=32, warmup=False,
                       num_kv_blocks=11 if spec else 9, block_size=8,
                       enable_multiprocessing=False, speculative_config=spec,
-                      enable_expert_parallel=mode == "ep")
+                      enable_expert_parallel=mode == "ep",
+                      enable_sequence_parallelism=mode == "sp")
     except ValueError as e:
         print(json.dumps({"error": str(e)}))
         return
@@ -72,6 +85,9 @@ def main():
         "param_shards": len(_mlp_weight(eng.runner.state["model"]["layers"][0]["mlp"])
                             .value.sharding.device_set),
         "expert_parallel": eng.engine_core.core.model_config.expert_parallel,
+        "sequence_parallel": eng.engine_core.core.model_config.sequence_parallel,
+        # The collectives in the compiled decoder layers (an all-gather: SP is in effect).
+        "collectives": _collectives(eng.runner),
         "spec": {k: v for k, v in eng.get_stats().items() if k.startswith("spec_decode")},
     }
     llm.shutdown()
