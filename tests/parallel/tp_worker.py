@@ -48,7 +48,8 @@ def main():
         else:
             # A tight cache forces preemption; repeated prompts hit the prefix cache. Mode
             # "draft": speculative decoding with the model as its own draft model; "ep":
-            # expert parallelism (a mixture-of-experts model's experts split by expert); "sp":
+            # expert parallelism (a mixture-of-experts model's experts split by expert), with
+            # async scheduling; "sp":
             # sequence parallelism (the residual stream split by tokens between TP regions).
             spec = ({"method": "draft_model", "num_speculative_tokens": 3, "model": model_dir}
                     if mode == "draft" else None)
@@ -57,6 +58,7 @@ def main():
                       num_kv_blocks=11 if spec else 9, block_size=8,
                       enable_multiprocessing=False, speculative_config=spec,
                       enable_expert_parallel=mode == "ep",
+                      async_scheduling=mode == "ep",  # (EP with the host running ahead)
                       enable_sequence_parallelism=mode == "sp")
     except ValueError as e:
         print(json.dumps({"error": str(e)}))
