@@ -14,15 +14,22 @@ class BenchRequest:
 
 
 def random_requests(n: int, input_len: int, output_len: int, *, vocab_size: int,
-                    range_ratio: float = 0.0, seed: int = 0) -> list[BenchRequest]:
-    """Lengths uniform in [len * (1 - r), len * (1 + r)], random token ids (as vLLM's random)."""
+                    range_ratio: float = 0.0, seed: int = 0,
+                    prefix_len: int = 0) -> list[BenchRequest]:
+    """Lengths uniform in [len * (1 - r), len * (1 + r)], random token ids (as vLLM's random);
+    prefix_len: that many tokens shared by every prompt, in front of its own input_len ones
+    (vLLM's --random-prefix-len: the part a prefix cache can hit)."""
     rng = random.Random(seed)
+    if prefix_len < 0:
+        raise ValueError(f"--random-prefix-len must be >= 0, got {prefix_len}")
+    prefix = [rng.randrange(10, vocab_size) for _ in range(prefix_len)]
 
     def pick(n_):
         lo, hi = max(1, int(n_ * (1 - range_ratio))), max(1, int(n_ * (1 + range_ratio)))
         return rng.randint(lo, hi)
 
-    return [BenchRequest([rng.randrange(10, vocab_size) for _ in range(pick(input_len))],
+    return [BenchRequest(prefix + [rng.randrange(10, vocab_size)
+                                   for _ in range(pick(input_len))],
                          pick(output_len)) for _ in range(n)]
 
 
@@ -76,7 +83,8 @@ def load_requests(args, tokenizer, vocab_size: int) -> list[BenchRequest]:
     if ds == "random":
         return random_requests(args.num_prompts, args.input_len, args.output_len,
                                vocab_size=vocab_size, range_ratio=args.random_range_ratio,
-                               seed=args.seed)
+                               seed=args.seed,
+                               prefix_len=getattr(args, "random_prefix_len", 0) or 0)
     if ds == "nano-vllm":
         return nano_vllm_requests(args.num_prompts, vocab_size=vocab_size, seed=args.seed)
     if ds == "synthetic-sharegpt":
@@ -100,3 +108,5 @@ def add_dataset_args(p, *, num_prompts: int, input_len: int, output_len: int) ->
     p.add_argument("--input-len", type=int, default=input_len)
     p.add_argument("--output-len", type=int, default=output_len)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="random: tokens shared by every prompt, before its --input-len own")

@@ -127,6 +127,18 @@ def build_app(server) -> FastAPI:
             return error_response(engine_dead(err))
         return Response(status_code=200)
 
+    @app.post("/reset_prefix_cache", response_class=Response,
+              responses={200: {"description": "Every cached, unused KV block forgotten "
+                                              "(empty body; vLLM's endpoint, used between "
+                                              "benchmark runs)"},
+                         503: {"description": "The engine is dead", **_ERROR}})
+    async def reset_prefix_cache():
+        err = server.llm.dead_error
+        if err is not None:
+            return error_response(engine_dead(err))
+        await server.llm.call_utility("reset_prefix_cache")
+        return Response(status_code=200)
+
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text format",
                               "content": {"text/plain": {"schema": {"type": "string"}}}}})
