@@ -36,8 +36,8 @@ constexpr int64_t kTile = 16;  // query tokens per work item
 // The running max's start: finite (the kernel is built with -ffast-math, which assumes no
 // infinities), and exp(it - any real score) is exactly 0.
 constexpr float kMaskValue = -1e30f;
-constexpr int64_t kC = 16;  // keys per transposed chunk (blocked scores)
-constexpr int64_t kRB = 4;  // query rows per register block (blocked scores)
+constexpr int64_t kC = 16;  // keys per transposed chunk (blocked scores; a multiple of 16)
+constexpr int64_t kRB = 6;  // query rows per register block (blocked scores)
 constexpr int64_t kBlockedMinRows = 8;  // items with fewer rows (decode) take per-row dots
 
 inline float bf16_to_float(uint16_t x) {
@@ -220,29 +220,42 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
           for (int64_t jj = 0; jj < kC; ++jj)
             kt[d * kC + jj] = jj < nc ? kp[(c + jj) * kstride + d] : 0.0f;
         for (int64_t r = 0; r < rows; r += kRB) {
-          v16 acc4[kRB];
-          for (int64_t i = 0; i < kRB; ++i) acc4[i] = v16{};
+          v16 acc4[kRB][kC / 16];
+          for (int64_t i = 0; i < kRB; ++i)
+            for (int64_t h = 0; h < kC / 16; ++h) acc4[i][h] = v16{};
           const float* q0 = qf + r * D;
           for (int64_t d = 0; d < D; ++d) {
-            const v16 kv = load16(kt + d * kC);
-            for (int64_t i = 0; i < kRB; ++i) acc4[i] += q0[i * D + d] * kv;
+            v16 kv[kC / 16];
+            for (int64_t h = 0; h < kC / 16; ++h) kv[h] = load16(kt + d * kC + 16 * h);
+            for (int64_t i = 0; i < kRB; ++i) {
+              const float qd = q0[i * D + d];
+              for (int64_t h = 0; h < kC / 16; ++h) acc4[i][h] += qd * kv[h];
+            }
           }
           for (int64_t i = 0; i < kRB && r + i < rows; ++i) {
             float tmp[kC];
-            store16(tmp, acc4[i]);
+            for (int64_t h = 0; h < kC / 16; ++h) store16(tmp + 16 * h, acc4[i][h]);
             std::memcpy(s + (r + i) * BS + c, tmp, nc * sizeof(float));
           }
         }
       }
     }
+    // Blocked P.V (prefill tiles, D a multiple of 64): the softmax weights of every row
+    // first (zero outside the row's visible keys), then kRB rows x 64 output columns per
+    // register block over the page's V rows, so each V load feeds kRB rows' FMAs (per row,
+    // each V load fed one FMA).
+    const bool blocked_pv = blocked && D % 64 == 0;
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t pos = ctx + r0 + row / G;  // this query token's position
       // Positions [j0 + a, j0 + b) of this page are visible to this row (causal, window).
       const int64_t a = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0;
       const int64_t b = std::min<int64_t>(n, pos + 1 - j0);
-      if (a >= b) continue;
-      const float* qr = qf + row * D;
       float* sr = s + row * BS;
+      if (a >= b) {
+        if (blocked_pv) std::fill(sr, sr + n, 0.0f);
+        continue;
+      }
+      const float* qr = qf + row * D;
       float mx = m[row];
       if (blocked) {
         for (int64_t j = a; j < b; ++j) mx = std::max(mx, sr[j]);
@@ -264,7 +277,11 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
         sum += sr[j];
       }
       float* ar = acc + row * D;
-      if (vec_d) {  // each 16-wide slice of the output stays in a register over the keys
+      if (blocked_pv) {  // rescale now; the weighted V rows are added below, blocked
+        std::fill(sr, sr + a, 0.0f);
+        std::fill(sr + b, sr + n, 0.0f);
+        for (int64_t d = 0; d < D; d += 16) store16(ar + d, load16(ar + d) * corr);
+      } else if (vec_d) {  // each 16-wide slice of the output stays in a register over keys
         for (int64_t d = 0; d < D; d += 16) {
           v16 av = load16(ar + d) * corr;
           for (int64_t j = a; j < b; ++j) av += sr[j] * load16(vp + j * kstride + d);
@@ -282,6 +299,31 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
       }
       l[row] = l[row] * corr + sum;
       m[row] = mx;
+    }
+    if (blocked_pv) {
+      for (int64_t r = 0; r < rows; r += kRB) {
+        const int64_t nr = std::min(kRB, rows - r);
+        for (int64_t d = 0; d < D; d += 64) {
+          v16 o[kRB][4];
+          for (int64_t i = 0; i < kRB; ++i)
+            for (int64_t c = 0; c < 4; ++c)
+              o[i][c] = i < nr ? load16(acc + (r + i) * D + d + 16 * c) : v16{};
+          for (int64_t j = 0; j < n; ++j) {
+            const float* vr = vp + j * kstride + d;
+            const v16 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32),
+                      v3 = load16(vr + 48);
+            for (int64_t i = 0; i < kRB; ++i) {
+              const float w = i < nr ? s[(r + i) * BS + j] : 0.0f;  // (past the tile: none)
+              o[i][0] += w * v0;
+              o[i][1] += w * v1;
+              o[i][2] += w * v2;
+              o[i][3] += w * v3;
+            }
+          }
+          for (int64_t i = 0; i < nr; ++i)
+            for (int64_t c = 0; c < 4; ++c) store16(acc + (r + i) * D + d + 16 * c, o[i][c]);
+        }
+      }
     }
   }
   for (int64_t t = r0; t < r1; ++t) {

@@ -41,6 +41,16 @@ def test_matches_reference_float32(case, hq, hkv):
     check(args, n, tol=2e-5)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("d,bs", [(128, 128), (32, 16), (80, 16)])
+def test_head_dims_float32(case, d, bs):
+    """Prefill tiles' blocked P.V takes head dims in 64-column blocks (128: two); 32 and 80
+    (not multiples of 64) take the per-row path; 128-token pages as on CPU by default."""
+    rng = np.random.default_rng(zlib.crc32(f"cpu-d-{case}-{d}".encode()))
+    args, n = make_case(rng, *CASES[case], hq=6, hkv=2, d=d, bs=bs, dtype=jnp.float32)
+    check(args, n, tol=2e-5)
+
+
 @pytest.mark.parametrize("sliding_window", [1, 5, 16, 100])
 def test_sliding_window(sliding_window):
     rng = np.random.default_rng(sliding_window)
