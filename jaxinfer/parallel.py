@@ -59,6 +59,9 @@ def tp_model_config(cfg: ModelConfig, tp: int, expert_parallel: bool = False,
     if cfg.num_experts and not cfg.expert_parallel and cfg.moe_intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide moe_intermediate_size="
                          f"{cfg.moe_intermediate_size} (each expert is split over the devices)")
+    if cfg.shared_expert_intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide shared_expert_intermediate_size="
+                         f"{cfg.shared_expert_intermediate_size}")
     hkv = cfg.num_key_value_heads
     if hkv % tp == 0:
         return cfg, 1

@@ -31,13 +31,15 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
         attn += cfg.q_size + 2 * cfg.kv_size
     base = attn + 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)
     expert = 3 * h * cfg.moe_intermediate_size
+    shared = (3 * h * cfg.shared_expert_intermediate_size + h
+              if cfg.shared_expert_intermediate_size else 0)  # (+ its gate)
     layers = active = moe_layers = 0
     for layer in range(cfg.num_hidden_layers):
         if cfg.is_moe_layer(layer):
             moe_layers += 1
             router = h * cfg.num_experts
-            layers += base + router + cfg.num_experts * expert
-            active += base + router + cfg.num_experts_per_tok * expert
+            layers += base + router + cfg.num_experts * expert + shared
+            active += base + router + cfg.num_experts_per_tok * expert + shared
         else:
             layers += base + 3 * h * i
             active += base + 3 * h * i

@@ -72,6 +72,8 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    # Qwen2-MoE: a shared expert beside the routed ones (its output gated by a sigmoid).
+    shared_expert_intermediate_size: int = 0
     # Set by the engine (enable_expert_parallel under a mesh): experts whole, E / tp of them
     # per device, instead of every expert split over the devices.
     expert_parallel: bool = False
@@ -148,7 +150,7 @@ class ModelConfig:
         head_dim = d.get("head_dim") or hidden // n_heads
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         _refuse_unsupported_math(d, arch)
         moe = _moe_fields(d, arch)
         gemma = _gemma3_fields(d) if arch == "Gemma3ForCausalLM" else {}
@@ -193,7 +195,7 @@ class ModelConfig:
             return ModelConfig.from_hf_dict(json.load(f))
 
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -246,9 +248,14 @@ def _refuse_unsupported_math(d: dict[str, Any], arch: str) -> None:
         if d.get(key):
             raise ValueError(f"{key}={d[key]!r} is not supported (the attention kernels have "
                              f"no logit soft-capping and are causal)")
-    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+    for key in ("n_shared_experts", "num_shared_experts"):  # (DeepSeek's layout)
         if d.get(key):
-            raise ValueError(f"{key}={d[key]}: shared experts are not supported yet")
+            raise ValueError(f"{key}={d[key]}: DeepSeek-style shared experts are not "
+                             "supported yet")
+    if d.get("shared_expert_intermediate_size") and arch != "Qwen2MoeForCausalLM":
+        raise ValueError(f"shared_expert_intermediate_size="
+                         f"{d['shared_expert_intermediate_size']}: shared experts are only "
+                         f"supported for Qwen2MoeForCausalLM, not {arch}")
     if d.get("moe_layer_freq", 1) != 1 or d.get("first_k_dense_replace"):
         raise ValueError("moe_layer_freq / first_k_dense_replace (DeepSeek's layer pattern) "
                          "is not supported")
@@ -278,6 +285,7 @@ def _moe_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
         decoder_sparse_step=int(1 if d.get("decoder_sparse_step") is None
                                 else d["decoder_sparse_step"]),
         mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
     )
 
 

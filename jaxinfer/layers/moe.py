@@ -14,6 +14,9 @@ per projection:
   to a masked dense product per expert: correct, not fast).
 `moe_reference` computes every expert for every token with one-hot weights: the test oracle.
 
+Qwen2-MoE adds a shared expert (a dense gated MLP every token runs), its output scaled by
+sigmoid(shared_expert_gate(x)) before it joins the routed experts' sum.
+
 Expert weights are stacked: experts.gate_up_proj [E, H, 2, I] (gate, then up) and
 experts.down_proj [E, I, H], built at load time from the checkpoint's per-expert tensors
 (models/fused.py). Under tensor parallelism each expert is split over I, like the dense MLP.
@@ -28,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.layers.linear import Linear, _init
+from jaxinfer.layers.linear import GatedMLP, Linear, _init
 
 
 def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -115,7 +118,7 @@ class SparseMoE(nnx.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  norm_topk_prob: bool, *, dtype, rngs: nnx.Rngs, packed: bool = False,
-                 mesh=None, expert_parallel: bool = False):
+                 mesh=None, expert_parallel: bool = False, shared_intermediate_size: int = 0):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and "
                              f"num_experts={num_experts}")
@@ -125,12 +128,24 @@ class SparseMoE(nnx.Module):
         self.gate = Linear(hidden_size, num_experts, use_bias=False, dtype=dtype, rngs=rngs)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, dtype=dtype,
                                rngs=rngs, packed=packed)
+        # Qwen2-MoE: every token also runs a shared expert, scaled by sigmoid(gate(x)).
+        if shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, dtype=dtype,
+                                          rngs=rngs, packed=packed)
+            self.shared_expert_gate = Linear(hidden_size, 1, use_bias=False, dtype=dtype,
+                                             rngs=rngs)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)
         if self.mesh is None:
-            return self.experts(x, weights, experts)
-        return self._sharded(x, weights, experts)
+            out = self.experts(x, weights, experts)
+        else:
+            out = self._sharded(x, weights, experts)
+        if self.shared_expert is not None:
+            out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
     def _sharded(self, x, weights, experts):
         """Under a mesh, per device (jax.shard_map): tokens and routing are replicated (the

@@ -4,7 +4,8 @@ Qwen3-MoE and Mixtral) as a Flax NNX module.
 One module covers the family; config flags select the differences: `attention_bias` (Qwen2's
 q/k/v bias), `qk_norm` (Qwen3's per-head RMSNorm on q and k), tied or untied LM head, rope
 scaling, and a sparse MoE block (layers/moe.py) in place of the dense MLP in the layers the
-config makes sparse (`mlp` in Qwen3-MoE, `block_sparse_moe` in Mixtral). Gemma 3 (text) too:
+config makes sparse (`mlp` in Qwen2-MoE (with its shared expert) and Qwen3-MoE,
+`block_sparse_moe` in Mixtral). Gemma 3 (text) too:
 (1 + w) norms (`norm_unit_offset`), scaled embeddings, a post-attention norm on the attention
 output and pre/post-feedforward norms (`sandwich_norms`), gelu-tanh MLPs, its attention scale,
 sliding and global layers with a rope base each (`rope()` then returns both kinds' cos/sin,
@@ -132,7 +133,8 @@ class LlamaDecoderLayer(nnx.Module):
             ffn = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                             cfg.moe_intermediate_size, cfg.norm_topk_prob, dtype=dtype,
                             rngs=rngs, packed=packed, mesh=mesh,
-                            expert_parallel=cfg.expert_parallel)
+                            expert_parallel=cfg.expert_parallel,
+                            shared_intermediate_size=cfg.shared_expert_intermediate_size)
         else:
             ffn = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,
                            packed=packed, act=cfg.hidden_act)

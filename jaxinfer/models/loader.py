@@ -26,7 +26,7 @@ from jaxinfer.parallel import param_spec, replicate_kv_heads, sharding, tp_model
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # HF's [out, in] linear weights (Mixtral's experts: w1/w2/w3; MoE routers: gate.weight).
 _TRANSPOSED_SUFFIXES = ("_proj.weight", "lm_head.weight", ".w1.weight", ".w2.weight",
-                        ".w3.weight", ".gate.weight")
+                        ".w3.weight", ".gate.weight", "shared_expert_gate.weight")
 _KV_SUFFIXES = ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
 
 

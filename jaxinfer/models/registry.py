@@ -13,6 +13,7 @@ _REGISTRY = {
     # Mixture of experts: the same decoder with a sparse block in place of the dense MLP.
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
     # Gemma 3 (text): config flags (norms, embeddings, layer kinds; models/llama.py).
     "Gemma3ForCausalLM": LlamaForCausalLM,
 }

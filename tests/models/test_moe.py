@@ -118,7 +118,9 @@ def test_moe_config_fields_and_layer_pattern():
     ({"num_experts_per_tok": 0}, r"num_experts_per_tok=0"),
     ({"num_experts": None}, r"no num_experts"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
-    ({"shared_expert_intermediate_size": 64}, r"shared_expert_intermediate_size=64"),
+    ({"shared_expert_intermediate_size": 64}, r"shared_expert_intermediate_size=64: shared "
+                                              r"experts are only supported for Qwen2Moe"),
+    ({"n_shared_experts": 2}, r"n_shared_experts=2: DeepSeek-style"),
     ({"decoder_sparse_step": 0}, r"decoder_sparse_step must be >= 1"),
 ])
 def test_bad_moe_configs_are_refused_by_name(change, match):
@@ -182,6 +184,8 @@ def test_missing_expert_tensor_is_named(tmp_path):
                    "moe_intermediate_size": 48, "norm_topk_prob": False,
                    "mlp_only_layers": [1]}, {}),
     ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}, {}),
+    ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 48}, {}),
     # Gemma 3 (not MoE; the same path): a sliding window shorter than most prompts.
     ("gemma3", {"head_dim": 16, "sliding_window": 8,
                 "layer_types": ["sliding_attention", "full_attention"]}, {}),
