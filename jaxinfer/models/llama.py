@@ -1,15 +1,17 @@
-"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, and the mixture-of-experts
-Qwen3-MoE and Mixtral) as a Flax NNX module.
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma 3 text, and the
+mixture-of-experts Qwen2-MoE, Qwen3-MoE and Mixtral) as a Flax NNX module.
 
 One module covers the family; config flags select the differences: `attention_bias` (Qwen2's
 q/k/v bias), `qk_norm` (Qwen3's per-head RMSNorm on q and k), tied or untied LM head, rope
 scaling, and a sparse MoE block (layers/moe.py) in place of the dense MLP in the layers the
 config makes sparse (`mlp` in Qwen2-MoE (with its shared expert) and Qwen3-MoE,
-`block_sparse_moe` in Mixtral). Gemma 3 (text) too:
-(1 + w) norms (`norm_unit_offset`), scaled embeddings, a post-attention norm on the attention
-output and pre/post-feedforward norms (`sandwich_norms`), gelu-tanh MLPs, its attention scale,
-sliding and global layers with a rope base each (`rope()` then returns both kinds' cos/sin,
-stacked, and each layer picks its own), final logit soft-capping. Attribute names follow HF's parameter names, so a checkpoint tensor's name is the
+`block_sparse_moe` in Mixtral). Gemma 3 (text) too: (1 + w) norms (`norm_unit_offset`),
+scaled embeddings, a post-attention norm on the attention output and pre/post-feedforward
+norms (`sandwich_norms`), gelu-tanh MLPs, its attention scale, sliding and global layers with a
+rope base each (`rope()` then returns both kinds' cos/sin, stacked, and each layer picks its
+own), final logit soft-capping.
+
+Attribute names follow HF's parameter names, so a checkpoint tensor's name is the
 module path joined with dots (see loader.py), except the fused projections: qkv_proj (HF's
 q/k/v_proj) and mlp.gate_up_proj (gate/up_proj), built at load time (models/fused.py).
 
@@ -77,7 +79,7 @@ class LlamaAttention(nnx.Module):
         self.sliding_window = cfg.layer_sliding_window(layer_idx)
         # Which of the step's rope tables this layer uses (two kinds: 0 global, 1 sliding).
         self.rope_index = (None if rope_kinds(cfg) == 1
-                           else int(self.sliding_window is not None))
+                           else int(bool(cfg.sliding_layers) and cfg.sliding_layers[layer_idx]))
         bias = cfg.attention_bias
         packed = use_packed_weights(attention_backend, dtype, mesh)
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_attention_heads,
