@@ -67,6 +67,10 @@ def test_tp_matches_single_device(tmp_path, smollm2_dir, arch, kv_heads):
             np.testing.assert_allclose(np.concatenate(ep["logprobs"]),
                                        np.concatenate(base["logprobs"]), atol=2e-4)
             assert ep["param_shards"] == tp and not ep["leaked"]
+            if tp == 2:  # EP with speculative decoding (the model as its own draft)
+                epd = run_tp(str(tmp_path), tp, "ep-draft")
+                assert epd["expert_parallel"] and epd["tokens"] == base["tokens"]
+                assert epd["spec"]["spec_decode_num_accepted_tokens"] > 0, epd["spec"]
 
 
 @pytest.mark.slow  # speculative decoding's draft model (its own KV cache) sharded as well

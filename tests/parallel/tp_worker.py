@@ -49,15 +49,15 @@ def main():
             # A tight cache forces preemption; repeated prompts hit the prefix cache. Mode
             # "draft": speculative decoding with the model as its own draft model; "ep":
             # expert parallelism (a mixture-of-experts model's experts split by expert), with
-            # async scheduling; "sp":
+            # async scheduling; "ep-draft": expert parallelism with the draft model; "sp":
             # sequence parallelism (the residual stream split by tokens between TP regions).
             spec = ({"method": "draft_model", "num_speculative_tokens": 3, "model": model_dir}
-                    if mode == "draft" else None)
+                    if mode in ("draft", "ep-draft") else None)
             llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, max_model_len=64,
                       max_num_seqs=4, max_num_batched_tokens=32, warmup=False,
                       num_kv_blocks=11 if spec else 9, block_size=8,
                       enable_multiprocessing=False, speculative_config=spec,
-                      enable_expert_parallel=mode == "ep",
+                      enable_expert_parallel=mode in ("ep", "ep-draft"),
                       async_scheduling=mode == "ep",  # (EP with the host running ahead)
                       enable_sequence_parallelism=mode == "sp")
     except ValueError as e:
