@@ -53,6 +53,16 @@ def _json_arg(text: str):
     return value
 
 
+def _add_ep_sp_args(p) -> None:
+    """Expert and sequence parallelism flags (generate and serve)."""
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models: experts split over the tensor-parallel "
+                        "devices (E / tp whole experts each) instead of every expert split")
+    p.add_argument("--enable-sequence-parallelism", action="store_true",
+                   help="tensor parallelism: the residual stream split by tokens between "
+                        "the tensor-parallel regions (reduce-scatter / all-gather)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxinfer.config.engine import add_compilation_args
 
@@ -91,12 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine-core processes the prompts are balanced over")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--enable-expert-parallel", action="store_true",
-                   help="mixture-of-experts models: experts split over the tensor-parallel "
-                        "devices (E / tp whole experts each) instead of every expert split")
-    g.add_argument("--enable-sequence-parallelism", action="store_true",
-                   help="tensor parallelism: the residual stream split by tokens between "
-                        "the tensor-parallel regions (reduce-scatter / all-gather)")
+    _add_ep_sp_args(g)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="decoder layers split over this many stages, each on its own devices")
     g.set_defaults(func=_cmd_generate)
@@ -198,12 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="route by load only (default: prompts sharing their first blocks go "
                         "to the rank that has them cached, unless it is much busier)")
     v.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    v.add_argument("--enable-expert-parallel", action="store_true",
-                   help="mixture-of-experts models: experts split over the tensor-parallel "
-                        "devices (E / tp whole experts each) instead of every expert split")
-    v.add_argument("--enable-sequence-parallelism", action="store_true",
-                   help="tensor parallelism: the residual stream split by tokens between "
-                        "the tensor-parallel regions (reduce-scatter / all-gather)")
+    _add_ep_sp_args(v)
     v.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="decoder layers split over this many stages (each on "
                         "--tensor-parallel-size devices of its own), that many batches in "

@@ -87,18 +87,20 @@ def _grouped(x, weight, group_sizes, out_features: int, packed: bool):
 
 
 def expert_mlp(x, weights, experts, gate_up, down, *, packed: bool, hidden_size: int,
-               intermediate_size: int, first_expert=0):
+               intermediate_size: int, first_expert=None):
     """The experts held here (gate_up [E_here, H, 2, I_here], down [E_here, I_here, H]; packed:
     their column panels) on the (token, slot) pairs routed to them: x [T, H], weights [T, k],
-    experts int32 [T, k] (global ids; those held here are first_expert .. + E_here) -> [T, H],
-    the pairs routed elsewhere contributing zero. With every expert and all of I here (one
+    experts int32 [T, k] (global ids; with first_expert, only first_expert .. + E_here are
+    held here) -> [T, H], the pairs routed elsewhere contributing zero. With every expert and all of I here (one
     device) that is the whole block; under tensor / expert parallelism, one device's partial
     sum."""
     t, k = experts.shape
     e_here = gate_up.shape[0]
-    local = experts.reshape(-1) - first_expert  # [T*k]
-    here = (local >= 0) & (local < e_here)
-    key = jnp.where(here, local, e_here)  # pairs for other devices' experts sort last
+    key = experts.reshape(-1)  # [T*k]
+    if first_expert is not None:  # (expert parallel) other devices' experts sort last
+        local = key - first_expert
+        here = (local >= 0) & (local < e_here)
+        key = jnp.where(here, local, e_here)
     order = jnp.argsort(key, stable=True)  # grouped by expert, tokens in order within
     group_sizes = jnp.bincount(key, length=e_here + 1)[:e_here].astype(jnp.int32)
     rows = jnp.take(x, order // k, axis=0)  # [T*k, H]
@@ -109,7 +111,8 @@ def expert_mlp(x, weights, experts, gate_up, down, *, packed: bool, hidden_size:
     # Back to (token, slot) order, then the router-weighted sum over the k slots.
     unsort = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
     y = jnp.take(y, unsort, axis=0).reshape(t, k, -1)
-    y = jnp.where(here.reshape(t, k, 1), y, 0)  # rows past the groups: not ours
+    if first_expert is not None:
+        y = jnp.where(here.reshape(t, k, 1), y, 0)  # rows past the groups: not ours
     return jnp.einsum("tkh,tk->th", y, weights.astype(y.dtype))
 
 
@@ -166,7 +169,7 @@ class SparseMoE(nnx.Module):
         e_here = ex.num_experts // self.mesh.size if self.expert_parallel else ex.num_experts
 
         def local(x, weights, experts, gate_up, down):
-            first = jax.lax.axis_index(TP) * e_here if self.expert_parallel else 0
+            first = jax.lax.axis_index(TP) * e_here if self.expert_parallel else None
             y = expert_mlp(x, weights, experts, gate_up, down, packed=False,
                            hidden_size=ex.hidden_size, intermediate_size=0, first_expert=first)
             return jax.lax.psum(y, TP)

@@ -227,6 +227,13 @@ class Worker:
             model = split_model(model, self.pp_partition, self.stage_groups, stage_meshes)
         self.model = model
         self.model_config = mcfg  # as built (KV heads replicated up to tp where needed)
+        # (vLLM accepts these where they change nothing; say so rather than stay silent)
+        if par.enable_expert_parallel and not mcfg.expert_parallel:
+            logger.warning("enable_expert_parallel has no effect: %s", "the model has no experts"
+                           if not mcfg.num_experts else "tensor_parallel_size is 1")
+        if par.enable_sequence_parallelism and not mcfg.sequence_parallel:
+            logger.warning("enable_sequence_parallelism has no effect at "
+                           "tensor_parallel_size 1")
         self.kv_dtype = jnp_dtype(rc.kv_cache_dtype)
         spec = cfg.speculative_config
         self.draft_model = self.eagle_head = None
