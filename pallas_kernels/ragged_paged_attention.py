@@ -96,6 +96,8 @@ def _kernel(tile_seq_ref, tile_idx_ref, qsl_ref, kv_lens_ref, tables_ref, q_ref,
         for qc, (off, size) in zip(qs, d_chunks):
             k = k_ref[ids, :, pl.ds(off, size)].reshape(block_kv, size)  # [BK, Dc]
             v = v_ref[ids, :, pl.ds(off, size)].reshape(block_kv, size)
+            if k.dtype != q_ref.dtype:  # fp8 caches: widened to q's dtype as they load
+                k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)
             # Unwritten slots may hold NaN: zero them (where, not multiply) before any product.
             k = jnp.where(kv_ok[:, None], k, 0)
             vs.append(jnp.where(kv_ok[:, None], v, 0))
@@ -159,7 +161,8 @@ def _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_s
         raise ValueError(f"head_dim {d} must be a multiple of 16 (q {q.shape})")
     if bs & (bs - 1):
         raise ValueError(f"block_size {bs} must be a power of two (k_cache {k_cache.shape})")
-    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
+    fp8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+    if (q.dtype != k_cache.dtype and k_cache.dtype not in fp8) or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, "
                          f"v_cache {v_cache.dtype}")
     r = kv_lens.shape[0] if kv_lens.ndim == 1 else -1

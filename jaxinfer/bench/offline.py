@@ -17,8 +17,9 @@ def engine_args(p) -> None:
     p.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "bfloat16", "float16", "float32"])
+    from jaxinfer.entrypoints.cli import add_quantization_args
+
+    add_quantization_args(p)
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer (token-id workloads; e.g. dummy weights, no vocab)")
@@ -42,7 +43,7 @@ def make_llm(args, max_model_len: int):
     from jaxinfer import LLM
 
     return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format,
-               kv_cache_dtype=args.kv_cache_dtype,
+               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                skip_tokenizer_init=args.skip_tokenizer_init,
                max_model_len=args.max_model_len or max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -53,6 +53,8 @@ def _engine_flags(args) -> list[str]:
               "--layers-per-program", str(args.layers_per_program)]
     if args.async_scheduling:
         flags.append("--async-scheduling")
+    if args.quantization:
+        flags += ["--quantization", args.quantization]
     return flags
 
 
@@ -60,6 +62,7 @@ def _llm_child(cache_dir: str, args) -> dict:
     """One `llm` iteration in a fresh interpreter (this module's __main__)."""
     spec = {"cache_dir": cache_dir, "model": args.model, "dtype": args.dtype,
             "kv_cache_dtype": args.kv_cache_dtype, "load_format": args.load_format,
+            "quantization": args.quantization,
             "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "attention_backend": args.attention_backend, "num_kv_blocks": args.num_kv_blocks,
@@ -90,6 +93,7 @@ def _child_main(spec: dict) -> None:
     from jaxinfer import LLM, SamplingParams
 
     llm = LLM(spec["model"], dtype=spec["dtype"], kv_cache_dtype=spec["kv_cache_dtype"],
+              quantization=spec["quantization"],
               load_format=spec["load_format"], max_model_len=spec["max_model_len"],
               max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"],

@@ -17,7 +17,10 @@ from jaxinfer.config.parallel import ParallelConfig, get_pp_partition
 SCHEDULING_POLICIES = ("fcfs", "priority")
 WARMUP_BUCKETS = ("start", "all")
 STEP_COMPILATIONS = ("auto", "whole", "layerwise")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+# kv_cache_dtype -> the cache's array dtype ("fp8" is e4m3, as in vLLM)
+KV_CACHE_ARRAY_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                         "fp8_e5m2": "float8_e5m2"}
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,14 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: max(2048, max_num_seqs), chunked prefill
     block_size: int | None = None  # None: 128 on CPU devices, 16 on GPUs (CacheConfig)
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "bfloat16" | "float16" | "float32"
+    # "auto" (the model's dtype) | "bfloat16" | "float16" | "float32" | "fp8" (= "fp8_e4m3")
+    # | "fp8_e5m2": fp8 caches hold k / scale and v / scale (per-tensor scales from the
+    # checkpoint's k_scale / v_scale, else 1.0), a quarter of float32's bytes
+    kv_cache_dtype: str = "auto"
+    # Quantized linear weights: "fp8" / "int8" (quantize a float checkpoint at load, per output
+    # channel) or the checkpoint's own quantization_config ("fp8", "compressed-tensors"), which
+    # None follows; a value that contradicts the checkpoint is refused.
+    quantization: str | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
@@ -285,12 +295,23 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     else:
         model_dir = config.model
     mcfg = ModelConfig.from_pretrained(model_dir)
+    if config.quantization is not None or mcfg.quantization is not None:
+        from jaxinfer.config.quant import QuantConfig
+
+        if mcfg.quantization is None:
+            mcfg = dataclasses.replace(mcfg, quantization=QuantConfig.from_configs(
+                config.quantization, None))
+        elif config.quantization not in (None, mcfg.quantization.method):
+            raise ValueError(f"quantization={config.quantization!r} does not match the "
+                             f"checkpoint's quantization_config.quant_method="
+                             f"{mcfg.quantization.method!r}")
     backend = config.attention_backend or "auto"
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={backend!r} is not supported "
                          f"(supported: {', '.join(ATTENTION_BACKENDS)})")
     dtype = resolve_dtype(config.dtype, mcfg)
     kv_dtype = dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+    kv_dtype = KV_CACHE_ARRAY_DTYPES.get(kv_dtype, kv_dtype)
     max_model_len = config.max_model_len or mcfg.max_position_embeddings
     if max_model_len > mcfg.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxinfer.config.quant import QuantConfig
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -92,6 +94,12 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] = ()
     rope_local_theta: float | None = None  # sliding layers' rope base (default scaling)
     final_logit_softcapping: float | None = None
+    # Quantized linear weights (config/quant.py): from the checkpoint's quantization_config,
+    # or the engine's `quantization` option (resolve_config); None: float weights.
+    quantization: QuantConfig | None = None
+    # An fp8 KV cache (set by the engine from kv_cache_dtype): each attention layer holds its
+    # k_scale / v_scale (the checkpoint's self_attn.k_scale / v_scale, else 1.0).
+    fp8_kv_cache: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -183,6 +191,8 @@ class ModelConfig:
             hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "silu",
         )
         fields.update(moe)
+        if d.get("quantization_config") is not None:
+            fields["quantization"] = QuantConfig.from_configs(None, d["quantization_config"])
         fields.update(gemma)  # (Gemma 3 reads its rope, window and tying its own way)
         return ModelConfig(**fields)
 

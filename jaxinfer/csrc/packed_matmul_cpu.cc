@@ -4,6 +4,10 @@
 // weight once per step, so the weights stream from memory once, panel by panel, while the
 // rows of x stay in cache. Panels are shared out over XLA's intra-op thread pool (the calling
 // thread works too and waits only for panels already claimed).
+//
+// Quantized weights (int8, fp8 e4m3) use the same panels, one byte per weight, with a float32
+// scale per output column: each 16 weights widen to floats as they are loaded, the column
+// scales multiply the finished sums. A decode step then streams a quarter of the bytes.
 
 #include <algorithm>
 #include <atomic>
@@ -25,19 +29,63 @@ namespace {
 constexpr int64_t kNR = 32;  // panel width (2 x 16 floats)
 constexpr int64_t kMR = 6;  // rows per register block
 
-// rows [m0, m0 + MR) x panel `panel`: acc = x rows . panel, written to y.
-template <int MR>
-inline void block(const float* x, const float* panel, float* y, int64_t m0, int64_t K, int64_t N,
-                  int64_t col0, int64_t ncols) {
+// One byte of an fp8 e4m3 (OCP "fn": no infinities) weight.
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+
+typedef int8_t v16s8 __attribute__((vector_size(16), aligned(1), may_alias));
+typedef uint8_t v16u8 __attribute__((vector_size(16), aligned(1), may_alias));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+
+inline v16 load_w(const float* p) { return load16(p); }
+
+inline v16 load_w(const int8_t* p) {
+  return __builtin_convertvector(*reinterpret_cast<const v16s8*>(p), v16);
+}
+
+// e4m3: sign, 4 exponent bits (bias 7), 3 mantissa bits. Normal numbers move their exponent
+// and mantissa into float32's fields with the bias raised by 120; subnormals (exponent 0) are
+// mantissa * 2^-9, computed as an integer conversion (no float32 subnormals are involved, so
+// a flush-to-zero mode on the thread changes nothing). 0x7F / 0xFF (NaN) never occur: the
+// loader clips to +-448.
+inline v16 load_w(const Fp8E4M3* p) {
+  const v16u32 b = __builtin_convertvector(*reinterpret_cast<const v16u8*>(p), v16u32);
+  const v16u32 mag = b & 0x7Fu;
+  const v16u32 normal_bits = (mag << 20) + (120u << 23);
+  v16 normal;
+  std::memcpy(&normal, &normal_bits, sizeof normal);
+  const v16 sub = __builtin_convertvector(mag & 7u, v16) * 0x1p-9f;
+  const v16 r = mag < 8u ? sub : normal;
+  v16u32 bits;
+  std::memcpy(&bits, &r, sizeof bits);
+  bits |= (b & 0x80u) << 24;
+  v16 out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// rows [m0, m0 + MR) x panel `panel`: acc = x rows . panel (times the column scales, if
+// any), written to y.
+template <int MR, typename W>
+inline void block(const float* x, const W* panel, const float* scale, float* y, int64_t m0,
+                  int64_t K, int64_t N, int64_t col0, int64_t ncols) {
   v16 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = v16{};
   const float* xr = x + m0 * K;
   for (int64_t k = 0; k < K; ++k) {
-    const v16 b0 = load16(panel + k * kNR), b1 = load16(panel + k * kNR + 16);
+    const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
     for (int i = 0; i < MR; ++i) {
       const float a = xr[i * K + k];
       acc[i][0] += a * b0;
       acc[i][1] += a * b1;
+    }
+  }
+  if (scale != nullptr) {  // (padded to whole panels by the caller)
+    const v16 s0 = load16(scale + col0), s1 = load16(scale + col0 + 16);
+    for (int i = 0; i < MR; ++i) {
+      acc[i][0] *= s0;
+      acc[i][1] *= s1;
     }
   }
   for (int i = 0; i < MR; ++i) {
@@ -54,51 +102,58 @@ inline void block(const float* x, const float* panel, float* y, int64_t m0, int6
   }
 }
 
-void panel_product(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
-                   int64_t p) {
-  const float* panel = w + p * K * kNR;
+template <typename W>
+void panel_product(const float* x, const W* w, const float* scale, float* y, int64_t M,
+                   int64_t K, int64_t N, int64_t p) {
+  const W* panel = w + p * K * kNR;
   const int64_t col0 = p * kNR, ncols = std::min(kNR, N - col0);
   int64_t m0 = 0;
-  for (; m0 + kMR <= M; m0 += kMR) block<kMR>(x, panel, y, m0, K, N, col0, ncols);
+  for (; m0 + kMR <= M; m0 += kMR) block<kMR>(x, panel, scale, y, m0, K, N, col0, ncols);
   switch (M - m0) {
-    case 1: block<1>(x, panel, y, m0, K, N, col0, ncols); break;
-    case 2: block<2>(x, panel, y, m0, K, N, col0, ncols); break;
-    case 3: block<3>(x, panel, y, m0, K, N, col0, ncols); break;
-    case 4: block<4>(x, panel, y, m0, K, N, col0, ncols); break;
-    case 5: block<5>(x, panel, y, m0, K, N, col0, ncols); break;
+    case 1: block<1>(x, panel, scale, y, m0, K, N, col0, ncols); break;
+    case 2: block<2>(x, panel, scale, y, m0, K, N, col0, ncols); break;
+    case 3: block<3>(x, panel, scale, y, m0, K, N, col0, ncols); break;
+    case 4: block<4>(x, panel, scale, y, m0, K, N, col0, ncols); break;
+    case 5: block<5>(x, panel, scale, y, m0, K, N, col0, ncols); break;
     default: break;
   }
 }
 
+template <typename W>
 struct Shared {
   const float* x;
-  const float* w;
+  const W* w;
+  const float* scale;  // per output column (padded to whole panels) or nullptr
   float* y;
   int64_t M, K, N, panels, per_task;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
 
-void work(Shared& sh) {
+template <typename W>
+void work(Shared<W>& sh) {
   for (;;) {
     const int64_t first = sh.next.fetch_add(sh.per_task, std::memory_order_relaxed);
     if (first >= sh.panels) return;
     const int64_t last = std::min(sh.panels, first + sh.per_task);
-    for (int64_t p = first; p < last; ++p) panel_product(sh.x, sh.w, sh.y, sh.M, sh.K, sh.N, p);
+    for (int64_t p = first; p < last; ++p)
+      panel_product(sh.x, sh.w, sh.scale, sh.y, sh.M, sh.K, sh.N, p);
     sh.done.fetch_add(last - first, std::memory_order_release);
   }
 }
 
-ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::F32> w, ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+template <typename W>
+ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale,
+                        float* y, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
+                        ffi::Span<const int64_t> yd) {
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kNR || wd[1] != xd[1] ||
       yd[0] != xd[0] || yd[1] > wd[0] * kNR || yd[1] <= (wd[0] - 1) * kNR)
     return ffi::Error::InvalidArgument("packed_matmul_cpu: shapes do not match");
-  auto sh = std::make_shared<Shared>();
-  sh->x = x.typed_data();
-  sh->w = w.typed_data();
-  sh->y = y->typed_data();
+  auto sh = std::make_shared<Shared<W>>();
+  sh->x = x;
+  sh->w = w;
+  sh->scale = scale;
+  sh->y = y;
   sh->M = xd[0];
   sh->K = xd[1];
   sh->N = yd[1];
@@ -113,6 +168,29 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   work(*sh);
   while (sh->done.load(std::memory_order_acquire) < sh->panels) std::this_thread::yield();
   return ffi::Error::Success();
+}
+
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::F32> w, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  return PackedMatmul<float>(pool, x.typed_data(), w.typed_data(), nullptr, y->typed_data(),
+                             x.dimensions(), w.dimensions(), y->dimensions());
+}
+
+// Quantized panels: w int8 or fp8 e4m3 [P, K, kNR], scale float32 [P * kNR].
+ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                           ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  auto wd = w.dimensions();
+  if (wd.size() != 3 || scale.dimensions().size() != 1 || scale.dimensions()[0] != wd[0] * kNR)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: scale must be [panels * 32]");
+  if (w.element_type() == ffi::DataType::S8)
+    return PackedMatmul<int8_t>(pool, x.typed_data(), static_cast<const int8_t*>(
+        w.untyped_data()), scale.typed_data(), y->typed_data(), x.dimensions(), wd,
+        y->dimensions());
+  if (w.element_type() == ffi::DataType::F8E4M3FN)
+    return PackedMatmul<Fp8E4M3>(pool, x.typed_data(), static_cast<const Fp8E4M3*>(
+        w.untyped_data()), scale.typed_data(), y->typed_data(), x.dimensions(), wd,
+        y->dimensions());
+  return ffi::Error::InvalidArgument("quant_matmul_cpu: weights must be int8 or fp8 e4m3");
 }
 
 // Grouped (mixture-of-experts) form: rows of x sorted by expert, group_sizes[e] rows for
@@ -138,7 +216,8 @@ void grouped_work(GroupedShared& sh) {
     for (int64_t it = first; it < last; ++it) {
       const int64_t g = it / sh.panels, p = it % sh.panels;
       panel_product(sh.x + sh.start[g] * sh.K, sh.w + sh.expert[g] * sh.panels * sh.K * kNR,
-                    sh.y + sh.start[g] * sh.N, sh.rows[g], sh.K, sh.N, p);
+                    static_cast<const float*>(nullptr), sh.y + sh.start[g] * sh.N, sh.rows[g],
+                    sh.K, sh.N, p);
     }
     sh.done.fetch_add(last - first, std::memory_order_release);
   }
@@ -198,6 +277,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferGroupedMatmulCpu, GroupedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantMatmulCpu, QuantMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmulCpu, PackedMatmulImpl,

@@ -98,12 +98,30 @@ inline uint16_t float_to_half(float f) {
   return static_cast<uint16_t>(half);
 }
 
-enum class Kind { kF32, kBF16, kF16 };
+// fp8 KV caches (kv_cache_dtype "fp8" / "fp8_e5m2"): e4m3 "fn" (bias 7, no infinities) and
+// e5m2 (float16's top byte). (Their per-tensor scales are applied outside: q times k_scale
+// going in, the output times v_scale coming out.)
+inline float e4m3_to_float(uint8_t b) {
+  const uint32_t mag = b & 0x7Fu;
+  float x;
+  if (mag < 8u) {
+    x = static_cast<float>(mag) * 0x1p-9f;  // subnormal: mantissa * 2^-9
+  } else {
+    const uint32_t bits = (mag << 20) + (120u << 23);
+    std::memcpy(&x, &bits, sizeof x);
+  }
+  return (b & 0x80u) ? -x : x;
+}
+
+enum class Kind { kF32, kBF16, kF16, kF8E4M3, kF8E5M2 };
 
 inline float load(const void* base, int64_t i, Kind kind) {
   switch (kind) {
     case Kind::kF32: return static_cast<const float*>(base)[i];
     case Kind::kBF16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case Kind::kF8E4M3: return e4m3_to_float(static_cast<const uint8_t*>(base)[i]);
+    case Kind::kF8E5M2:
+      return half_to_float(static_cast<uint16_t>(static_cast<const uint8_t*>(base)[i]) << 8);
     default: return half_to_float(static_cast<const uint16_t*>(base)[i]);
   }
 }
@@ -479,6 +497,8 @@ bool kind_of(ffi::DataType t, Kind* kind) {
     case ffi::DataType::F32: *kind = Kind::kF32; return true;
     case ffi::DataType::BF16: *kind = Kind::kBF16; return true;
     case ffi::DataType::F16: *kind = Kind::kF16; return true;
+    case ffi::DataType::F8E4M3FN: *kind = Kind::kF8E4M3; return true;
+    case ffi::DataType::F8E5M2: *kind = Kind::kF8E5M2; return true;
     default: return false;
   }
 }
@@ -505,8 +525,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
       query_start_loc.element_count() != static_cast<size_t>(p.R + 1))
     return ffi::Error::InvalidArgument("paged_attention_cpu: kv_lens / query_start_loc size");
   if (!kind_of(q.element_type(), &p.q_kind) || !kind_of(k_cache.element_type(), &p.kv_kind) ||
-      v_cache.element_type() != k_cache.element_type() || out->element_type() != q.element_type())
-    return ffi::Error::InvalidArgument("paged_attention_cpu: dtypes must be f32, bf16 or f16");
+      v_cache.element_type() != k_cache.element_type() || out->element_type() != q.element_type() ||
+      p.q_kind == Kind::kF8E4M3 || p.q_kind == Kind::kF8E5M2)
+    return ffi::Error::InvalidArgument("paged_attention_cpu: q must be f32, bf16 or f16, the "
+                                       "caches also fp8 (e4m3fn, e5m2)");
   p.group = p.Hq / p.Hkv;
   p.window = sliding_window;
   p.scale = sm_scale;

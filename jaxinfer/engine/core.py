@@ -270,6 +270,7 @@ class EngineCore:
         stats["num_free_kv_blocks"] = self.scheduler.kv.get_num_free_blocks()
         stats["num_kv_blocks"] = self.runner.num_kv_blocks
         stats["attention_backend"] = self.worker.attention_backend
+        stats.update(getattr(self.worker, "memory", {}))
         stats["num_compilations"] = self.runner.num_compilations
         stats["compile_seconds"] = self.runner.compile_seconds
         stats["num_buckets_compiling_in_background"] = self.runner.compiled.background_left

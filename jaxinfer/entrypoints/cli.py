@@ -53,6 +53,19 @@ def _json_arg(text: str):
     return value
 
 
+def add_quantization_args(p) -> None:
+    """--kv-cache-dtype and --quantization / -q (vLLM's names; generate, serve, bench)."""
+    from jaxinfer.config.engine import KV_CACHE_DTYPES
+    from jaxinfer.config.quant import QUANTIZATION_METHODS
+
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="auto: the model's dtype; fp8 (= fp8_e4m3) / fp8_e5m2: a quarter of "
+                        "float32's bytes per token")
+    p.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
+                   help="fp8 / int8: quantize the linear weights at load (per output "
+                        "channel); default: the checkpoint's quantization_config")
+
+
 def _add_ep_sp_args(p) -> None:
     """Expert and sequence parallelism flags (generate and serve)."""
     p.add_argument("--enable-expert-parallel", action="store_true",
@@ -81,8 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--dtype", default="auto")
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "bfloat16", "float16", "float32"])
+    add_quantization_args(g)
     g.add_argument("--max-model-len", type=int, default=1024)
     g.add_argument("--max-num-seqs", type=int, default=8)
     g.add_argument("--attention-backend", default=None, choices=list(ATTENTION_BACKENDS))
@@ -129,8 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
                    help="larger request bodies get 413 (default 8 MiB)")
     v.add_argument("--dtype", default="auto")
-    v.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "bfloat16", "float16", "float32"])
+    add_quantization_args(v)
     v.add_argument("--max-model-len", type=int, default=None)
     v.add_argument("--max-num-seqs", type=int, default=64)
     v.add_argument("--max-num-batched-tokens", type=int, default=None)

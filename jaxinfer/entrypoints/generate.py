@@ -19,6 +19,7 @@ def run_generate(args) -> int:
 
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+              quantization=args.quantization,
               max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
               seed=args.seed or 0, warmup=not args.no_warmup,

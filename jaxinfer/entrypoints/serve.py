@@ -18,6 +18,7 @@ def engine_config_from_args(args):
     from jaxinfer.config import EngineConfig
 
     return EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                        quantization=getattr(args, "quantization", None),
                         max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -41,8 +41,26 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def write_kv(k_cache, v_cache, k, v, md: AttentionMetadata):
-    """Scatter this step's k, v [T, Hkv, D] into the caches at md.slot_mapping."""
+FP8_MAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in FP8_MAX
+
+
+def quantize_kv(x, scale, dtype):
+    """x / scale, saturated to the fp8 format's range, in `dtype` (what an fp8 cache holds;
+    vLLM's scaled conversion saturates the same way)."""
+    m = FP8_MAX[jnp.dtype(dtype)]
+    return jnp.clip(x.astype(jnp.float32) / scale, -m, m).astype(dtype)
+
+
+def write_kv(k_cache, v_cache, k, v, md: AttentionMetadata, kv_scales=None):
+    """Scatter this step's k, v [T, Hkv, D] into the caches at md.slot_mapping (fp8 caches:
+    k / k_scale and v / v_scale, saturated)."""
+    if is_fp8(k_cache.dtype):
+        ks, vs = kv_scales if kv_scales is not None else (1.0, 1.0)
+        k, v = quantize_kv(k, ks, k_cache.dtype), quantize_kv(v, vs, v_cache.dtype)
     return write_kv_reference(k_cache, v_cache, k, v, md.slot_mapping)
 
 
@@ -85,26 +103,41 @@ def attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
 
 
 def paged_attention(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
-                    backend: str, sliding_window: int | None, mesh=None):
+                    backend: str, sliding_window: int | None, mesh=None, kv_scales=None):
     """Write this step's k, v [T, Hkv, D] into the caches, then attend with q [T, Hq, D].
 
-    With a mesh, both run per device on its own heads (jax.shard_map): no communication."""
+    fp8 caches hold k / k_scale and v / v_scale (kv_scales: float32 scalars, per layer; None:
+    1.0); every backend reads them widened to q's dtype, and the scales come back outside the
+    kernels: q . (k_cache * ks) = (q * ks) . k_cache, and the output times vs.
 
-    def local(q, k, v, k_cache, v_cache, md):
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md)
+    With a mesh, both run per device on its own heads (jax.shard_map): no communication."""
+    fp8 = is_fp8(k_cache.dtype)
+    if fp8 and kv_scales is None:
+        kv_scales = (jnp.float32(1.0), jnp.float32(1.0))
+    if not fp8:
+        kv_scales = None
+
+    def local(q, k, v, k_cache, v_cache, md, kv_scales):
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md, kv_scales)
+        if kv_scales is not None:
+            q = (q.astype(jnp.float32) * kv_scales[0]).astype(q.dtype)
         o = attention(q, k_cache, v_cache, md, sm_scale=sm_scale, backend=backend,
                       sliding_window=sliding_window)
+        if kv_scales is not None:
+            o = (o.astype(jnp.float32) * kv_scales[1]).astype(o.dtype)
         return o, k_cache, v_cache
 
     if mesh is None:
-        return local(q, k, v, k_cache, v_cache, md)
+        return local(q, k, v, k_cache, v_cache, md, kv_scales)
     from jax.sharding import PartitionSpec as P
 
     from jaxinfer.parallel import ATTN_Q_SPEC, KV_CACHE_SPEC
 
     md_spec = jax.tree.map(lambda _: P(), md)
+    scale_spec = jax.tree.map(lambda _: P(), kv_scales)
     return jax.shard_map(
         local, mesh=mesh,
-        in_specs=(ATTN_Q_SPEC, ATTN_Q_SPEC, ATTN_Q_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC, md_spec),
+        in_specs=(ATTN_Q_SPEC, ATTN_Q_SPEC, ATTN_Q_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC, md_spec,
+                  scale_spec),
         out_specs=(ATTN_Q_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC), check_vma=False,
-    )(q, k, v, k_cache, v_cache, md)
+    )(q, k, v, k_cache, v_cache, md, kv_scales)

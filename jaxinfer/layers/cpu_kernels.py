@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 TARGET = "jaxinfer_paged_attention_cpu"
 MATMUL_TARGET = "jaxinfer_packed_matmul_cpu"
 GROUPED_MATMUL_TARGET = "jaxinfer_grouped_matmul_cpu"
+QUANT_MATMUL_TARGET = "jaxinfer_quant_matmul_cpu"
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 _SOURCES = [os.path.join(_CSRC, f) for f in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc")]
 _HEADERS = [os.path.join(_CSRC, "cpu_common.h")]
@@ -136,6 +137,9 @@ def available() -> bool:
         jax.ffi.register_ffi_target(GROUPED_MATMUL_TARGET,
                                     jax.ffi.pycapsule(lib.JaxinferGroupedMatmulCpu),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(QUANT_MATMUL_TARGET,
+                                    jax.ffi.pycapsule(lib.JaxinferQuantMatmulCpu),
+                                    platform="cpu")
     except Exception as e:  # noqa: BLE001  (any build or load failure: fall back, say why)
         logger.warning("cpu kernels unavailable, using the xla backend: %s", e)
         return False
@@ -177,16 +181,21 @@ def pack_jnp(w):
     return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
 
 
-def matmul(x, w_packed, out_features: int):
-    """x [..., K] float32 @ the packed weight [P, K, 32] -> [..., out_features]."""
+def matmul(x, w_packed, out_features: int, scale=None):
+    """x [..., K] float32 @ the packed weight [P, K, 32] -> [..., out_features]. Quantized
+    (int8 / fp8 e4m3 panels): scale float32 [out_features], one per output column."""
     if not available():
         raise RuntimeError("packed weights need the C++ kernels, which could not be built here")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    call = jax.ffi.ffi_call(MATMUL_TARGET,
-                            jax.ShapeDtypeStruct((x2.shape[0], out_features), x.dtype),
-                            vmap_method="sequential")
-    return call(x2, w_packed).reshape(*lead, out_features)
+    out = jax.ShapeDtypeStruct((x2.shape[0], out_features), x.dtype)
+    if scale is None:
+        call = jax.ffi.ffi_call(MATMUL_TARGET, out, vmap_method="sequential")
+        return call(x2, w_packed).reshape(*lead, out_features)
+    padded = w_packed.shape[0] * PANEL
+    scale = jax.numpy.pad(scale.astype(np.float32), (0, padded - scale.shape[0]))
+    call = jax.ffi.ffi_call(QUANT_MATMUL_TARGET, out, vmap_method="sequential")
+    return call(x2, w_packed, scale).reshape(*lead, out_features)
 
 
 def grouped_matmul(x, w_packed, group_sizes, out_features: int):

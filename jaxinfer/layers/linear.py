@@ -1,7 +1,8 @@
 """Linear and gated-MLP layers. Weights are stored [in, out] (HF's [out, in] transposed), or,
 with packed=True (float32 models on the `cpu` backend), in column panels [ceil(out/32), in, 32]
 multiplied by the C++ kernel (layers/cpu_kernels.py); the loader packs them (the Param's
-`unpacked_shape` metadata says what it packs from)."""
+`unpacked_shape` metadata says what it packs from). With a QuantConfig (layers/quantization.py)
+the weight is held in fp8 / int8 with a float32 `weight_scale` [KB, *out] beside it."""
 
 from __future__ import annotations
 
@@ -16,19 +17,53 @@ def _init(rngs: nnx.Rngs, shape, dtype, std: float = 0.02):
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
-def _weight(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, packed: bool) -> nnx.Param:
+def _weight(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, packed: bool,
+            quant=None) -> nnx.Param:
     """A weight of logical shape (in, *out): plain, or packed into column panels over the
-    flattened outputs."""
+    flattened outputs; quantized (dummy values: N(0, 1) * qmax / 4, see _scale)."""
+    if quant is not None:
+        from jaxinfer.layers.quantization import QMAX
+
+        qmax = QMAX[quant.weight_dtype]
+        qdtype = jnp.dtype(quant.weight_dtype)
+        init = lambda s: jnp.clip(jax.random.normal(rngs.params(), s) * qmax / 4,  # noqa: E731
+                                  -qmax, qmax).astype(qdtype)
+    else:
+        init = lambda s: _init(rngs, s, dtype)  # noqa: E731
     if not packed:
-        return nnx.Param(_init(rngs, shape, dtype))
+        return nnx.Param(init(shape))
     from jaxinfer.layers.cpu_kernels import packed_shape
 
     n = math.prod(shape[1:])
-    return nnx.Param(_init(rngs, packed_shape(shape[0], n), dtype), unpacked_shape=shape)
+    return nnx.Param(init(packed_shape(shape[0], n)), unpacked_shape=shape)
 
 
-def _matmul(x: jax.Array, weight: jax.Array, packed: bool, out_shape: tuple[int, ...]):
-    """x [T, in] @ a weight of logical shape (in, *out_shape) -> [T, *out_shape]."""
+def _scale(shape: tuple[int, ...], quant) -> nnx.Param | None:
+    """weight_scale [KB, *out] of a quantized weight of logical shape (in, *out) (dummy
+    values: std 0.02 for the dummy weights above)."""
+    if quant is None:
+        return None
+    from jaxinfer.layers.quantization import QMAX
+
+    kb = 1 if quant.in_block is None else -(-shape[0] // quant.in_block)
+    value = 0.02 * 4 / QMAX[quant.weight_dtype]
+    return nnx.Param(jnp.full((kb, *shape[1:]), value, jnp.float32))
+
+
+def _matmul(x: jax.Array, weight: jax.Array, packed: bool, out_shape: tuple[int, ...],
+            scale: jax.Array | None = None, quant=None):
+    """x [T, in] @ a weight of logical shape (in, *out_shape) -> [T, *out_shape]
+    (quantized: weight * scale)."""
+    if scale is not None:
+        if packed:
+            from jaxinfer.layers.cpu_kernels import matmul
+
+            n = math.prod(out_shape)
+            return matmul(x, weight, n, scale.reshape(-1)).reshape(*x.shape[:-1], *out_shape)
+        from jaxinfer.layers.quantization import qmatmul
+
+        return qmatmul(x, weight, scale, out_shape, in_block=quant.in_block,
+                       activation_fp8=quant.activation_fp8)
     if packed:
         from jaxinfer.layers.cpu_kernels import matmul
 
@@ -38,15 +73,28 @@ def _matmul(x: jax.Array, weight: jax.Array, packed: bool, out_shape: tuple[int,
     return jnp.einsum("ti,i...->t...", x, weight)
 
 
+def _packed(packed: bool, quant) -> bool:
+    """Quantized weights are packed for the CPU kernel only with per-channel scales."""
+    return packed and (quant is None or quant.in_block is None)
+
+
+def _value(p):
+    return None if p is None else p[...]
+
+
 class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
-                 rngs: nnx.Rngs, packed: bool = False):
-        self.packed, self.out_features = packed, out_features
-        self.weight = _weight(rngs, (in_features, out_features), dtype, packed)  # [in, out]
+                 rngs: nnx.Rngs, packed: bool = False, quant=None):
+        self.quant = quant
+        self.packed, self.out_features = _packed(packed, quant), out_features
+        shape = (in_features, out_features)
+        self.weight = _weight(rngs, shape, dtype, self.packed, quant)  # [in, out]
+        self.weight_scale = _scale(shape, quant)  # [KB, out] (quantized)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None  # [out]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = _matmul(x, self.weight[...], self.packed, (self.out_features,))
+        y = _matmul(x, self.weight[...], self.packed, (self.out_features,),
+                    _value(self.weight_scale), self.quant)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -62,17 +110,22 @@ class QKVLinear(nnx.Module):
     q_proj / k_proj / v_proj (models/fused.py)."""
 
     def __init__(self, in_features: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 use_bias: bool, dtype, rngs: nnx.Rngs, packed: bool = False):
-        self.num_kv_heads, self.head_dim, self.packed = num_kv_heads, head_dim, packed
+                 use_bias: bool, dtype, rngs: nnx.Rngs, packed: bool = False, quant=None):
+        self.quant = quant
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.packed = _packed(packed, quant)
         self.group = num_heads // num_kv_heads
         width = (self.group + 2) * head_dim
-        self.weight = _weight(rngs, (in_features, num_kv_heads, width), dtype, packed)
+        shape = (in_features, num_kv_heads, width)
+        self.weight = _weight(rngs, shape, dtype, self.packed, quant)
+        self.weight_scale = _scale(shape, quant)
         self.bias = (nnx.Param(jnp.zeros((num_kv_heads, width), dtype)) if use_bias else None)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, in] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
         width = (self.group + 2) * self.head_dim
-        y = _matmul(x, self.weight[...], self.packed, (self.num_kv_heads, width))
+        y = _matmul(x, self.weight[...], self.packed, (self.num_kv_heads, width),
+                    _value(self.weight_scale), self.quant)
         if self.bias is not None:
             y = y + self.bias[...]
         t, g, d = x.shape[0], self.group, self.head_dim
@@ -86,12 +139,16 @@ class GateUpLinear(nnx.Module):
     weight [in, 2, I] (gate, then up), split over I for tensor parallelism."""
 
     def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs,
-                 packed: bool = False):
-        self.packed, self.out_features = packed, out_features
-        self.weight = _weight(rngs, (in_features, 2, out_features), dtype, packed)
+                 packed: bool = False, quant=None):
+        self.quant = quant
+        self.packed, self.out_features = _packed(packed, quant), out_features
+        shape = (in_features, 2, out_features)
+        self.weight = _weight(rngs, shape, dtype, self.packed, quant)
+        self.weight_scale = _scale(shape, quant)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        y = _matmul(x, self.weight[...], self.packed, (2, self.out_features))  # [T, 2, I]
+        y = _matmul(x, self.weight[...], self.packed, (2, self.out_features),
+                    _value(self.weight_scale), self.quant)  # [T, 2, I]
         return y[:, 0], y[:, 1]
 
 
@@ -103,12 +160,12 @@ class GatedMLP(nnx.Module):
     """down(act(gate(x)) * up(x)): the Llama/Qwen MLP (silu), Gemma's (gelu, tanh form)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs,
-                 packed: bool = False, act: str = "silu"):
+                 packed: bool = False, act: str = "silu", quant=(None, None)):
         self.act = act
         self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs,
-                                         packed=packed)
+                                         packed=packed, quant=quant[0])
         self.down_proj = Linear(intermediate_size, hidden_size, use_bias=False, dtype=dtype,
-                                rngs=rngs, packed=packed)
+                                rngs=rngs, packed=packed, quant=quant[1])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = self.gate_up_proj(x)

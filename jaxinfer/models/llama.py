@@ -61,6 +61,11 @@ def model_rope(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.A
     return jnp.stack([cos, lcos]), jnp.stack([sin, lsin])
 
 
+def module_quant(cfg: ModelConfig, module: str):
+    """The QuantConfig of linear module `module` (None: float weights)."""
+    return None if cfg.quantization is None else cfg.quantization.for_module(module)
+
+
 def softcap_logits(cfg: ModelConfig, logits: jax.Array) -> jax.Array:
     """Final logit soft-capping (Gemma): cap * tanh(logits / cap); others unchanged."""
     cap = cfg.final_logit_softcapping
@@ -82,11 +87,19 @@ class LlamaAttention(nnx.Module):
                            else int(bool(cfg.sliding_layers) and cfg.sliding_layers[layer_idx]))
         bias = cfg.attention_bias
         packed = use_packed_weights(attention_backend, dtype, mesh)
+        prefix = f"model.layers.{layer_idx}.self_attn."
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_attention_heads,
                                   cfg.num_key_value_heads, cfg.head_dim, use_bias=bias,
-                                  dtype=dtype, rngs=rngs, packed=packed)
+                                  dtype=dtype, rngs=rngs, packed=packed,
+                                  quant=module_quant(cfg, prefix + "qkv_proj"))
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, use_bias=False, dtype=dtype, rngs=rngs,
-                             packed=packed)
+                             packed=packed, quant=module_quant(cfg, prefix + "o_proj"))
+        # fp8 KV cache: per-tensor scales (float32 scalars; the loader fills them)
+        if cfg.fp8_kv_cache:
+            self.k_scale = nnx.Param(jnp.ones((), jnp.float32))
+            self.v_scale = nnx.Param(jnp.ones((), jnp.float32))
+        else:
+            self.k_scale = self.v_scale = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype,
                                   unit_offset=cfg.norm_unit_offset)
@@ -105,7 +118,8 @@ class LlamaAttention(nnx.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o, k_cache, v_cache = paged_attention(
             q, k, v, kv_cache[0], kv_cache[1], md, sm_scale=self.sm_scale, backend=self.backend,
-            sliding_window=self.sliding_window, mesh=self.mesh)
+            sliding_window=self.sliding_window, mesh=self.mesh,
+            kv_scales=None if self.k_scale is None else (self.k_scale[...], self.v_scale[...]))
         return self.o_proj(o.reshape(num_tokens, -1)), (k_cache, v_cache)
 
 
@@ -138,8 +152,11 @@ class LlamaDecoderLayer(nnx.Module):
                             expert_parallel=cfg.expert_parallel,
                             shared_intermediate_size=cfg.shared_expert_intermediate_size)
         else:
+            mlp = f"model.layers.{layer_idx}.mlp."
             ffn = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,
-                           packed=packed, act=cfg.hidden_act)
+                           packed=packed, act=cfg.hidden_act,
+                           quant=(module_quant(cfg, mlp + "gate_up_proj"),
+                                  module_quant(cfg, mlp + "down_proj")))
         setattr(self, self.ffn_name, ffn)
 
     def __call__(self, x, cos, sin, kv_cache: KVCache, md: AttentionMetadata):

@@ -56,17 +56,67 @@ def _safetensors_index(model_dir: str) -> dict[str, str]:
         return {name: single for name in f.keys()}
 
 
+_RAW_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _safetensors_header(fn: str) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and data offset."""
+    with open(fn, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n)), 8 + n
+
+
 def _iter_tensors(files_by_name: dict[str, str], wanted: list[str]):
-    """(name, host numpy array) for each wanted tensor, one file open at a time."""
+    """(name, host numpy array) for each wanted tensor, one file open at a time. fp8 tensors
+    (which safetensors' numpy reader cannot type) are read from the file directly."""
     from safetensors import safe_open
+
+    from jaxinfer.layers.quantization import np_dtype
 
     by_file: dict[str, list[str]] = {}
     for name in wanted:
         by_file.setdefault(files_by_name[name], []).append(name)
     for fn, names in by_file.items():
+        header, base = _safetensors_header(fn)
         with safe_open(fn, framework="numpy") as f:
             for name in names:
-                yield name, f.get_tensor(name)
+                info = header[name]
+                if info["dtype"] in _RAW_DTYPES:
+                    start, end = info["data_offsets"]
+                    raw = np.fromfile(fn, np.uint8, end - start, offset=base + start)
+                    yield name, raw.view(np_dtype(_RAW_DTYPES[info["dtype"]])).reshape(
+                        info["shape"])
+                else:
+                    yield name, f.get_tensor(name)
+
+
+_SCALE_SUFFIXES = ("_scale_inv", "_scale")  # q_proj.weight + these: its checkpoint scale
+
+
+def _checkpoint_scales(files_by_name: dict[str, str]) -> dict[str, np.ndarray]:
+    """Every weight scale in the checkpoint (small), by the name of the weight it scales."""
+    wanted = [n for n in files_by_name if n.endswith((".weight_scale", ".weight_scale_inv"))]
+    out = {}
+    for name, tensor in _iter_tensors(files_by_name, wanted):
+        weight = name[: -len("_scale_inv")] if name.endswith("_inv") else name[: -len("_scale")]
+        out[weight] = np.asarray(tensor, np.float32)
+    return out
+
+
+def _quantized_source(src: str, tensor: np.ndarray, scale: np.ndarray, qcfg, *, kv_repeat: int,
+                      head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """A quantized checkpoint weight (HF [out, in]) and its scale -> ours: [in, out] and
+    [KB, out] (KV heads replicated in both)."""
+    from jaxinfer.layers.quantization import expand_checkpoint_scale
+
+    if tensor.ndim != 2:
+        raise ValueError(f"quantized tensor {src!r} has shape {tensor.shape}: expected 2-D")
+    out, inp = tensor.shape
+    s = expand_checkpoint_scale(scale, out, inp, qcfg.block if qcfg else None)  # [KB, out]
+    if kv_repeat > 1 and src.endswith(_KV_SUFFIXES):
+        tensor = replicate_kv_heads(tensor, kv_repeat, head_dim)
+        s = replicate_kv_heads(s.T, kv_repeat, head_dim).T
+    return tensor.T, s
 
 
 def _host_tensor(name: str, tensor: np.ndarray, expected_shape, dtype, *, kv_repeat: int,
@@ -84,10 +134,41 @@ def _host_tensor(name: str, tensor: np.ndarray, expected_shape, dtype, *, kv_rep
     return tensor.astype(dtype)
 
 
+def _source_part(src: str, tensor: np.ndarray, ckpt_scale, shape, var, scale_var, qcfg, *,
+                 kv_repeat: int, head_dim: int):
+    """One checkpoint tensor as its part of parameter `var`: for a float parameter the (if
+    quantized in the checkpoint: dequantized) tensor in our layout; for a quantized one
+    (scale_var set) the pair (quantized [in, out], scale [KB, out]), quantized here per output
+    channel when the checkpoint's tensor is float."""
+    from jaxinfer.layers.quantization import dequantize, quantize
+
+    if ckpt_scale is not None:
+        q, s = _quantized_source(src, tensor, ckpt_scale, qcfg, kv_repeat=kv_repeat,
+                                 head_dim=head_dim)
+        if tuple(q.shape) != tuple(shape):
+            raise ValueError(f"tensor {src!r} has shape {tuple(q.shape)} (after transposing "
+                             f"HF's [out, in] layout) but the model expects {tuple(shape)}")
+        if scale_var is None:
+            block = qcfg.in_block if qcfg is not None else None
+            return dequantize(q, s, block).astype(var.dtype)
+        if np.dtype(q.dtype) != np.dtype(var.dtype):
+            raise ValueError(f"tensor {src!r} is {q.dtype} but the model holds "
+                             f"{np.dtype(var.dtype)} weights")
+        return q, s
+    if scale_var is None:
+        return _host_tensor(src, tensor, shape, var.dtype, kv_repeat=kv_repeat,
+                            head_dim=head_dim)
+    if qcfg.from_checkpoint:
+        raise ValueError(f"the checkpoint's quantization_config quantizes {src!r} but it has "
+                         f"no {src}_scale / {src}_scale_inv")
+    value = _host_tensor(src, tensor, shape, np.float32, kv_repeat=kv_repeat, head_dim=head_dim)
+    return quantize(value, qcfg.weight_dtype)
+
+
 def _place(name: str, tensor: np.ndarray, *, mesh, to_host: bool = False,
            expert_parallel: bool = False) -> jax.Array:
     """Host tensor -> device array, placed straight into its shards."""
-    tensor = np.ascontiguousarray(tensor)
+    tensor = np.ascontiguousarray(tensor).reshape(np.shape(tensor))  # (keeps 0-d scalars 0-d)
     if to_host:  # (pipeline stages place their own parameters)
         return tensor
     if mesh is None:
@@ -156,10 +237,22 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
 
     files_by_name = _safetensors_index(model_dir)
     expected = {name: var for (_, var), name in zip(flat, names)}
+    # (a quantized weight's weight_scale is filled with its weight)
     sources = {name: checkpoint_names(name, logical_shape(expected[name]))
-               for name in names}  # fused params: several
+               for name in names if not name.endswith(".weight_scale")}  # fused: several
+    # fp8 KV cache scales: self_attn.k_scale / v_scale, or compressed-tensors' k_proj /
+    # v_proj.output_scale; a checkpoint without them: 1.0 (as vLLM does).
+    default_one = []
+    for name in list(sources):
+        if name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
+            alias = name[: -len("k_scale")] + name[-7] + "_proj.output_scale"
+            if name not in files_by_name:
+                if alias in files_by_name:
+                    sources[name] = (alias,)
+                else:
+                    default_one.append(sources.pop(name) and name)
     owners: dict[str, list[str]] = {}  # (a tied packed LM head shares the embedding's tensor)
-    for name in names:
+    for name in sources:
         for src in sources[name]:
             owners.setdefault(src, []).append(name)
     wanted = list(owners)
@@ -170,12 +263,22 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     head_dim = model_config.head_dim
+    qcfg = model_config.quantization
+    ckpt_scales = _checkpoint_scales(files_by_name)
     pending: dict[str, dict[str, np.ndarray]] = {}  # fused params still missing a part
     for src, tensor in _iter_tensors(files_by_name, wanted):
         for name in owners[src]:
             var = expected[name]
+            scale_var = expected.get(name + "_scale")  # a quantized weight's weight_scale
             srcs = sources[name]
             want = logical_shape(var)
+            if name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
+                if tensor.size != 1 or not np.isfinite(tensor).all() or tensor.reshape(-1)[0] <= 0:
+                    raise ValueError(f"KV cache scale {src!r} must be one positive number, got "
+                                     f"shape {tuple(tensor.shape)}")
+                var.set_value(_place(name, np.asarray(tensor, np.float32).reshape(()),
+                                     mesh=mesh, to_host=to_host))
+                continue
             if name.endswith(TIED_LM_HEAD):  # the embedding [V, H], transposed
                 value = _host_tensor(src, tensor, want[::-1], var.dtype, kv_repeat=kv_repeat,
                                      head_dim=head_dim).T
@@ -184,14 +287,28 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
                 continue
             shape = want if len(srcs) == 1 else source_shape(name, src, want, head_dim)
             parts = pending.setdefault(name, {})
-            parts[src] = _host_tensor(src, tensor, shape, var.dtype, kv_repeat=kv_repeat,
-                                      head_dim=head_dim)
+            parts[src] = _source_part(src, tensor, ckpt_scales.get(src), shape, var, scale_var,
+                                      qcfg, kv_repeat=kv_repeat, head_dim=head_dim)
             if len(parts) < len(srcs):
                 continue
             del pending[name]
-            value = (parts[src] if len(srcs) == 1
-                     else fuse(name, [parts[s] for s in srcs], head_dim))
+            ordered = [parts[s] for s in srcs]
+            if scale_var is not None:  # (quantized, scale) pairs: fuse both the same way
+                value = ordered[0][0] if len(srcs) == 1 else fuse(
+                    name, [p[0] for p in ordered], head_dim)
+                scale = ordered[0][1] if len(srcs) == 1 else fuse(
+                    name + "_scale", [p[1] for p in ordered], head_dim)
+                if tuple(scale.shape) != tuple(scale_var.shape):
+                    raise ValueError(f"{name}: weight scale of shape {tuple(scale.shape)}, the "
+                                     f"model expects {tuple(scale_var.shape)}")
+                scale_var.set_value(_place(name + "_scale", scale, mesh=mesh,
+                                           to_host=to_host, expert_parallel=ep))
+            else:
+                value = ordered[0] if len(srcs) == 1 else fuse(name, ordered, head_dim)
             var.set_value(_place(name, to_param_layout(var, value), mesh=mesh,
                                  to_host=to_host, expert_parallel=ep))
+    for name in default_one:
+        expected[name].set_value(_place(name, np.ones((), np.float32), mesh=mesh,
+                                        to_host=to_host))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     return model, model_config, dtype_name

@@ -181,7 +181,22 @@ def resolve_block_size(block_size: int | None, devices) -> int:
 def jnp_dtype(name: str):
     import jax.numpy as jnp
 
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+            "float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}[name]
+
+
+def _bytes_per_device(tree) -> int:
+    """The most bytes of `tree`'s arrays any one device holds (its shards; host arrays count
+    whole)."""
+    per: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        shards = getattr(leaf, "addressable_shards", None)
+        if shards is None:
+            per["host"] = per.get("host", 0) + getattr(leaf, "nbytes", 0)
+            continue
+        for sh in shards:
+            per[sh.device] = per.get(sh.device, 0) + sh.data.nbytes
+    return int(max(per.values(), default=0))
 
 
 class Worker:
@@ -210,10 +225,14 @@ class Worker:
             self.mesh = None  # (each stage has its own; parameters stay on the host here)
         else:
             self.mesh = make_mesh(tp, self.devices)
+        from jaxinfer.layers.attention import is_fp8
+
+        model_config = dataclasses.replace(rc.model_config,
+                                           fp8_kv_cache=is_fp8(jnp_dtype(rc.kv_cache_dtype)))
         model, mcfg, dtype = load_model(rc.model_dir, dtype=rc.dtype,
                                         load_format=cfg.load_format,
                                         attention_backend=self.attention_backend, seed=cfg.seed,
-                                        model_config=rc.model_config, mesh=self.mesh,
+                                        model_config=model_config, mesh=self.mesh,
                                         to_host=pp > 1, tp_size=tp,
                                         expert_parallel=par.enable_expert_parallel,
                                         sequence_parallel=par.enable_sequence_parallelism)
@@ -267,6 +286,16 @@ class Worker:
         t1 = time.perf_counter()
         self.runner = self._make_runner()
         self.timings["allocate_kv_cache_s"] = time.perf_counter() - t1
+        self.memory = {"weight_bytes_per_device": _bytes_per_device(self.runner.state),
+                       "kv_cache_bytes_per_device": _bytes_per_device(self.runner.kv_caches)}
+        q = mcfg.quantization
+        logger.info("weights: %.1f MiB per device (%s); KV cache: %d blocks of %d tokens, "
+                    "%.1f MiB per device (%s)",
+                    self.memory["weight_bytes_per_device"] / 2**20,
+                    f"{rc.dtype}, linear layers {q.weight_dtype}" if q else rc.dtype,
+                    num_blocks, self.block_size,
+                    self.memory["kv_cache_bytes_per_device"] / 2**20,
+                    np.dtype(self.kv_dtype).name)
 
     @staticmethod
     def cache_counts() -> dict[str, int]:
