@@ -25,6 +25,20 @@ def run_tp(model_dir, tp, mode="tiny"):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def test_tp_with_quantized_weights_and_fp8_kv_matches_single_device(tmp_path, smollm2_dir):
+    """fp8 weights (per-channel scales sharded with them) and an fp8 KV cache: TP=2 gives
+    TP=1's greedy tokens."""
+    make_tiny_model_dir(tmp_path, "llama", smollm2_dir, num_attention_heads=4,
+                        num_key_value_heads=2)
+    base = run_tp(str(tmp_path), 1, "quant")
+    got = run_tp(str(tmp_path), 2, "quant")
+    assert base["weight_dtype"] == got["weight_dtype"] == "float8_e4m3fn"
+    assert got["tokens"] == base["tokens"]
+    np.testing.assert_allclose(np.concatenate(got["logprobs"]),
+                               np.concatenate(base["logprobs"]), atol=2e-4)
+    assert got["kv_shards"] == 2 and not got["leaked"] and not base["leaked"]
+
+
 # qwen3 (q/k norm, KV heads = tp) runs with the slow tests; CI covers llama (KV heads split).
 # qwen3_moe: a mixture-of-experts layer 0 (each expert split over the devices), a dense layer 1.
 @pytest.mark.parametrize("arch,kv_heads", [("llama", 2),

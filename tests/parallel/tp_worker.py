@@ -59,7 +59,11 @@ def main():
                       enable_multiprocessing=False, speculative_config=spec,
                       enable_expert_parallel=mode in ("ep", "ep-draft"),
                       async_scheduling=mode == "ep",  # (EP with the host running ahead)
-                      enable_sequence_parallelism=mode == "sp")
+                      enable_sequence_parallelism=mode == "sp",
+                      # "quant": fp8 weights quantized at load, scales sharded with them, and
+                      # an fp8 KV cache
+                      quantization="fp8" if mode == "quant" else None,
+                      kv_cache_dtype="fp8" if mode == "quant" else "auto")
     except ValueError as e:
         print(json.dumps({"error": str(e)}))
         return
@@ -90,6 +94,8 @@ def main():
         "sequence_parallel": eng.engine_core.core.model_config.sequence_parallel,
         # The collectives in the compiled decoder layers (an all-gather: SP is in effect).
         "collectives": _collectives(eng.runner),
+        "weight_dtype": str(eng.runner.state["model"]["layers"][1]["mlp"]["down_proj"]
+                            ["weight"].value.dtype),
         "spec": {k: v for k, v in eng.get_stats().items() if k.startswith("spec_decode")},
     }
     llm.shutdown()
