@@ -1,0 +1,126 @@
+"""Quantized weights and the fp8 KV cache on this CPU (issue 32): memory, speed, agreement.
+
+For the embedded SmolLM2-135M (float32 activations, the default `cpu` backend), one engine per
+mode, every shape compiled before timing:
+  float32          the float model
+  int8             quantization="int8": linear weights int8, per-channel scales (C++ kernel)
+  fp8              quantization="fp8": linear weights fp8 e4m3, per-channel scales
+  fp8+fp8kv        fp8 weights and kv_cache_dtype="fp8"
+Each reports weight bytes, KV blocks for the same byte budget, batch-1 decode ms/token
+(1 x 128 in / 128 out, minus the first token), 32 x 128/128 output tokens/s, and greedy
+agreement with float32 on 17 chat-style prompts (first token; all 16 tokens). With
+--llama-cpp-bin, llama.cpp runs the embedded Q4_1 GGUF itself (llama-bench, llama-batched-
+bench, F16 KV: its default) in the same run as the peer.
+Usage: PYTHONPATH=. .venv/bin/python benchmarks/quantization.py
+           [--llama-cpp-bin DIR] [--output-json benchmarks/results/quantization_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+MODES = {"float32": {}, "int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"},
+         "fp8+fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+KV_BUDGET = 256 << 20
+
+
+def run_mode(extra: dict, prompts_text: list[str]) -> dict:
+    from compare_cpu import _prompts
+
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(None, dtype="float32", max_model_len=256, max_num_seqs=32,
+              warmup_buckets="all", kv_cache_memory_bytes=KV_BUDGET, **extra)
+
+    def timed(max_tokens, batch):
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, sp, use_tqdm=False)
+        return time.perf_counter() - t0, outs
+
+    res = {}
+    for n, seed in ((1, 1), (32, 2)):
+        batch = [{"prompt_token_ids": p} for p in _prompts(n, 128, 49152, seed)]
+        timed(4, [{"prompt_token_ids": p} for p in _prompts(n, 128, 49152, seed + 10)])
+        ttft, _ = timed(1, [{"prompt_token_ids": p} for p in _prompts(n, 128, 49152, seed + 20)])
+        elapsed, outs = timed(128, batch)
+        res[f"{n}x128x128"] = {"elapsed_s": elapsed, "output_tok_s": n * 128 / elapsed,
+                               "decode_ms_per_token": 1e3 * (elapsed - ttft) / 127}
+    _, outs = timed(16, prompts_text)
+    stats = llm.llm_engine.get_stats()
+    llm.shutdown()
+    return {"workloads": res, "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "weight_bytes": stats["weight_bytes_per_device"],
+            "kv_cache_bytes": stats["kv_cache_bytes_per_device"],
+            "num_kv_blocks": stats["num_kv_blocks"]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--llama-cpp-bin", default=None)
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+    from tests.engine.test_llm_greedy import PROMPTS
+
+    results = {}
+    for mode in args.modes.split(","):
+        results[mode] = run_mode(MODES[mode], PROMPTS)
+    base = results.get("float32")
+    print(f"{'mode':<12} {'weights MiB':>11} {'KV blocks':>9} {'1x128 ms/tok':>12} "
+          f"{'32x128 tok/s':>12} {'first eq':>8} {'16 eq':>6}")
+    for mode, r in results.items():
+        if base is not None:
+            pairs = list(zip(r["tokens"], base["tokens"]))
+            r["agree_first_token"] = sum(a[0] == b[0] for a, b in pairs) / len(pairs)
+            r["agree_all_16"] = sum(a == b for a, b in pairs) / len(pairs)
+        w = r["workloads"]
+        print(f"{mode:<12} {r['weight_bytes'] / 2**20:>11.1f} {r['num_kv_blocks']:>9} "
+              f"{w['1x128x128']['decode_ms_per_token']:>12.2f} "
+              f"{w['32x128x128']['output_tok_s']:>12.1f} {r.get('agree_first_token', 1):>8.2f} "
+              f"{r.get('agree_all_16', 1):>6.2f}")
+    peer = None
+    if args.llama_cpp_bin:
+        from compare_cpu import run_llama_cpp
+
+        from jaxinfer.models.default_model import find_default_gguf
+
+        class A:
+            llama_cpp_bin, gguf = args.llama_cpp_bin, find_default_gguf()
+
+        try:
+            peer = {"gguf": os.path.basename(A.gguf),
+                    "1x128x128": run_llama_cpp(A, (1, 128, 128), "f16"),
+                    "32x128x128": run_llama_cpp(A, (32, 128, 128), "f16")}
+        except Exception as e:  # noqa: BLE001  (e.g. a build for another CPU: SIGILL)
+            peer = {"error": f"{type(e).__name__}: {e}"}
+            print(f"llama.cpp failed: {peer['error']}")
+    if peer is not None and "error" not in peer:
+        p1, p32 = peer["1x128x128"], peer["32x128x128"]
+        print(f"{'llama.cpp Q4_1':<12} {os.path.getsize(A.gguf) / 2**20:>11.1f} {'-':>9} "
+              f"{p1['llama_bench_decode_ms_per_token']:>12.2f} "
+              f"{p32['output_tokens'] / p32['elapsed_s']:>12.1f}")
+    out = {"benchmark": "quantization", "model": "SmolLM2-135M-Instruct (embedded)",
+           "machine": {"cpu": platform.processor() or platform.machine(),
+                       "cores": os.cpu_count()},
+           "kv_cache_memory_bytes": KV_BUDGET, "modes": results, "llama_cpp": peer,
+           "command": "PYTHONPATH=. .venv/bin/python benchmarks/quantization.py "
+                      + " ".join(sys.argv[1:])}
+    for r in results.values():
+        r.pop("tokens")
+    if args.output_json:
+        os.makedirs(os.path.dirname(args.output_json), exist_ok=True)
+        with open(args.output_json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
