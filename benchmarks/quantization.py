@@ -38,7 +38,7 @@ def run_mode(extra: dict, prompts_text: list[str]) -> dict:
     from jaxinfer import LLM, SamplingParams
 
     llm = LLM(None, dtype="float32", max_model_len=256, max_num_seqs=32,
-              warmup_buckets="all", kv_cache_memory_bytes=KV_BUDGET, **extra)
+              warmup=False, kv_cache_memory_bytes=KV_BUDGET, **extra)  # (shapes: warm-up runs)
 
     def timed(max_tokens, batch):
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
