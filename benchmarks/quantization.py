@@ -6,6 +6,8 @@ mode, every shape compiled before timing:
   int8             quantization="int8": linear weights int8, per-channel scales (C++ kernel)
   fp8              quantization="fp8": linear weights fp8 e4m3, per-channel scales
   fp8+fp8kv        fp8 weights and kv_cache_dtype="fp8"
+  gguf-q4_1        quantization="gguf": the embedded GGUF's Q4_1 projections kept (int8 values,
+                   a scale and offset per 32 inputs); embeddings float
 Each reports weight bytes, KV blocks for the same byte budget, batch-1 decode ms/token
 (1 x 128 in / 128 out, minus the first token), 32 x 128/128 output tokens/s, and greedy
 agreement with float32 on 17 chat-style prompts (first token; all 16 tokens). With
@@ -28,7 +30,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 MODES = {"float32": {}, "int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"},
-         "fp8+fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+         "fp8+fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+         "gguf-q4_1": {"quantization": "gguf"}}
 KV_BUDGET = 256 << 20
 
 

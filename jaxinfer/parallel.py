@@ -85,8 +85,8 @@ def param_spec(name: str, shape: tuple[int, ...], tp: int, expert_parallel: bool
     expert_parallel: stacked expert weights split by expert instead of within each."""
     if tp == 1:
         return P()
-    if name.endswith(".weight_scale"):  # [KB, *out]: as its weight, the input axis whole
-        weight = param_spec(name[: -len("_scale")], shape, tp, expert_parallel)
+    if name.endswith((".weight_scale", ".weight_offset")):  # [KB, *out]: as its weight,
+        weight = param_spec(name.rsplit("_", 1)[0], shape, tp, expert_parallel)  # in whole
         return P(None, *tuple(weight)[1:])
     if expert_parallel and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
         return P(TP, *([None] * (len(shape) - 1)))

@@ -109,7 +109,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # Quantized linear weights: "fp8" / "int8" (quantize a float checkpoint at load, per output
     # channel) or the checkpoint's own quantization_config ("fp8", "compressed-tensors"), which
-    # None follows; a value that contradicts the checkpoint is refused.
+    # None follows; a value that contradicts the checkpoint is refused. "gguf": a .gguf model
+    # file (or model=None: the embedded one) keeps its quantized projection blocks.
     quantization: str | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -288,10 +289,15 @@ def _generation_eos_ids(model_dir: str) -> tuple[int, ...]:
 def resolve_config(config: EngineConfig) -> ResolvedConfig:
     """Resolve the defaults of `config` (reads the model's config.json; loads no weights and
     needs no device). Raises ValueError naming the option on an impossible combination."""
+    gguf = config.quantization == "gguf"
     if config.model is None:
         from jaxinfer.models.default_model import ensure_default_model
 
-        model_dir = ensure_default_model()
+        model_dir = ensure_default_model(quantized=gguf)
+    elif str(config.model).endswith(".gguf") and os.path.isfile(config.model):
+        from jaxinfer.models.default_model import ensure_gguf_model
+
+        model_dir = ensure_gguf_model(config.model, quantized=gguf)  # (vLLM loads GGUF so)
     else:
         model_dir = config.model
     mcfg = ModelConfig.from_pretrained(model_dir)

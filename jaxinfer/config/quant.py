@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 WEIGHT_DTYPES = {"fp8": "float8_e4m3fn", "int8": "int8"}
-QUANTIZATION_METHODS = ("fp8", "int8", "compressed-tensors")
+QUANTIZATION_METHODS = ("fp8", "int8", "compressed-tensors", "gguf")
 # Largest magnitudes: symmetric int8 uses +-127 (as vLLM and compressed-tensors do).
 QMAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "int8": 127.0}
 # Decoder linear layers that are quantized (the fused projections and their sources).
@@ -28,6 +28,7 @@ class QuantConfig:
     block: tuple[int, int] | None = None
     ignored: tuple[str, ...] = ()  # checkpoint module names left unquantized ("lm_head", ...)
     activation_fp8: bool = False  # W8A8: activations to fp8 per token (fp8 weights, GPUs)
+    offset: bool = False  # GGUF blocks: w = q * scale + offset (weight_offset beside the scale)
 
     @property
     def in_block(self) -> int | None:
@@ -40,12 +41,12 @@ class QuantConfig:
         field."""
         if quantization is not None and quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization={quantization!r} is not supported (supported: "
-                             f"{', '.join(QUANTIZATION_METHODS)}; GGUF weights are converted "
-                             "to float at load: quantization='gguf' is not built yet)")
+                             f"{', '.join(QUANTIZATION_METHODS)})")
         if hf_config is None:
-            if quantization == "compressed-tensors":
-                raise ValueError("quantization='compressed-tensors' needs a checkpoint whose "
-                                 "config.json has a compressed-tensors quantization_config")
+            if quantization in ("compressed-tensors", "gguf"):
+                raise ValueError(f"quantization={quantization!r} needs a checkpoint quantized "
+                                 "that way" + (" (a .gguf file, or model=None: the embedded "
+                                               "GGUF)" if quantization == "gguf" else ""))
             if quantization is None:
                 return None
             return QuantConfig(method=quantization, weight_dtype=WEIGHT_DTYPES[quantization],
@@ -55,6 +56,10 @@ class QuantConfig:
             q = _hf_fp8(hf_config)
         elif method == "compressed-tensors":
             q = _compressed_tensors(hf_config)
+        elif method == "gguf":  # (written by jaxinfer's GGUF conversion, models/gguf_convert.py)
+            group = int(hf_config.get("group_size", 32))
+            q = QuantConfig(method="gguf", weight_dtype="int8", from_checkpoint=True,
+                            block=(1, group), offset=True)
         else:
             raise ValueError(f"quantization_config.quant_method={method!r} is not supported "
                              f"({_REFUSED_HINT})")

@@ -5,9 +5,10 @@
 // rows of x stay in cache. Panels are shared out over XLA's intra-op thread pool (the calling
 // thread works too and waits only for panels already claimed).
 //
-// Quantized weights (int8, fp8 e4m3) use the same panels, one byte per weight, with a float32
-// scale per output column: each 16 weights widen to floats as they are loaded, the column
-// scales multiply the finished sums. A decode step then streams a quarter of the bytes.
+// Quantized weights (int8, fp8 e4m3) use the same panels, one byte per weight, with float32
+// scales per output column and group of input rows (and for GGUF's asymmetric blocks an
+// offset): each 16 weights widen to floats as they are loaded, each group's sums are scaled
+// as the group ends. A decode step then streams about a quarter of the bytes.
 
 #include <algorithm>
 #include <atomic>
@@ -65,27 +66,56 @@ inline v16 load_w(const Fp8E4M3* p) {
   return out;
 }
 
-// rows [m0, m0 + MR) x panel `panel`: acc = x rows . panel (times the column scales, if
-// any), written to y.
+// rows [m0, m0 + MR) x panel `panel`: acc = x rows . panel, written to y. Quantized weights
+// (scale set): the panel's K rows come in groups of G (G = K: per-channel), each with a
+// scale and (offset set) an offset per column, [K / G, kNR] from `scale` / `offset`:
+// y = sum over groups of s_g * (x . q_g) + o_g * sum(x_g) (GGUF's d * q + m blocks; offset
+// null: symmetric).
 template <int MR, typename W>
-inline void block(const float* x, const W* panel, const float* scale, float* y, int64_t m0,
-                  int64_t K, int64_t N, int64_t col0, int64_t ncols) {
+inline void block(const float* x, const W* panel, const float* scale, const float* offset,
+                  int64_t G, float* y, int64_t m0, int64_t K, int64_t N, int64_t col0,
+                  int64_t ncols) {
   v16 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = v16{};
   const float* xr = x + m0 * K;
-  for (int64_t k = 0; k < K; ++k) {
-    const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
-    for (int i = 0; i < MR; ++i) {
-      const float a = xr[i * K + k];
-      acc[i][0] += a * b0;
-      acc[i][1] += a * b1;
+  if (scale == nullptr) {
+    for (int64_t k = 0; k < K; ++k) {
+      const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
+      for (int i = 0; i < MR; ++i) {
+        const float a = xr[i * K + k];
+        acc[i][0] += a * b0;
+        acc[i][1] += a * b1;
+      }
     }
-  }
-  if (scale != nullptr) {  // (padded to whole panels by the caller)
-    const v16 s0 = load16(scale + col0), s1 = load16(scale + col0 + 16);
-    for (int i = 0; i < MR; ++i) {
-      acc[i][0] *= s0;
-      acc[i][1] *= s1;
+  } else {
+    for (int64_t g0 = 0, g = 0; g0 < K; g0 += G, ++g) {
+      v16 t[MR][2];
+      float xs[MR];
+      for (int i = 0; i < MR; ++i) {
+        t[i][0] = t[i][1] = v16{};
+        xs[i] = 0.0f;
+      }
+      for (int64_t k = g0; k < g0 + G; ++k) {
+        const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
+        for (int i = 0; i < MR; ++i) {
+          const float a = xr[i * K + k];
+          t[i][0] += a * b0;
+          t[i][1] += a * b1;
+          xs[i] += a;
+        }
+      }
+      const v16 s0 = load16(scale + g * kNR), s1 = load16(scale + g * kNR + 16);
+      for (int i = 0; i < MR; ++i) {
+        acc[i][0] += t[i][0] * s0;
+        acc[i][1] += t[i][1] * s1;
+      }
+      if (offset != nullptr) {
+        const v16 o0 = load16(offset + g * kNR), o1 = load16(offset + g * kNR + 16);
+        for (int i = 0; i < MR; ++i) {
+          acc[i][0] += xs[i] * o0;
+          acc[i][1] += xs[i] * o1;
+        }
+      }
     }
   }
   for (int i = 0; i < MR; ++i) {
@@ -102,19 +132,29 @@ inline void block(const float* x, const W* panel, const float* scale, float* y, 
   }
 }
 
+// Per-group scales and offsets of the weights: [panels, K / G, kNR] each (offset optional).
+struct Groups {
+  const float* scale = nullptr;
+  const float* offset = nullptr;
+  int64_t G = 0;  // rows per group
+};
+
 template <typename W>
-void panel_product(const float* x, const W* w, const float* scale, float* y, int64_t M,
+void panel_product(const float* x, const W* w, const Groups& gr, float* y, int64_t M,
                    int64_t K, int64_t N, int64_t p) {
   const W* panel = w + p * K * kNR;
   const int64_t col0 = p * kNR, ncols = std::min(kNR, N - col0);
+  const int64_t per = gr.G > 0 ? (K / gr.G) * kNR : 0;  // a panel's scales
+  const float* sc = gr.scale ? gr.scale + p * per : nullptr;
+  const float* of = gr.offset ? gr.offset + p * per : nullptr;
   int64_t m0 = 0;
-  for (; m0 + kMR <= M; m0 += kMR) block<kMR>(x, panel, scale, y, m0, K, N, col0, ncols);
+  for (; m0 + kMR <= M; m0 += kMR) block<kMR>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols);
   switch (M - m0) {
-    case 1: block<1>(x, panel, scale, y, m0, K, N, col0, ncols); break;
-    case 2: block<2>(x, panel, scale, y, m0, K, N, col0, ncols); break;
-    case 3: block<3>(x, panel, scale, y, m0, K, N, col0, ncols); break;
-    case 4: block<4>(x, panel, scale, y, m0, K, N, col0, ncols); break;
-    case 5: block<5>(x, panel, scale, y, m0, K, N, col0, ncols); break;
+    case 1: block<1>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols); break;
+    case 2: block<2>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols); break;
+    case 3: block<3>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols); break;
+    case 4: block<4>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols); break;
+    case 5: block<5>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols); break;
     default: break;
   }
 }
@@ -123,7 +163,7 @@ template <typename W>
 struct Shared {
   const float* x;
   const W* w;
-  const float* scale;  // per output column (padded to whole panels) or nullptr
+  Groups groups;  // quantized weights' scales (else scale == nullptr)
   float* y;
   int64_t M, K, N, panels, per_task;
   std::atomic<int64_t> next{0};
@@ -137,13 +177,13 @@ void work(Shared<W>& sh) {
     if (first >= sh.panels) return;
     const int64_t last = std::min(sh.panels, first + sh.per_task);
     for (int64_t p = first; p < last; ++p)
-      panel_product(sh.x, sh.w, sh.scale, sh.y, sh.M, sh.K, sh.N, p);
+      panel_product(sh.x, sh.w, sh.groups, sh.y, sh.M, sh.K, sh.N, p);
     sh.done.fetch_add(last - first, std::memory_order_release);
   }
 }
 
 template <typename W>
-ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale,
+ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const Groups& groups,
                         float* y, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
                         ffi::Span<const int64_t> yd) {
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kNR || wd[1] != xd[1] ||
@@ -152,7 +192,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const
   auto sh = std::make_shared<Shared<W>>();
   sh->x = x;
   sh->w = w;
-  sh->scale = scale;
+  sh->groups = groups;
   sh->y = y;
   sh->M = xd[0];
   sh->K = xd[1];
@@ -172,24 +212,33 @@ ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const
 
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::F32> w, ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  return PackedMatmul<float>(pool, x.typed_data(), w.typed_data(), nullptr, y->typed_data(),
+  return PackedMatmul<float>(pool, x.typed_data(), w.typed_data(), Groups{}, y->typed_data(),
                              x.dimensions(), w.dimensions(), y->dimensions());
 }
 
-// Quantized panels: w int8 or fp8 e4m3 [P, K, kNR], scale float32 [P * kNR].
+// Quantized panels: w int8 or fp8 e4m3 [P, K, kNR]; scale float32 [P, K / G, kNR] (one group
+// of all K rows: per-channel); offset the same shape, or [0] (none).
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                           ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  auto wd = w.dimensions();
-  if (wd.size() != 3 || scale.dimensions().size() != 1 || scale.dimensions()[0] != wd[0] * kNR)
-    return ffi::Error::InvalidArgument("quant_matmul_cpu: scale must be [panels * 32]");
+                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                           ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  auto wd = w.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
+  if (wd.size() != 3 || sd.size() != 3 || sd[0] != wd[0] || sd[2] != kNR || sd[1] < 1 ||
+      wd[1] % sd[1] != 0)
+    return ffi::Error::InvalidArgument(
+        "quant_matmul_cpu: scale must be [panels, K / G, 32] with G dividing K");
+  const bool has_offset = offset.element_count() != 0;
+  if (has_offset && (od.size() != 3 || !std::equal(od.begin(), od.end(), sd.begin())))
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: offset must be shaped as scale");
+  Groups gr;
+  gr.scale = scale.typed_data();
+  gr.offset = has_offset ? offset.typed_data() : nullptr;
+  gr.G = wd[1] / sd[1];
   if (w.element_type() == ffi::DataType::S8)
     return PackedMatmul<int8_t>(pool, x.typed_data(), static_cast<const int8_t*>(
-        w.untyped_data()), scale.typed_data(), y->typed_data(), x.dimensions(), wd,
-        y->dimensions());
+        w.untyped_data()), gr, y->typed_data(), x.dimensions(), wd, y->dimensions());
   if (w.element_type() == ffi::DataType::F8E4M3FN)
     return PackedMatmul<Fp8E4M3>(pool, x.typed_data(), static_cast<const Fp8E4M3*>(
-        w.untyped_data()), scale.typed_data(), y->typed_data(), x.dimensions(), wd,
-        y->dimensions());
+        w.untyped_data()), gr, y->typed_data(), x.dimensions(), wd, y->dimensions());
   return ffi::Error::InvalidArgument("quant_matmul_cpu: weights must be int8 or fp8 e4m3");
 }
 
@@ -216,8 +265,7 @@ void grouped_work(GroupedShared& sh) {
     for (int64_t it = first; it < last; ++it) {
       const int64_t g = it / sh.panels, p = it % sh.panels;
       panel_product(sh.x + sh.start[g] * sh.K, sh.w + sh.expert[g] * sh.panels * sh.K * kNR,
-                    static_cast<const float*>(nullptr), sh.y + sh.start[g] * sh.N, sh.rows[g],
-                    sh.K, sh.N, p);
+                    Groups{}, sh.y + sh.start[g] * sh.N, sh.rows[g], sh.K, sh.N, p);
     }
     sh.done.fetch_add(last - first, std::memory_order_release);
   }
@@ -284,6 +332,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantMatmulCpu, QuantMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 

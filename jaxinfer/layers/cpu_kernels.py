@@ -181,9 +181,11 @@ def pack_jnp(w):
     return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
 
 
-def matmul(x, w_packed, out_features: int, scale=None):
+def matmul(x, w_packed, out_features: int, scale=None, offset=None):
     """x [..., K] float32 @ the packed weight [P, K, 32] -> [..., out_features]. Quantized
-    (int8 / fp8 e4m3 panels): scale float32 [out_features], one per output column."""
+    (int8 / fp8 e4m3 panels): scale float32 [P, K / G, 32] (packed as the weight: `pack` of
+    the [K / G, N] scales), one per output column and group of G input rows, and optionally
+    an offset of the same shape (w = q * scale + offset)."""
     if not available():
         raise RuntimeError("packed weights need the C++ kernels, which could not be built here")
     lead = x.shape[:-1]
@@ -192,10 +194,10 @@ def matmul(x, w_packed, out_features: int, scale=None):
     if scale is None:
         call = jax.ffi.ffi_call(MATMUL_TARGET, out, vmap_method="sequential")
         return call(x2, w_packed).reshape(*lead, out_features)
-    padded = w_packed.shape[0] * PANEL
-    scale = jax.numpy.pad(scale.astype(np.float32), (0, padded - scale.shape[0]))
+    if offset is None:
+        offset = jax.numpy.zeros((0,), np.float32)
     call = jax.ffi.ffi_call(QUANT_MATMUL_TARGET, out, vmap_method="sequential")
-    return call(x2, w_packed, scale).reshape(*lead, out_features)
+    return call(x2, w_packed, scale, offset).reshape(*lead, out_features)
 
 
 def grouped_matmul(x, w_packed, group_sizes, out_features: int):

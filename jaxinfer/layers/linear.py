@@ -38,32 +38,47 @@ def _weight(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, packed: bool,
     return nnx.Param(init(packed_shape(shape[0], n)), unpacked_shape=shape)
 
 
-def _scale(shape: tuple[int, ...], quant) -> nnx.Param | None:
+def _scale(shape: tuple[int, ...], quant, packed: bool, value: float | None = None):
     """weight_scale [KB, *out] of a quantized weight of logical shape (in, *out) (dummy
-    values: std 0.02 for the dummy weights above)."""
+    values: std 0.02 for the dummy weights above), packed into column panels [P, KB, 32]
+    with the weight; value=0.0: a GGUF-style weight_offset of the same shape."""
     if quant is None:
         return None
     from jaxinfer.layers.quantization import QMAX
 
     kb = 1 if quant.in_block is None else -(-shape[0] // quant.in_block)
-    value = 0.02 * 4 / QMAX[quant.weight_dtype]
-    return nnx.Param(jnp.full((kb, *shape[1:]), value, jnp.float32))
+    if value is None:
+        value = 0.02 * 4 / QMAX[quant.weight_dtype]
+    logical = (kb, *shape[1:])
+    if not packed:
+        return nnx.Param(jnp.full(logical, value, jnp.float32))
+    from jaxinfer.layers.cpu_kernels import packed_shape
+
+    return nnx.Param(jnp.full(packed_shape(kb, math.prod(shape[1:])), value, jnp.float32),
+                     unpacked_shape=logical)
+
+
+def _offset(shape: tuple[int, ...], quant, packed: bool):
+    """weight_offset (GGUF's asymmetric blocks: w = q * scale + offset), else None."""
+    if quant is None or not quant.offset:
+        return None
+    return _scale(shape, quant, packed, 0.0)
 
 
 def _matmul(x: jax.Array, weight: jax.Array, packed: bool, out_shape: tuple[int, ...],
-            scale: jax.Array | None = None, quant=None):
+            scale: jax.Array | None = None, quant=None, offset: jax.Array | None = None):
     """x [T, in] @ a weight of logical shape (in, *out_shape) -> [T, *out_shape]
-    (quantized: weight * scale)."""
+    (quantized: weight * scale (+ offset))."""
     if scale is not None:
         if packed:
             from jaxinfer.layers.cpu_kernels import matmul
 
             n = math.prod(out_shape)
-            return matmul(x, weight, n, scale.reshape(-1)).reshape(*x.shape[:-1], *out_shape)
+            return matmul(x, weight, n, scale, offset).reshape(*x.shape[:-1], *out_shape)
         from jaxinfer.layers.quantization import qmatmul
 
         return qmatmul(x, weight, scale, out_shape, in_block=quant.in_block,
-                       activation_fp8=quant.activation_fp8)
+                       activation_fp8=quant.activation_fp8, offset=offset)
     if packed:
         from jaxinfer.layers.cpu_kernels import matmul
 
@@ -74,8 +89,9 @@ def _matmul(x: jax.Array, weight: jax.Array, packed: bool, out_shape: tuple[int,
 
 
 def _packed(packed: bool, quant) -> bool:
-    """Quantized weights are packed for the CPU kernel only with per-channel scales."""
-    return packed and (quant is None or quant.in_block is None)
+    """Quantized weights are packed for the CPU kernel with per-channel scales or GGUF's
+    groups (not with checkpoints' 2-D blocks, whose last group may end short)."""
+    return packed and (quant is None or quant.in_block is None or quant.method == "gguf")
 
 
 def _value(p):
@@ -89,12 +105,13 @@ class Linear(nnx.Module):
         self.packed, self.out_features = _packed(packed, quant), out_features
         shape = (in_features, out_features)
         self.weight = _weight(rngs, shape, dtype, self.packed, quant)  # [in, out]
-        self.weight_scale = _scale(shape, quant)  # [KB, out] (quantized)
+        self.weight_scale = _scale(shape, quant, self.packed)  # [KB, out] (quantized)
+        self.weight_offset = _offset(shape, quant, self.packed)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None  # [out]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = _matmul(x, self.weight[...], self.packed, (self.out_features,),
-                    _value(self.weight_scale), self.quant)
+                    _value(self.weight_scale), self.quant, _value(self.weight_offset))
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -118,14 +135,15 @@ class QKVLinear(nnx.Module):
         width = (self.group + 2) * head_dim
         shape = (in_features, num_kv_heads, width)
         self.weight = _weight(rngs, shape, dtype, self.packed, quant)
-        self.weight_scale = _scale(shape, quant)
+        self.weight_scale = _scale(shape, quant, self.packed)
+        self.weight_offset = _offset(shape, quant, self.packed)
         self.bias = (nnx.Param(jnp.zeros((num_kv_heads, width), dtype)) if use_bias else None)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, in] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
         width = (self.group + 2) * self.head_dim
         y = _matmul(x, self.weight[...], self.packed, (self.num_kv_heads, width),
-                    _value(self.weight_scale), self.quant)
+                    _value(self.weight_scale), self.quant, _value(self.weight_offset))
         if self.bias is not None:
             y = y + self.bias[...]
         t, g, d = x.shape[0], self.group, self.head_dim
@@ -144,11 +162,12 @@ class GateUpLinear(nnx.Module):
         self.packed, self.out_features = _packed(packed, quant), out_features
         shape = (in_features, 2, out_features)
         self.weight = _weight(rngs, shape, dtype, self.packed, quant)
-        self.weight_scale = _scale(shape, quant)
+        self.weight_scale = _scale(shape, quant, self.packed)
+        self.weight_offset = _offset(shape, quant, self.packed)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         y = _matmul(x, self.weight[...], self.packed, (2, self.out_features),
-                    _value(self.weight_scale), self.quant)  # [T, 2, I]
+                    _value(self.weight_scale), self.quant, _value(self.weight_offset))  # [T, 2, I]
         return y[:, 0], y[:, 1]
 
 

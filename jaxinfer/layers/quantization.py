@@ -75,23 +75,34 @@ def expand_checkpoint_scale(scale: np.ndarray, out_features: int, in_features: i
                      f"{out_features} outputs")
 
 
-def dequantize(w: np.ndarray, scale: np.ndarray, in_block: int | None = None) -> np.ndarray:
-    """w [in, *out] quantized, scale [KB, *out] -> float32 [in, *out] (blocks of in_block
-    rows, the last may be short; KB = 1: one block)."""
+def dequantize(w: np.ndarray, scale: np.ndarray, in_block: int | None = None,
+               offset: np.ndarray | None = None) -> np.ndarray:
+    """w [in, *out] quantized, scale [KB, *out] (offset [KB, *out]: GGUF) -> float32
+    [in, *out] (blocks of in_block rows, the last may be short; KB = 1: one block)."""
     w32 = np.asarray(w, np.float32)
     rows = in_block if scale.shape[0] > 1 else w32.shape[0]
-    return w32 * np.repeat(scale, rows, axis=0)[: w32.shape[0]]
+    out = w32 * np.repeat(scale, rows, axis=0)[: w32.shape[0]]
+    if offset is not None:
+        out = out + np.repeat(offset, rows, axis=0)[: w32.shape[0]]
+    return out
 
 
 # -- device side: the matmul ----------------------------------------------------------------
 
 def qmatmul(x: jax.Array, weight: jax.Array, scale: jax.Array, out_shape: tuple[int, ...], *,
-            in_block: int | None = None, activation_fp8: bool = False) -> jax.Array:
-    """x [T, in] @ (weight [in, *out] * scale [KB, *out]) -> [T, *out] in x's dtype (KB > 1:
-    blocks of in_block input rows, the last may be short)."""
+            in_block: int | None = None, activation_fp8: bool = False,
+            offset: jax.Array | None = None) -> jax.Array:
+    """x [T, in] @ (weight [in, *out] * scale [KB, *out] (+ offset [KB, *out])) -> [T, *out]
+    in x's dtype (KB > 1: blocks of in_block input rows, the last may be short)."""
     n = math.prod(out_shape)
     w = weight.reshape(weight.shape[0], n)
     s = scale.reshape(scale.shape[0], n).astype(jnp.float32)
+    if offset is not None:  # GGUF groups (whole): dequantize q * d + m, then the dot
+        kb = s.shape[0]
+        full = w.reshape(kb, -1, n).astype(jnp.float32) * s[:, None] + offset.reshape(
+            kb, 1, n).astype(jnp.float32)
+        y = jnp.dot(x, full.reshape(-1, n).astype(x.dtype), preferred_element_type=jnp.float32)
+        return y.astype(x.dtype).reshape(*x.shape[:-1], *out_shape)
     if s.shape[0] == 1:  # per output channel: the scale applies after the dot
         if activation_fp8 and w.dtype == jnp.float8_e4m3fn:
             y = _fp8_dot(x, w)

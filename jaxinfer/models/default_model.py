@@ -26,8 +26,10 @@ def cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer")
 
 
-def default_model_dir() -> str:
-    return os.path.join(cache_dir(), "models", DEFAULT_MODEL_NAME)
+def default_model_dir(quantized: bool = False) -> str:
+    """The converted folder; quantized: its projections kept as the GGUF's blocks."""
+    return os.path.join(cache_dir(), "models", DEFAULT_MODEL_NAME + ("-gguf" if quantized
+                                                                      else ""))
 
 
 def find_default_gguf() -> str:
@@ -57,9 +59,10 @@ def is_prepared(out_dir: str | None = None) -> bool:
     return os.path.isfile(stamp) and open(stamp).read().strip() == GGUF_SHA256
 
 
-def ensure_default_model(verbose: bool = False) -> str:
-    """Convert the default model once (verifying the GGUF's sha256); return its folder."""
-    out_dir = default_model_dir()
+def ensure_default_model(verbose: bool = False, quantized: bool = False) -> str:
+    """Convert the default model once (verifying the GGUF's sha256); return its folder.
+    quantized: the folder keeping the GGUF's quantized blocks (quantization="gguf")."""
+    out_dir = default_model_dir(quantized)
     if is_prepared(out_dir):
         return out_dir
     gguf_path = find_default_gguf()
@@ -70,7 +73,25 @@ def ensure_default_model(verbose: bool = False) -> str:
 
     if verbose:
         print(f"converting {gguf_path} -> {out_dir}", flush=True)
-    convert_gguf(gguf_path, out_dir)
+    convert_gguf(gguf_path, out_dir, keep_quantized=quantized)
     with open(os.path.join(out_dir, _STAMP), "w") as f:
         f.write(GGUF_SHA256)
+    return out_dir
+
+
+def ensure_gguf_model(gguf_path: str, quantized: bool) -> str:
+    """A GGUF file given as the model: converted once into the cache (keyed by its sha256;
+    quantized: projections kept quantized) -> the folder."""
+    digest = sha256_of(gguf_path)
+    name = os.path.basename(gguf_path)[: -len(".gguf")]
+    out_dir = os.path.join(cache_dir(), "models", "gguf",
+                           f"{name}-{digest[:16]}" + ("-q" if quantized else ""))
+    stamp = os.path.join(out_dir, _STAMP)
+    if os.path.isfile(stamp) and open(stamp).read().strip() == digest:
+        return out_dir
+    from jaxinfer.models.gguf_convert import convert_gguf
+
+    convert_gguf(gguf_path, out_dir, keep_quantized=quantized)
+    with open(stamp, "w") as f:
+        f.write(digest)
     return out_dir

@@ -3,6 +3,14 @@
 Writes config.json, generation_config.json, model.safetensors (float32, dequantized with the
 `gguf` package; llama.cpp's rotary row permutation of q/k undone), tokenizer.json (built from
 the GGUF vocabulary and merges with `tokenizers`) and tokenizer_config.json (chat template).
+
+keep_quantized (quantization="gguf"): the decoder projections stay quantized instead, as int8
+values q with a float32 scale d and offset m per group of G input columns (w = q * d + m:
+every supported block type is exactly that: Q8_0 / Q4_0 / Q4_1 and the K-quants' sub-blocks,
+G = 32, or 16 when a Q6_K tensor is present), `weight` / `weight_scale` / `weight_offset` with
+a `quantization_config` {"quant_method": "gguf", "group_size": G}. q, d and m are read back
+through the `gguf` package's own dequantization (the block with its quant bits cleared gives
+m; with every value 1, d + m), so its decoding of each layout is the definition.
 """
 
 from __future__ import annotations
@@ -120,9 +128,73 @@ def _config(reader) -> dict:
     return cfg
 
 
-def _tensors(reader, cfg) -> dict[str, np.ndarray]:
+# Kept block types: group size, and the byte ranges of a block holding quant bits with the
+# byte each takes for "every value 1" (a nibble pair 0x11, a high-bit byte 0x00).
+KEPT_TYPES = {
+    "Q8_0": (32, [(2, 34, 0x01)]),
+    "Q4_0": (32, [(2, 18, 0x11)]),
+    "Q4_1": (32, [(4, 20, 0x11)]),
+    "Q4_K": (32, [(16, 144, 0x11)]),
+    "Q5_K": (32, [(16, 48, 0x00), (48, 176, 0x11)]),
+    "Q6_K": (16, [(0, 128, 0x11), (128, 192, 0x00)]),
+}
+
+
+def gguf_groups(data: np.ndarray, qtype, shape: tuple[int, int], group: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A quantized GGUF tensor (raw blocks, [rows, bytes per row]) -> q int8 [rows, cols],
+    scale and offset float32 [rows, cols / group], with q * scale + offset = gguf's
+    dequantization (to float32 rounding)."""
+    import gguf
     from gguf.quants import dequantize
 
+    name = qtype.name
+    if name not in KEPT_TYPES:
+        raise GGUFConversionError(f"GGUF tensor type {name} cannot be kept quantized "
+                                  f"(supported: {', '.join(KEPT_TYPES)})")
+    _, ranges = KEPT_TYPES[name]
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.ascontiguousarray(data, np.uint8).reshape(-1, type_size)  # one row per block
+    zero, one = raw.copy(), raw.copy()
+    for lo, hi, byte in ranges:
+        zero[:, lo:hi] = 0
+        one[:, lo:hi] = byte
+    rows, cols = shape
+
+    def deq(blocks):
+        return np.asarray(dequantize(blocks.reshape(data.shape), qtype),
+                          np.float32).reshape(rows, cols)
+
+    w, w0, w1 = deq(raw), deq(zero), deq(one)
+    step = w1 - w0  # per element: its group's scale
+    scale, offset = step[:, ::group].copy(), w0[:, ::group].copy()
+    if not (np.array_equal(np.repeat(scale, group, 1), step)
+            and np.array_equal(np.repeat(offset, group, 1), w0)):
+        raise GGUFConversionError(f"GGUF {name} tensor: scales are not constant over groups "
+                                  f"of {group}")
+    safe = np.where(step == 0, 1.0, step)
+    q = np.where(step == 0, 0.0, np.rint((w - w0) / safe))
+    if q.min() < -128 or q.max() > 127:
+        raise GGUFConversionError(f"GGUF {name} tensor: values outside int8")
+    return q.astype(np.int8), scale, offset
+
+
+def _tensors(reader, cfg, keep_quantized: bool = False) -> dict[str, np.ndarray]:
+    from gguf.quants import dequantize
+
+    group = 32
+    if keep_quantized:
+        kinds = {t.tensor_type.name for t in reader.tensors
+                 if re.fullmatch(r"blk\.\d+\.(attn_[qkv]|attn_output|ffn_(gate|up|down))\.weight",
+                                 t.name)}
+        bad = sorted(kinds - set(KEPT_TYPES))
+        if bad:
+            raise GGUFConversionError(f"quantization='gguf': projection tensors of type "
+                                      f"{', '.join(bad)} cannot be kept quantized (supported: "
+                                      f"{', '.join(KEPT_TYPES)}); load it without "
+                                      "quantization='gguf' (converted to float)")
+        group = min(KEPT_TYPES[k][0] for k in kinds) if kinds else 32
+        cfg["quantization_config"] = {"quant_method": "gguf", "group_size": group}
     out = {}
     for t in reader.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
@@ -138,12 +210,18 @@ def _tensors(reader, cfg) -> dict[str, np.ndarray]:
             continue
         # GGUF shapes are innermost-first; numpy order is the reverse ([out, in] as HF).
         shape = tuple(int(x) for x in reversed(t.shape))
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        if name.endswith("q_proj.weight"):
-            w = unpermute_rotary(w, cfg["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_rotary(w, cfg["num_key_value_heads"])
-        out[name] = np.ascontiguousarray(w)
+        if keep_quantized and name.endswith("_proj.weight"):
+            parts = dict(zip(("", "_scale", "_offset"),
+                             gguf_groups(t.data, t.tensor_type, shape, group)))
+        else:
+            parts = {"": np.asarray(dequantize(t.data, t.tensor_type),
+                                    dtype=np.float32).reshape(shape)}
+        for suffix, w in parts.items():
+            if name.endswith("q_proj.weight"):
+                w = unpermute_rotary(w, cfg["num_attention_heads"])
+            elif name.endswith("k_proj.weight"):
+                w = unpermute_rotary(w, cfg["num_key_value_heads"])
+            out[name + suffix] = np.ascontiguousarray(w)
     if "model.embed_tokens.weight" not in out:
         raise GGUFConversionError("GGUF has no token_embd.weight tensor")
     return out
@@ -208,13 +286,14 @@ def _tokenizer_config(reader, tokens, cfg) -> dict:
     }
 
 
-def convert_gguf(gguf_path: str, out_dir: str) -> str:
-    """Convert `gguf_path` into an HF folder at `out_dir` (written atomically). Returns out_dir."""
+def convert_gguf(gguf_path: str, out_dir: str, keep_quantized: bool = False) -> str:
+    """Convert `gguf_path` into an HF folder at `out_dir` (written atomically). Returns out_dir.
+    keep_quantized: the decoder projections stay quantized (see the module docstring)."""
     from safetensors.numpy import save_file
 
     reader = _open(gguf_path)
     cfg = _config(reader)
-    tensors = _tensors(reader, cfg)
+    tensors = _tensors(reader, cfg, keep_quantized)
     tk, tokens = _tokenizer(reader)
     if tk.get_vocab_size() != cfg["vocab_size"]:
         cfg["vocab_size"] = max(cfg["vocab_size"], tk.get_vocab_size())

@@ -93,30 +93,40 @@ def _iter_tensors(files_by_name: dict[str, str], wanted: list[str]):
 _SCALE_SUFFIXES = ("_scale_inv", "_scale")  # q_proj.weight + these: its checkpoint scale
 
 
-def _checkpoint_scales(files_by_name: dict[str, str]) -> dict[str, np.ndarray]:
-    """Every weight scale in the checkpoint (small), by the name of the weight it scales."""
-    wanted = [n for n in files_by_name if n.endswith((".weight_scale", ".weight_scale_inv"))]
-    out = {}
+_SCALE_NAMES = {".weight_scale": "scale", ".weight_scale_inv": "scale",
+                ".weight_offset": "offset"}  # (weight_offset: jaxinfer's GGUF conversion)
+
+
+def _checkpoint_scales(files_by_name: dict[str, str]) -> dict[str, dict[str, np.ndarray]]:
+    """Every weight scale (and GGUF offset) in the checkpoint (small), by the name of the
+    weight: {"scale": ..., "offset": ...}."""
+    wanted = [n for n in files_by_name if n.endswith(tuple(_SCALE_NAMES))]
+    out: dict[str, dict[str, np.ndarray]] = {}
     for name, tensor in _iter_tensors(files_by_name, wanted):
-        weight = name[: -len("_scale_inv")] if name.endswith("_inv") else name[: -len("_scale")]
-        out[weight] = np.asarray(tensor, np.float32)
+        suffix = next(s for s in _SCALE_NAMES if name.endswith(s))
+        out.setdefault(name[: -len(suffix)] + ".weight", {})[_SCALE_NAMES[suffix]] = \
+            np.asarray(tensor, np.float32)
     return out
 
 
-def _quantized_source(src: str, tensor: np.ndarray, scale: np.ndarray, qcfg, *, kv_repeat: int,
-                      head_dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """A quantized checkpoint weight (HF [out, in]) and its scale -> ours: [in, out] and
-    [KB, out] (KV heads replicated in both)."""
+def _quantized_source(src: str, tensor: np.ndarray, entry: dict, qcfg, *, kv_repeat: int,
+                      head_dim: int) -> tuple[np.ndarray, ...]:
+    """A quantized checkpoint weight (HF [out, in]) with its scale (and offset) -> ours:
+    [in, out] and [KB, out] each (KV heads replicated in all)."""
     from jaxinfer.layers.quantization import expand_checkpoint_scale
 
-    if tensor.ndim != 2:
-        raise ValueError(f"quantized tensor {src!r} has shape {tensor.shape}: expected 2-D")
+    if tensor.ndim != 2 or "scale" not in entry:
+        raise ValueError(f"quantized tensor {src!r} has shape {tensor.shape}"
+                         + ("" if "scale" in entry else " and no weight scale")
+                         + ": expected a 2-D weight with its scale")
     out, inp = tensor.shape
-    s = expand_checkpoint_scale(scale, out, inp, qcfg.block if qcfg else None)  # [KB, out]
+    block = qcfg.block if qcfg else None
+    extra = [expand_checkpoint_scale(entry[k], out, inp, block)  # [KB, out]
+             for k in ("scale", "offset") if k in entry]
     if kv_repeat > 1 and src.endswith(_KV_SUFFIXES):
         tensor = replicate_kv_heads(tensor, kv_repeat, head_dim)
-        s = replicate_kv_heads(s.T, kv_repeat, head_dim).T
-    return tensor.T, s
+        extra = [replicate_kv_heads(s.T, kv_repeat, head_dim).T for s in extra]
+    return (tensor.T, *extra)
 
 
 def _host_tensor(name: str, tensor: np.ndarray, expected_shape, dtype, *, kv_repeat: int,
@@ -143,18 +153,22 @@ def _source_part(src: str, tensor: np.ndarray, ckpt_scale, shape, var, scale_var
     from jaxinfer.layers.quantization import dequantize, quantize
 
     if ckpt_scale is not None:
-        q, s = _quantized_source(src, tensor, ckpt_scale, qcfg, kv_repeat=kv_repeat,
-                                 head_dim=head_dim)
+        parts = _quantized_source(src, tensor, ckpt_scale, qcfg, kv_repeat=kv_repeat,
+                                  head_dim=head_dim)
+        q = parts[0]
         if tuple(q.shape) != tuple(shape):
             raise ValueError(f"tensor {src!r} has shape {tuple(q.shape)} (after transposing "
                              f"HF's [out, in] layout) but the model expects {tuple(shape)}")
         if scale_var is None:
             block = qcfg.in_block if qcfg is not None else None
-            return dequantize(q, s, block).astype(var.dtype)
+            return dequantize(*parts[:2], block, *parts[2:]).astype(var.dtype)
         if np.dtype(q.dtype) != np.dtype(var.dtype):
             raise ValueError(f"tensor {src!r} is {q.dtype} but the model holds "
                              f"{np.dtype(var.dtype)} weights")
-        return q, s
+        if len(parts) != 2 + bool(qcfg.offset):
+            raise ValueError(f"tensor {src!r}: weight_offset "
+                             + ("missing" if qcfg.offset else "unexpected"))
+        return parts
     if scale_var is None:
         return _host_tensor(src, tensor, shape, var.dtype, kv_repeat=kv_repeat,
                             head_dim=head_dim)
@@ -239,7 +253,7 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
     expected = {name: var for (_, var), name in zip(flat, names)}
     # (a quantized weight's weight_scale is filled with its weight)
     sources = {name: checkpoint_names(name, logical_shape(expected[name]))
-               for name in names if not name.endswith(".weight_scale")}  # fused: several
+               for name in names if not name.endswith((".weight_scale", ".weight_offset"))}
     # fp8 KV cache scales: self_attn.k_scale / v_scale, or compressed-tensors' k_proj /
     # v_proj.output_scale; a checkpoint without them: 1.0 (as vLLM does).
     default_one = []
@@ -270,6 +284,7 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
         for name in owners[src]:
             var = expected[name]
             scale_var = expected.get(name + "_scale")  # a quantized weight's weight_scale
+            offset_var = expected.get(name + "_offset")  # (GGUF) weight_offset
             srcs = sources[name]
             want = logical_shape(var)
             if name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
@@ -293,16 +308,19 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
                 continue
             del pending[name]
             ordered = [parts[s] for s in srcs]
-            if scale_var is not None:  # (quantized, scale) pairs: fuse both the same way
-                value = ordered[0][0] if len(srcs) == 1 else fuse(
-                    name, [p[0] for p in ordered], head_dim)
-                scale = ordered[0][1] if len(srcs) == 1 else fuse(
-                    name + "_scale", [p[1] for p in ordered], head_dim)
-                if tuple(scale.shape) != tuple(scale_var.shape):
-                    raise ValueError(f"{name}: weight scale of shape {tuple(scale.shape)}, the "
-                                     f"model expects {tuple(scale_var.shape)}")
-                scale_var.set_value(_place(name + "_scale", scale, mesh=mesh,
-                                           to_host=to_host, expert_parallel=ep))
+            if scale_var is not None:  # (quantized, scale[, offset]): each fused the same way
+                fused = [ordered[0][i] if len(srcs) == 1 else fuse(
+                    name + suffix, [p[i] for p in ordered], head_dim)
+                    for i, suffix in enumerate(("", "_scale", "_offset")[:len(ordered[0])])]
+                value = fused[0]
+                for extra, evar, suffix in zip(fused[1:], (scale_var, offset_var),
+                                               ("_scale", "_offset")):
+                    if tuple(extra.shape) != logical_shape(evar):
+                        raise ValueError(f"{name}: weight{suffix} of shape "
+                                         f"{tuple(extra.shape)}, the model expects "
+                                         f"{logical_shape(evar)}")
+                    evar.set_value(_place(name + suffix, to_param_layout(evar, extra),
+                                          mesh=mesh, to_host=to_host, expert_parallel=ep))
             else:
                 value = ordered[0] if len(srcs) == 1 else fuse(name, ordered, head_dim)
             var.set_value(_place(name, to_param_layout(var, value), mesh=mesh,

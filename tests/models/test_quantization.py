@@ -46,7 +46,7 @@ def test_cpu_kernel_matches_dequantized_product(dtype, m):
     q, s = quantize(w, dtype)
     ref = x @ dequantize(q, s)
     got = jax.jit(lambda x, p, s: cpu_kernels.matmul(x, p, n, s))(x, cpu_kernels.pack(q),
-                                                                 s.reshape(-1))
+                                                                 cpu_kernels.pack(s))
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
     xla = qmatmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(s), (n,))
     np.testing.assert_allclose(np.asarray(xla), ref, rtol=1e-5, atol=1e-5)
@@ -59,8 +59,29 @@ def test_cpu_kernel_decodes_every_fp8_value_exactly():
     w = np.zeros((len(vals), 32), ml_dtypes.float8_e4m3fn)
     w[:, 3] = vals
     got = cpu_kernels.matmul(np.eye(len(vals), dtype=np.float32), cpu_kernels.pack(w), 32,
-                             np.ones(32, np.float32))
+                             cpu_kernels.pack(np.ones((1, 32), np.float32)))
     assert np.array_equal(np.asarray(got)[:, 3], vals.astype(np.float32))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ kernels could not be built")
+@pytest.mark.parametrize("group,offset", [(16, True), (32, True), (32, False)])
+@pytest.mark.parametrize("m", [1, 7])
+def test_cpu_kernel_groups_with_offsets(group, offset, m):
+    """GGUF-style groups of input rows, each with a scale and an offset per column:
+    x @ (q * s + o), for the kernel and for XLA's path."""
+    rng = np.random.default_rng(group + m)
+    k, n = 96, 45
+    q = rng.integers(0, 16, (k, n)).astype(np.int8)
+    s = rng.uniform(0.001, 0.02, (k // group, n)).astype(np.float32)
+    o = rng.uniform(-0.1, 0.1, (k // group, n)).astype(np.float32) if offset else None
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    ref = x @ dequantize(q, s, group, o)
+    got = cpu_kernels.matmul(x, cpu_kernels.pack(q), n, cpu_kernels.pack(s),
+                             None if o is None else cpu_kernels.pack(o))
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+    xla = qmatmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(s), (n,), in_block=group,
+                  offset=None if o is None else jnp.asarray(o))
+    np.testing.assert_allclose(np.asarray(xla), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_block_scales_with_a_short_last_block():
@@ -321,3 +342,84 @@ def test_smollm2_quantized_at_load_agrees_with_float(smollm2_dir):
         assert s["weight_bytes_per_device"] < 0.75 * st["weight_bytes_per_device"]
     # the same byte budget: 4x the blocks (floor(4B / b) // 4 == floor(B / b))
     assert (runs["fp8"][1]["num_kv_blocks"] - 1) // 4 == st["num_kv_blocks"] - 1
+
+
+# -- GGUF kept quantized ------------------------------------------------------------------------
+
+def _random_blocks(name, n_blocks, rng):
+    """Random blocks of a GGUF type with sane fp16 scales (random bytes elsewhere)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[name]
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    d_at = {"Q6_K": [208]}.get(name, [0, 2] if name in ("Q4_1", "Q4_K", "Q5_K") else [0])
+    for off in d_at:
+        raw[:, off:off + 2] = rng.uniform(0.001, 0.05, n_blocks).astype(np.float16).view(
+            np.uint8).reshape(n_blocks, 2)
+    return qtype, raw
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("group", [16, 32])
+def test_gguf_blocks_dequantize_as_the_gguf_package(name, group):
+    """Every kept block type: q * scale + offset per group = gguf's own dequantization."""
+    import gguf
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from jaxinfer.models.gguf_convert import KEPT_TYPES, gguf_groups
+
+    if group > KEPT_TYPES[name][0]:
+        pytest.skip("a Q6_K file uses groups of 16")
+    rng = np.random.default_rng(len(name) * group)
+    qtype, raw = _random_blocks(name, 12, rng)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = 3, 4 * block
+    data = raw.reshape(rows, -1)
+    ref = np.asarray(gguf_dequantize(data, qtype), np.float32).reshape(rows, cols)
+    q, s, m = gguf_groups(data, qtype, (rows, cols), group)
+    assert q.dtype == np.int8 and s.shape == m.shape == (rows, cols // group)
+    got = dequantize(q.T, s.T, group, m.T).T
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+def test_gguf_types_not_kept_are_refused(smollm2_dir):
+    import gguf
+
+    from jaxinfer.models.gguf_convert import GGUFConversionError, gguf_groups
+
+    with pytest.raises(GGUFConversionError, match="Q2_K cannot be kept quantized"):
+        gguf_groups(np.zeros((1, 84), np.uint8), gguf.GGMLQuantizationType.Q2_K, (1, 256), 32)
+    from jaxinfer.config import EngineConfig, resolve_config
+
+    with pytest.raises(ValueError, match="quantization='gguf' needs"):
+        resolve_config(EngineConfig(model=smollm2_dir, quantization="gguf"))
+
+
+def test_gguf_file_served_quantized_equals_float(smollm2_dir):
+    """LLM(file.gguf, quantization="gguf") keeps the embedded Q4_1 blocks (int8 values,
+    per-32 scales and offsets: the C++ kernel's groups) and gives the float conversion's
+    greedy tokens (the same weights), in under half the weight memory."""
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.config import EngineConfig, resolve_config
+    from jaxinfer.models.default_model import find_default_gguf
+    from tests.engine.test_llm_greedy import PROMPTS
+
+    path = find_default_gguf()
+    rc = resolve_config(EngineConfig(model=path, quantization="gguf"))
+    assert rc.model_config.quantization.method == "gguf"
+    assert rc.model_config.quantization.in_block == 32 and rc.model_dir.endswith("-q")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    opts = dict(max_model_len=128, max_num_seqs=16, warmup=False, enable_multiprocessing=False)
+    runs = {}
+    for name, model, extra in (("float", smollm2_dir, {}),
+                               ("gguf", path, {"quantization": "gguf"})):
+        llm = LLM(model, **opts, **extra)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        runs[name] = ([o.outputs[0].token_ids for o in outs],
+                      llm.llm_engine.get_stats()["weight_bytes_per_device"])
+        llm.shutdown()
+    same = np.mean([a == b for a, b in zip(runs["gguf"][0], runs["float"][0])])
+    print(f"gguf vs float: all 8 tokens equal for {same:.2f} of the prompts")
+    assert same >= 0.9, same  # (float rounding order only: the kernel sums per group)
+    assert runs["gguf"][1] < 0.6 * runs["float"][1]
