@@ -59,7 +59,8 @@ class QuantConfig:
         elif method == "gguf":  # (written by jaxinfer's GGUF conversion, models/gguf_convert.py)
             group = int(hf_config.get("group_size", 32))
             q = QuantConfig(method="gguf", weight_dtype="int8", from_checkpoint=True,
-                            block=(1, group), offset=True)
+                            block=(1, group), offset=True,
+                            ignored=tuple(hf_config.get("modules_to_not_convert") or ()))
         else:
             raise ValueError(f"quantization_config.quant_method={method!r} is not supported "
                              f"({_REFUSED_HINT})")
@@ -75,6 +76,8 @@ class QuantConfig:
         from jaxinfer.models.fused import FUSED
 
         head, _, leaf = module.rpartition(".")
+        if module == "lm_head" and self.method == "gguf":  # (llama.cpp's output is quantized)
+            return None if any(_ignored(module, p) for p in self.ignored) else self
         if leaf not in QUANTIZED_MODULES or ".experts." in module + ".":
             return None
         sources = [f"{head}.{src}" for src in FUSED.get(leaf, (leaf,))]

@@ -14,6 +14,13 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _STAMP = ".jaxinfer-source-sha256"
+# Part of a quantized conversion's stamp: bumped when what keep_quantized writes changes, so
+# an older conversion in the cache is redone.
+QUANTIZED_LAYOUT = "gguf-groups-2"
+
+
+def _stamp_text(digest: str, quantized: bool) -> str:
+    return f"{digest} {QUANTIZED_LAYOUT}" if quantized else digest
 
 
 def cache_dir() -> str:
@@ -54,16 +61,17 @@ def sha256_of(path: str) -> str:
     return h.hexdigest()
 
 
-def is_prepared(out_dir: str | None = None) -> bool:
-    stamp = os.path.join(out_dir or default_model_dir(), _STAMP)
-    return os.path.isfile(stamp) and open(stamp).read().strip() == GGUF_SHA256
+def is_prepared(out_dir: str | None = None, quantized: bool = False) -> bool:
+    stamp = os.path.join(out_dir or default_model_dir(quantized), _STAMP)
+    return os.path.isfile(stamp) and open(stamp).read().strip() == _stamp_text(GGUF_SHA256,
+                                                                               quantized)
 
 
 def ensure_default_model(verbose: bool = False, quantized: bool = False) -> str:
     """Convert the default model once (verifying the GGUF's sha256); return its folder.
     quantized: the folder keeping the GGUF's quantized blocks (quantization="gguf")."""
     out_dir = default_model_dir(quantized)
-    if is_prepared(out_dir):
+    if is_prepared(out_dir, quantized):
         return out_dir
     gguf_path = find_default_gguf()
     digest = sha256_of(gguf_path)
@@ -75,7 +83,7 @@ def ensure_default_model(verbose: bool = False, quantized: bool = False) -> str:
         print(f"converting {gguf_path} -> {out_dir}", flush=True)
     convert_gguf(gguf_path, out_dir, keep_quantized=quantized)
     with open(os.path.join(out_dir, _STAMP), "w") as f:
-        f.write(GGUF_SHA256)
+        f.write(_stamp_text(GGUF_SHA256, quantized))
     return out_dir
 
 
@@ -87,11 +95,11 @@ def ensure_gguf_model(gguf_path: str, quantized: bool) -> str:
     out_dir = os.path.join(cache_dir(), "models", "gguf",
                            f"{name}-{digest[:16]}" + ("-q" if quantized else ""))
     stamp = os.path.join(out_dir, _STAMP)
-    if os.path.isfile(stamp) and open(stamp).read().strip() == digest:
+    if os.path.isfile(stamp) and open(stamp).read().strip() == _stamp_text(digest, quantized):
         return out_dir
     from jaxinfer.models.gguf_convert import convert_gguf
 
     convert_gguf(gguf_path, out_dir, keep_quantized=quantized)
     with open(stamp, "w") as f:
-        f.write(digest)
+        f.write(_stamp_text(digest, quantized))
     return out_dir

@@ -204,7 +204,8 @@ class LlamaForCausalLM(nnx.Module):
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype,
                                   rngs=rngs,
-                                  packed=use_packed_weights(attention_backend, dtype, mesh))
+                                  packed=use_packed_weights(attention_backend, dtype, mesh),
+                                  quant=module_quant(cfg, "lm_head"))
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[KVCache],
                  md: AttentionMetadata, aux_layers: tuple[int, ...] = ()):
