@@ -24,6 +24,35 @@ inline v16 load16(const float* p) { return *reinterpret_cast<const v16*>(p); }
 
 inline void store16(float* p, v16 v) { *reinterpret_cast<v16*>(p) = v; }
 
+typedef uint8_t v16u8 __attribute__((vector_size(16), aligned(1), may_alias));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+
+// 16 fp8 bytes -> 16 floats. Normal numbers move their exponent and mantissa into float32's
+// fields with the exponent bias raised (e4m3 "fn": bias 7, 3 mantissa bits; e5m2: bias 15,
+// 2 bits); subnormals (exponent 0) are mantissa * 2^(1 - bias - mantissa bits), computed as
+// an integer conversion (no float32 subnormals, so a flush-to-zero mode changes nothing).
+// NaN / infinity patterns never occur: writers saturate to the finite range.
+template <int kMantBits, int kBias>
+inline v16 fp8_to_float16x(const uint8_t* p) {
+  const v16u32 b = __builtin_convertvector(*reinterpret_cast<const v16u8*>(p), v16u32);
+  const v16u32 mag = b & 0x7Fu;
+  const v16u32 normal_bits = (mag << (23 - kMantBits)) + (uint32_t(127 - kBias) << 23);
+  v16 normal;
+  std::memcpy(&normal, &normal_bits, sizeof normal);
+  constexpr float kSub = 1.0f / float(1u << (kBias - 1 + kMantBits));
+  const v16 sub = __builtin_convertvector(mag & ((1u << kMantBits) - 1u), v16) * kSub;
+  const v16 r = mag < (1u << kMantBits) ? sub : normal;
+  v16u32 bits;
+  std::memcpy(&bits, &r, sizeof bits);
+  bits |= (b & 0x80u) << 24;
+  v16 out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+inline v16 e4m3_to_float16x(const uint8_t* p) { return fp8_to_float16x<3, 7>(p); }
+inline v16 e5m2_to_float16x(const uint8_t* p) { return fp8_to_float16x<2, 15>(p); }
+
 // A prefetch the compiler must keep: GCC 12 drops __builtin_prefetch calls in loops it finds
 // have no other effect (the kernel's first prefetching loop compiled to nothing).
 inline void prefetch(const void* p) {

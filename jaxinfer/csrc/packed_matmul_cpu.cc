@@ -36,8 +36,6 @@ struct Fp8E4M3 {
 };
 
 typedef int8_t v16s8 __attribute__((vector_size(16), aligned(1), may_alias));
-typedef uint8_t v16u8 __attribute__((vector_size(16), aligned(1), may_alias));
-typedef uint32_t v16u32 __attribute__((vector_size(64)));
 
 inline v16 load_w(const float* p) { return load16(p); }
 
@@ -45,25 +43,9 @@ inline v16 load_w(const int8_t* p) {
   return __builtin_convertvector(*reinterpret_cast<const v16s8*>(p), v16);
 }
 
-// e4m3: sign, 4 exponent bits (bias 7), 3 mantissa bits. Normal numbers move their exponent
-// and mantissa into float32's fields with the bias raised by 120; subnormals (exponent 0) are
-// mantissa * 2^-9, computed as an integer conversion (no float32 subnormals are involved, so
-// a flush-to-zero mode on the thread changes nothing). 0x7F / 0xFF (NaN) never occur: the
-// loader clips to +-448.
+// (the loader clips fp8 weights to +-448: no NaN patterns)
 inline v16 load_w(const Fp8E4M3* p) {
-  const v16u32 b = __builtin_convertvector(*reinterpret_cast<const v16u8*>(p), v16u32);
-  const v16u32 mag = b & 0x7Fu;
-  const v16u32 normal_bits = (mag << 20) + (120u << 23);
-  v16 normal;
-  std::memcpy(&normal, &normal_bits, sizeof normal);
-  const v16 sub = __builtin_convertvector(mag & 7u, v16) * 0x1p-9f;
-  const v16 r = mag < 8u ? sub : normal;
-  v16u32 bits;
-  std::memcpy(&bits, &r, sizeof bits);
-  bits |= (b & 0x80u) << 24;
-  v16 out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
+  return jaxinfer_cpu::e4m3_to_float16x(reinterpret_cast<const uint8_t*>(p));
 }
 
 // rows [m0, m0 + MR) x panel `panel`: acc = x rows . panel, written to y. Quantized weights

@@ -149,7 +149,7 @@ struct Problem {
 
 struct Item {
   int32_t seq, head, tile;  // (a decode item: every KV head; `head` is 0)
-  bool decode;  // run_decode_item (all heads, f32, D % 16 == 0), else run_item
+  bool decode;  // run_decode_item (all heads, f32 q, f32 / fp8 KV, D % 16 == 0), else run_item
 };
 
 // An item's query tokens [start + r0, start + r1) of its sequence, the sequence's context
@@ -366,7 +366,20 @@ inline float hsum(v16 v) {
 // contiguous run, so each page streams through the hardware prefetcher instead of arriving as
 // head-strided pieces (decode attention is bound by these bytes: per-head reads ran at ~12 GB/s
 // of this machine's ~31). The accumulators live in L1. Returns false on a bad block id.
+// Cache entries as floats, 16 at a time: float32, or fp8 (e4m3 "fn" / e5m2) widened.
+struct E4M3 {
+  uint8_t b;
+};
+struct E5M2 {
+  uint8_t b;
+};
+inline v16 kv16(const float* p) { return load16(p); }
+inline v16 kv16(const E4M3* p) { return jaxinfer_cpu::e4m3_to_float16x(&p->b); }
+inline v16 kv16(const E5M2* p) { return jaxinfer_cpu::e5m2_to_float16x(&p->b); }
+
+template <typename KV>
 bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
+  constexpr int64_t kLine = 64 / sizeof(KV);  // cache entries per 64-byte line
   const int64_t D = p.D, G = p.group, BS = p.BS, Hq = p.Hq, row_len = p.Hkv * D;
   const Span sp = span_of(p, it);
   const int64_t start = sp.start, ctx = sp.ctx, r0 = sp.r0, r1 = sp.r1, lo = sp.lo, hi = sp.hi;
@@ -384,20 +397,20 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
   std::fill(m, m + nr, kMaskValue);
   std::fill(l, l + nr, 0.0f);
   const int32_t* table = p.tables + it.seq * p.MB;
-  const float* kc = static_cast<const float*>(p.k);
-  const float* vc = static_cast<const float*>(p.v);
+  const KV* kc = static_cast<const KV*>(p.k);
+  const KV* vc = static_cast<const KV*>(p.v);
   for (int64_t page = lo / BS; page * BS < hi; ++page) {
     const int64_t blk = table[page];
     if (blk < 0 || blk >= p.NB) return false;
     const int64_t j0 = std::max(lo, page * BS), j1 = std::min(hi, (page + 1) * BS);
     const int64_t n = j1 - j0;
     const int64_t first = (blk * BS + (j0 - page * BS)) * row_len;
-    const float* kb = kc + first;
-    const float* vb = vc + first;
+    const KV* kb = kc + first;
+    const KV* vb = vc + first;
     // The next page is fetched while this one is computed, a key's rows per key here (the
     // hardware prefetcher cannot know where it is): K during the scores, V during P.V.
-    const float* next_k = nullptr;
-    const float* next_v = nullptr;
+    const KV* next_k = nullptr;
+    const KV* next_v = nullptr;
     if ((page + 1) * BS < hi) {
       const int64_t nb = table[page + 1];
       if (nb >= 0 && nb < p.NB) {  // (a bad id is refused when its page comes)
@@ -410,14 +423,15 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
     for (int64_t j = 0; j < n; ++j) {
       if (next_k != nullptr)
         for (int64_t x = j * per_key; x < std::min(BS, (j + 1) * per_key); ++x)
-          for (int64_t b = 0; b < row_len; b += 16) jaxinfer_cpu::prefetch(next_k + x * row_len + b);
-      const float* kr = kb + j * row_len;
+          for (int64_t b = 0; b < row_len; b += kLine)
+            jaxinfer_cpu::prefetch(next_k + x * row_len + b);
+      const KV* kr = kb + j * row_len;
       for (int64_t qh = 0; qh < Hq; ++qh) {
-        const float* kh = kr + (qh / G) * D;
+        const KV* kh = kr + (qh / G) * D;
         for (int64_t row = qh; row < nr; row += Hq) {
           const float* qr = qf + row * D;
-          v16 part = load16(qr) * load16(kh);
-          for (int64_t d = 16; d < D; d += 16) part += load16(qr + d) * load16(kh + d);
+          v16 part = load16(qr) * kv16(kh);
+          for (int64_t d = 16; d < D; d += 16) part += load16(qr + d) * kv16(kh + d);
           s[row * BS + j] = hsum(part);
         }
       }
@@ -452,13 +466,14 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
     for (int64_t j = 0; j < n; ++j) {
       if (next_v != nullptr)
         for (int64_t x = j * per_key; x < std::min(BS, (j + 1) * per_key); ++x)
-          for (int64_t b = 0; b < row_len; b += 16) jaxinfer_cpu::prefetch(next_v + x * row_len + b);
-      const float* vr = vb + j * row_len;
+          for (int64_t b = 0; b < row_len; b += kLine)
+            jaxinfer_cpu::prefetch(next_v + x * row_len + b);
+      const KV* vr = vb + j * row_len;
       for (int64_t row = 0; row < nr; ++row) {
         const float e = s[row * BS + j];
-        const float* vh = vr + ((row % Hq) / G) * D;
+        const KV* vh = vr + ((row % Hq) / G) * D;
         float* ar = acc + row * D;
-        for (int64_t d = 0; d < D; d += 16) store16(ar + d, load16(ar + d) + e * load16(vh + d));
+        for (int64_t d = 0; d < D; d += 16) store16(ar + d, load16(ar + d) + e * kv16(vh + d));
       }
     }
   }
@@ -486,7 +501,16 @@ void work(Shared& sh) {
     if (i >= n) return;
     const Problem& p = sh.problem;
     const Item& it = sh.items[i];
-    if (!(it.decode ? run_decode_item(p, it, scratch) : run_item(p, it, scratch)))
+    bool ok;
+    if (!it.decode)
+      ok = run_item(p, it, scratch);
+    else if (p.kv_kind == Kind::kF8E4M3)
+      ok = run_decode_item<E4M3>(p, it, scratch);
+    else if (p.kv_kind == Kind::kF8E5M2)
+      ok = run_decode_item<E5M2>(p, it, scratch);
+    else
+      ok = run_decode_item<float>(p, it, scratch);
+    if (!ok)
       sh.bad_block.store(true);
     sh.done.fetch_add(1, std::memory_order_release);
   }
@@ -555,7 +579,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   // are tiles enough to share out.
   int64_t tiles = 0;
   for (int64_t s = 0; s < ns; ++s) tiles += (p.qsl[s + 1] - p.qsl[s] + kTile - 1) / kTile;
-  const bool decode_ok = tiles >= 8 && p.kv_kind == Kind::kF32 && p.q_kind == Kind::kF32 &&
+  const bool decode_ok = tiles >= 8 && p.q_kind == Kind::kF32 &&
+                         (p.kv_kind == Kind::kF32 || p.kv_kind == Kind::kF8E4M3 ||
+                          p.kv_kind == Kind::kF8E5M2) &&
                          p.D % 16 == 0;
   for (int64_t s = 0; s < ns; ++s) {
     const int64_t q_len = p.qsl[s + 1] - p.qsl[s];

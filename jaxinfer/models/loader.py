@@ -90,9 +90,6 @@ def _iter_tensors(files_by_name: dict[str, str], wanted: list[str]):
                     yield name, f.get_tensor(name)
 
 
-_SCALE_SUFFIXES = ("_scale_inv", "_scale")  # q_proj.weight + these: its checkpoint scale
-
-
 _SCALE_NAMES = {".weight_scale": "scale", ".weight_scale_inv": "scale",
                 ".weight_offset": "offset"}  # (weight_offset: jaxinfer's GGUF conversion)
 
@@ -144,7 +141,7 @@ def _host_tensor(name: str, tensor: np.ndarray, expected_shape, dtype, *, kv_rep
     return tensor.astype(dtype)
 
 
-def _source_part(src: str, tensor: np.ndarray, ckpt_scale, shape, var, scale_var, qcfg, *,
+def _source_part(src: str, tensor: np.ndarray, ckpt_entry, shape, var, scale_var, qcfg, *,
                  kv_repeat: int, head_dim: int):
     """One checkpoint tensor as its part of parameter `var`: for a float parameter the (if
     quantized in the checkpoint: dequantized) tensor in our layout; for a quantized one
@@ -152,8 +149,8 @@ def _source_part(src: str, tensor: np.ndarray, ckpt_scale, shape, var, scale_var
     channel when the checkpoint's tensor is float."""
     from jaxinfer.layers.quantization import dequantize, quantize
 
-    if ckpt_scale is not None:
-        parts = _quantized_source(src, tensor, ckpt_scale, qcfg, kv_repeat=kv_repeat,
+    if ckpt_entry is not None:  # (its scale, offset: _checkpoint_scales)
+        parts = _quantized_source(src, tensor, ckpt_entry, qcfg, kv_repeat=kv_repeat,
                                   head_dim=head_dim)
         q = parts[0]
         if tuple(q.shape) != tuple(shape):
@@ -264,7 +261,8 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
                 if alias in files_by_name:
                     sources[name] = (alias,)
                 else:
-                    default_one.append(sources.pop(name) and name)
+                    del sources[name]
+                    default_one.append(name)
     owners: dict[str, list[str]] = {}  # (a tied packed LM head shares the embedding's tensor)
     for name in sources:
         for src in sources[name]:

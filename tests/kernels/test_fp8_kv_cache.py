@@ -40,15 +40,22 @@ def test_quantize_round_trip_within_the_format(kind):
 BACKENDS = ["reference", "xla", "pallas"] + (["cpu"] if cpu_kernels.available() else [])
 
 
+CASES = {"mixed": ([1, 20, 1, 9], [40, 0, 16, 3]),
+         # 10 decode rows: the cpu kernel's decode items (every KV head per page, fp8 widened
+         # 16 at a time)
+         "decodes": ([1] * 10, [5, 40, 16, 3, 70, 1, 33, 16, 17, 50])}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("kind", list(FP8))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_every_backend_attends_over_fp8_caches(kind, backend):
+def test_every_backend_attends_over_fp8_caches(kind, backend, case):
     """paged_attention over an fp8 cache (with scales != 1) = the reference over the cache's
     dequantized values; and this step's k, v are written quantized."""
     dtype = FP8[kind][0]
     rng = np.random.default_rng(7)
     (q, k, v, lens, tables, qsl, ns), n = make_case(
-        rng, [1, 20, 1, 9], [40, 0, 16, 3], hq=4, hkv=2, d=64, bs=16, dtype=jnp.float32)
+        rng, *CASES[case], hq=4, hkv=2, d=64, bs=16, dtype=jnp.float32)
     ks, vs = jnp.float32(0.02), jnp.float32(0.5)
     kq, vq = quantize_kv(k, ks, dtype), quantize_kv(v, vs, dtype)
     ref = ragged_paged_attention_reference(

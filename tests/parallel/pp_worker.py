@@ -44,6 +44,7 @@ def main():
                   num_kv_blocks=24 if smollm2 else 9, block_size=8,
                   step_compilation=os.environ.get("PP_STEP_COMPILATION", "auto"),
                   enable_expert_parallel=os.environ.get("PP_EXPERT_PARALLEL") == "1",
+                  quantization=os.environ.get("PP_QUANTIZATION") or None,
                   enable_multiprocessing=False)  # the test reads the core
     except ValueError as e:
         print(json.dumps({"error": str(e)}))

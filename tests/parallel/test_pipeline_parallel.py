@@ -104,10 +104,11 @@ def test_scheduler_batch_queue_keeps_batches_disjoint():
 
 
 def run_pp(model_dir, pp, tp=1, partition="-", mode="tiny", devices=4,
-           step_compilation="auto", expert_parallel=False):
+           step_compilation="auto", expert_parallel=False, quantization=""):
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "PP_STEP_COMPILATION": step_compilation,
-           "PP_EXPERT_PARALLEL": "1" if expert_parallel else "0"}
+           "PP_EXPERT_PARALLEL": "1" if expert_parallel else "0",
+           "PP_QUANTIZATION": quantization}
     env.pop("JAXINFER_PP_LAYER_PARTITION", None)
     out = subprocess.run([sys.executable, "tests/parallel/pp_worker.py", model_dir, str(pp),
                           str(tp), partition, mode], cwd=ROOT, env=env, capture_output=True,
@@ -217,6 +218,16 @@ def test_pp_matches_single_stage_other_architectures(tmp_path, smollm2_dir, arch
         got = run_pp(str(tmp_path), pp, tp)
         _same(got, base)
         assert got["partition"] == [2, 1]
+
+
+def test_quantized_weights_over_stages_match_single_stage(tmp_path, smollm2_dir):
+    """int8 weights (quantized at load, per-channel scales) over 2 stages of 2 devices: each
+    stage holds its layers' weights and scales, sharded over its devices."""
+    make_tiny_model_dir(tmp_path, "llama", smollm2_dir, num_hidden_layers=3)
+    base = run_pp(str(tmp_path), 1, quantization="int8")
+    got = run_pp(str(tmp_path), 2, 2, quantization="int8")
+    _same(got, base)
+    assert got["partition"] == [2, 1]
 
 
 def test_moe_pp_with_expert_parallel_matches_single_stage(tmp_path, smollm2_dir):
