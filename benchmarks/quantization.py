@@ -9,7 +9,8 @@ mode, every shape compiled before timing:
   gguf-q4_1        quantization="gguf": the embedded GGUF's Q4_1 projections kept (int8 values,
                    a scale and offset per 32 inputs); embeddings float
 Each reports weight bytes, KV blocks for the same byte budget, batch-1 decode ms/token
-(1 x 128 in / 128 out, minus the first token), 32 x 128/128 output tokens/s, and greedy
+(1 x 128 in / 128 out, minus the first token) beside its floor (the bytes a step reads over
+the measured read bandwidth), 32 x 128/128 output tokens/s, and greedy
 agreement with float32 on 17 chat-style prompts (first token; all 16 tokens). With
 --llama-cpp-bin, llama.cpp runs the embedded Q4_1 GGUF itself (llama-bench, llama-batched-
 bench, F16 KV: its default) in the same run as the peer.
@@ -49,6 +50,8 @@ def run_mode(extra: dict, prompts_text: list[str]) -> dict:
         outs = llm.generate(batch, sp, use_tqdm=False)
         return time.perf_counter() - t0, outs
 
+    cfg = llm.llm_engine.model_config
+    kv_item = 1 if extra.get("kv_cache_dtype") == "fp8" else 4
     res = {}
     for n, seed in ((1, 1), (32, 2)):
         batch = [{"prompt_token_ids": p} for p in _prompts(n, 128, 49152, seed)]
@@ -60,7 +63,13 @@ def run_mode(extra: dict, prompts_text: list[str]) -> dict:
     _, outs = timed(16, prompts_text)
     stats = llm.llm_engine.get_stats()
     llm.shutdown()
+    # What a batch-1 decode step must read: every weight but the embedding lookup table
+    # (float32 [V, H] in every mode; only the looked-up rows are read), and the KV of its
+    # context (192 tokens on average over 128 in / 128 out).
+    table = cfg.vocab_size * cfg.hidden_size * 4
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_item * 192
     return {"workloads": res, "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "decode_bytes_per_step": stats["weight_bytes_per_device"] - table + kv,
             "weight_bytes": stats["weight_bytes_per_device"],
             "kv_cache_bytes": stats["kv_cache_bytes_per_device"],
             "num_kv_blocks": stats["num_kv_blocks"]}
@@ -74,12 +83,20 @@ def main():
     args = ap.parse_args()
     from tests.engine.test_llm_greedy import PROMPTS
 
+    from jaxinfer.bench.roofline import measure_device
+
+    read_bw = measure_device("float32")["read_bandwidth_bytes_per_s"]
     results = {}
     for mode in args.modes.split(","):
         results[mode] = run_mode(MODES[mode], PROMPTS)
+        r = results[mode]
+        r["decode_floor_ms"] = 1e3 * r["decode_bytes_per_step"] / read_bw
+        r["decode_fraction_of_floor"] = (r["decode_floor_ms"]
+                                         / r["workloads"]["1x128x128"]["decode_ms_per_token"])
     base = results.get("float32")
+    print(f"read bandwidth {read_bw / 1e9:.1f} GB/s (the batch-1 floor: bytes a step reads / it)")
     print(f"{'mode':<12} {'weights MiB':>11} {'KV blocks':>9} {'1x128 ms/tok':>12} "
-          f"{'32x128 tok/s':>12} {'first eq':>8} {'16 eq':>6}")
+          f"{'floor ms':>8} {'32x128 tok/s':>12} {'first eq':>8} {'16 eq':>6}")
     for mode, r in results.items():
         if base is not None:
             pairs = list(zip(r["tokens"], base["tokens"]))
@@ -87,7 +104,7 @@ def main():
             r["agree_all_16"] = sum(a == b for a, b in pairs) / len(pairs)
         w = r["workloads"]
         print(f"{mode:<12} {r['weight_bytes'] / 2**20:>11.1f} {r['num_kv_blocks']:>9} "
-              f"{w['1x128x128']['decode_ms_per_token']:>12.2f} "
+              f"{w['1x128x128']['decode_ms_per_token']:>12.2f} {r['decode_floor_ms']:>8.2f} "
               f"{w['32x128x128']['output_tok_s']:>12.1f} {r.get('agree_first_token', 1):>8.2f} "
               f"{r.get('agree_all_16', 1):>6.2f}")
     peer = None
@@ -109,12 +126,13 @@ def main():
     if peer is not None and "error" not in peer:
         p1, p32 = peer["1x128x128"], peer["32x128x128"]
         print(f"{'llama.cpp Q4_1':<12} {os.path.getsize(A.gguf) / 2**20:>11.1f} {'-':>9} "
-              f"{p1['llama_bench_decode_ms_per_token']:>12.2f} "
+              f"{p1['llama_bench_decode_ms_per_token']:>12.2f} {'':>8} "
               f"{p32['output_tokens'] / p32['elapsed_s']:>12.1f}")
     out = {"benchmark": "quantization", "model": "SmolLM2-135M-Instruct (embedded)",
            "machine": {"cpu": platform.processor() or platform.machine(),
                        "cores": os.cpu_count()},
-           "kv_cache_memory_bytes": KV_BUDGET, "modes": results, "llama_cpp": peer,
+           "kv_cache_memory_bytes": KV_BUDGET, "read_bandwidth_bytes_per_s": read_bw,
+           "modes": results, "llama_cpp": peer,
            "command": "PYTHONPATH=. .venv/bin/python benchmarks/quantization.py "
                       + " ".join(sys.argv[1:])}
     for r in results.values():

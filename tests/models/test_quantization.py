@@ -135,7 +135,7 @@ def test_engine_option_checked(tmp_path, smollm2_dir):
         resolve_config(EngineConfig(model=smollm2_dir, quantization="awq"))
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e4m3fnuz' is not supported"):
         EngineConfig(kv_cache_dtype="fp8_e4m3fnuz")
-    with pytest.raises(ValueError, match="compressed-tensors quantization_config"):
+    with pytest.raises(ValueError, match="quantization=.compressed-tensors. needs a checkpoint quantized"):
         resolve_config(EngineConfig(model=smollm2_dir, quantization="compressed-tensors"))
     rc = resolve_config(EngineConfig(model=smollm2_dir, quantization="int8",
                                      kv_cache_dtype="fp8"))
