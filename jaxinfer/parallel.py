@@ -88,6 +88,10 @@ def param_spec(name: str, shape: tuple[int, ...], tp: int, expert_parallel: bool
     if name.endswith((".weight_scale", ".weight_offset")):  # [KB, *out]: as its weight,
         weight = param_spec(name.rsplit("_", 1)[0], shape, tp, expert_parallel)  # in whole
         return P(None, *tuple(weight)[1:])
+    if name.endswith(("experts.gate_up_proj_scale", "experts.down_proj_scale")):
+        # [E, KB, *out]: as its experts, the input axis whole
+        weight = param_spec(name[: -len("_scale")], shape, tp, expert_parallel)
+        return P(*tuple(weight)[:1], None, *tuple(weight)[2:])
     if expert_parallel and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
         return P(TP, *([None] * (len(shape) - 1)))
     if name.endswith("qkv_proj.weight"):  # [in, Hkv, (G+2)*D]: by KV head with its group

@@ -76,6 +76,11 @@ class QuantConfig:
         from jaxinfer.models.fused import FUSED
 
         head, _, leaf = module.rpartition(".")
+        if leaf == "experts":  # routed experts, stacked: all quantized unless ignored
+            probe = [module] + [f"{module}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj",
+                                                            "w1", "w2", "w3")]
+            skip = self.offset or any(_ignored(m, pat) for m in probe for pat in self.ignored)
+            return None if skip else self
         if module == "lm_head" and self.method == "gguf":  # (llama.cpp's output is quantized)
             return None if any(_ignored(module, p) for p in self.ignored) else self
         if leaf not in QUANTIZED_MODULES or ".experts." in module + ".":

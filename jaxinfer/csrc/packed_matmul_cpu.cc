@@ -35,13 +35,10 @@ struct Fp8E4M3 {
   uint8_t bits;
 };
 
-typedef int8_t v16s8 __attribute__((vector_size(16), aligned(1), may_alias));
 
 inline v16 load_w(const float* p) { return load16(p); }
 
-inline v16 load_w(const int8_t* p) {
-  return __builtin_convertvector(*reinterpret_cast<const v16s8*>(p), v16);
-}
+inline v16 load_w(const int8_t* p) { return jaxinfer_cpu::i8_to_float16x(p); }
 
 // (the loader clips fp8 weights to +-448: no NaN patterns)
 inline v16 load_w(const Fp8E4M3* p) {
@@ -49,10 +46,12 @@ inline v16 load_w(const Fp8E4M3* p) {
 }
 
 // rows [m0, m0 + MR) x panel `panel`: acc = x rows . panel, written to y. Quantized weights
-// (scale set): the panel's K rows come in groups of G (G = K: per-channel), each with a
-// scale and (offset set) an offset per column, [K / G, kNR] from `scale` / `offset`:
-// y = sum over groups of s_g * (x . q_g) + o_g * sum(x_g) (GGUF's d * q + m blocks; offset
-// null: symmetric).
+// (scale set): the panel's K rows come in groups of G, each with a scale and (offset set)
+// an offset per column, [K / G, kNR] from `scale` / `offset`: y = sum over groups of
+// s_g * (x . q_g) + o_g * sum(x_g) (GGUF's d * q + m blocks; offset null: symmetric). One
+// group (G = K, per-channel scales) accumulates as float weights do and scales at the end;
+// several need a second set of accumulators, so the caller runs them with fewer rows (the
+// two sets must stay in registers: with 256-bit vectors preferred, a v16 takes two).
 template <int MR, typename W>
 inline void block(const float* x, const W* panel, const float* scale, const float* offset,
                   int64_t G, float* y, int64_t m0, int64_t K, int64_t N, int64_t col0,
@@ -60,7 +59,7 @@ inline void block(const float* x, const W* panel, const float* scale, const floa
   v16 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = v16{};
   const float* xr = x + m0 * K;
-  if (scale == nullptr) {
+  if (scale == nullptr || (G == K && offset == nullptr)) {
     for (int64_t k = 0; k < K; ++k) {
       const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
       for (int i = 0; i < MR; ++i) {
@@ -69,21 +68,23 @@ inline void block(const float* x, const W* panel, const float* scale, const floa
         acc[i][1] += a * b1;
       }
     }
+    if (scale != nullptr) {
+      const v16 s0 = load16(scale), s1 = load16(scale + 16);
+      for (int i = 0; i < MR; ++i) {
+        acc[i][0] *= s0;
+        acc[i][1] *= s1;
+      }
+    }
   } else {
     for (int64_t g0 = 0, g = 0; g0 < K; g0 += G, ++g) {
       v16 t[MR][2];
-      float xs[MR];
-      for (int i = 0; i < MR; ++i) {
-        t[i][0] = t[i][1] = v16{};
-        xs[i] = 0.0f;
-      }
+      for (int i = 0; i < MR; ++i) t[i][0] = t[i][1] = v16{};
       for (int64_t k = g0; k < g0 + G; ++k) {
         const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
         for (int i = 0; i < MR; ++i) {
           const float a = xr[i * K + k];
           t[i][0] += a * b0;
           t[i][1] += a * b1;
-          xs[i] += a;
         }
       }
       const v16 s0 = load16(scale + g * kNR), s1 = load16(scale + g * kNR + 16);
@@ -91,11 +92,13 @@ inline void block(const float* x, const W* panel, const float* scale, const floa
         acc[i][0] += t[i][0] * s0;
         acc[i][1] += t[i][1] * s1;
       }
-      if (offset != nullptr) {
+      if (offset != nullptr) {  // + o_g * sum of the group's x (from cache: x is small)
         const v16 o0 = load16(offset + g * kNR), o1 = load16(offset + g * kNR + 16);
         for (int i = 0; i < MR; ++i) {
-          acc[i][0] += xs[i] * o0;
-          acc[i][1] += xs[i] * o1;
+          float xs = 0.0f;
+          for (int64_t k = g0; k < g0 + G; ++k) xs += xr[i * K + k];
+          acc[i][0] += xs * o0;
+          acc[i][1] += xs * o1;
         }
       }
     }
@@ -130,7 +133,11 @@ void panel_product(const float* x, const W* w, const Groups& gr, float* y, int64
   const float* sc = gr.scale ? gr.scale + p * per : nullptr;
   const float* of = gr.offset ? gr.offset + p * per : nullptr;
   int64_t m0 = 0;
-  for (; m0 + kMR <= M; m0 += kMR) block<kMR>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols);
+  if (sc != nullptr && (gr.G < K || of != nullptr)) {  // groups: 3 rows at a time
+    for (; m0 + 3 <= M; m0 += 3) block<3>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols);
+  } else {
+    for (; m0 + kMR <= M; m0 += kMR) block<kMR>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols);
+  }
   switch (M - m0) {
     case 1: block<1>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols); break;
     case 2: block<2>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols); break;
@@ -227,10 +234,14 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 // Grouped (mixture-of-experts) form: rows of x sorted by expert, group_sizes[e] rows for
 // expert e, each multiplied by its own packed weight w[e] [P, K, kNR]. A work item is one
 // (expert with rows, panel) pair, so each used expert's weights stream once and an expert
-// no row chose is never read.
+// no row chose is never read. Quantized experts: int8 / fp8 panels with scales per expert
+// [E, P, K / G, kNR].
+template <typename W>
 struct GroupedShared {
   const float* x;
-  const float* w;
+  const W* w;
+  const float* scale = nullptr;  // [E, P, KB, kNR] (quantized) or nullptr
+  int64_t KB = 0;
   float* y;
   int64_t K, N, panels;
   std::unique_ptr<int64_t[]> start, rows, expert;  // per used expert: first row, rows, id
@@ -239,41 +250,48 @@ struct GroupedShared {
   std::atomic<int64_t> done{0};
 };
 
-void grouped_work(GroupedShared& sh) {
+template <typename W>
+void grouped_work(GroupedShared<W>& sh) {
   for (;;) {
     const int64_t first = sh.next.fetch_add(sh.per_task, std::memory_order_relaxed);
     if (first >= sh.items) return;
     const int64_t last = std::min(sh.items, first + sh.per_task);
     for (int64_t it = first; it < last; ++it) {
-      const int64_t g = it / sh.panels, p = it % sh.panels;
-      panel_product(sh.x + sh.start[g] * sh.K, sh.w + sh.expert[g] * sh.panels * sh.K * kNR,
-                    Groups{}, sh.y + sh.start[g] * sh.N, sh.rows[g], sh.K, sh.N, p);
+      const int64_t g = it / sh.panels, p = it % sh.panels, e = sh.expert[g];
+      Groups gr;
+      if (sh.scale != nullptr) {
+        gr.scale = sh.scale + e * sh.panels * sh.KB * kNR;
+        gr.G = sh.K / sh.KB;
+      }
+      panel_product(sh.x + sh.start[g] * sh.K, sh.w + e * sh.panels * sh.K * kNR, gr,
+                    sh.y + sh.start[g] * sh.N, sh.rows[g], sh.K, sh.N, p);
     }
     sh.done.fetch_add(last - first, std::memory_order_release);
   }
 }
 
-ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                             ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> group_sizes,
-                             ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), gd = group_sizes.dimensions(),
-       yd = y->dimensions();
+template <typename W>
+ffi::Error GroupedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale,
+                         int64_t KB, const int32_t* gs, float* y, ffi::Span<const int64_t> xd,
+                         ffi::Span<const int64_t> wd, ffi::Span<const int64_t> gd,
+                         ffi::Span<const int64_t> yd) {
   if (xd.size() != 2 || wd.size() != 4 || gd.size() != 1 || yd.size() != 2 || wd[3] != kNR ||
       wd[2] != xd[1] || gd[0] != wd[0] || yd[0] != xd[0] || yd[1] > wd[1] * kNR ||
       yd[1] <= (wd[1] - 1) * kNR)
     return ffi::Error::InvalidArgument("grouped_matmul_cpu: shapes do not match");
   const int64_t M = xd[0], E = wd[0];
-  auto sh = std::make_shared<GroupedShared>();
-  sh->x = x.typed_data();
-  sh->w = w.typed_data();
-  sh->y = y->typed_data();
+  auto sh = std::make_shared<GroupedShared<W>>();
+  sh->x = x;
+  sh->w = w;
+  sh->scale = scale;
+  sh->KB = KB;
+  sh->y = y;
   sh->K = xd[1];
   sh->N = yd[1];
   sh->panels = wd[1];
   sh->start.reset(new int64_t[E]);
   sh->rows.reset(new int64_t[E]);
   sh->expert.reset(new int64_t[E]);
-  const int32_t* gs = group_sizes.typed_data();
   int64_t used = 0, row = 0;
   for (int64_t e = 0; e < E; ++e) {
     if (gs[e] < 0 || gs[e] > M - row)
@@ -299,12 +317,50 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> group_sizes,
+                             ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  return GroupedMatmul<float>(pool, x.typed_data(), w.typed_data(), nullptr, 0,
+                              group_sizes.typed_data(), y->typed_data(), x.dimensions(),
+                              w.dimensions(), group_sizes.dimensions(), y->dimensions());
+}
+
+// Quantized experts: w int8 / fp8 e4m3 [E, P, K, kNR], scale float32 [E, P, K / G, kNR].
+ffi::Error GroupedQuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                                  ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
+                                  ffi::Buffer<ffi::S32> group_sizes,
+                                  ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  auto wd = w.dimensions(), sd = scale.dimensions();
+  if (wd.size() != 4 || sd.size() != 4 || sd[0] != wd[0] || sd[1] != wd[1] || sd[3] != kNR ||
+      sd[2] < 1 || wd[2] % sd[2] != 0)
+    return ffi::Error::InvalidArgument(
+        "grouped_quant_matmul_cpu: scale must be [E, panels, K / G, 32] with G dividing K");
+  if (w.element_type() == ffi::DataType::S8)
+    return GroupedMatmul<int8_t>(pool, x.typed_data(), static_cast<const int8_t*>(
+        w.untyped_data()), scale.typed_data(), sd[2], group_sizes.typed_data(),
+        y->typed_data(), x.dimensions(), wd, group_sizes.dimensions(), y->dimensions());
+  if (w.element_type() == ffi::DataType::F8E4M3FN)
+    return GroupedMatmul<Fp8E4M3>(pool, x.typed_data(), static_cast<const Fp8E4M3*>(
+        w.untyped_data()), scale.typed_data(), sd[2], group_sizes.typed_data(),
+        y->typed_data(), x.dimensions(), wd, group_sizes.dimensions(), y->dimensions());
+  return ffi::Error::InvalidArgument("grouped_quant_matmul_cpu: int8 or fp8 e4m3 weights");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferGroupedMatmulCpu, GroupedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferGroupedQuantMatmulCpu, GroupedQuantMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -38,6 +38,7 @@ TARGET = "jaxinfer_paged_attention_cpu"
 MATMUL_TARGET = "jaxinfer_packed_matmul_cpu"
 GROUPED_MATMUL_TARGET = "jaxinfer_grouped_matmul_cpu"
 QUANT_MATMUL_TARGET = "jaxinfer_quant_matmul_cpu"
+GROUPED_QUANT_MATMUL_TARGET = "jaxinfer_grouped_quant_matmul_cpu"
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 _SOURCES = [os.path.join(_CSRC, f) for f in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc")]
 _HEADERS = [os.path.join(_CSRC, "cpu_common.h")]
@@ -140,6 +141,9 @@ def available() -> bool:
         jax.ffi.register_ffi_target(QUANT_MATMUL_TARGET,
                                     jax.ffi.pycapsule(lib.JaxinferQuantMatmulCpu),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(GROUPED_QUANT_MATMUL_TARGET,
+                                    jax.ffi.pycapsule(lib.JaxinferGroupedQuantMatmulCpu),
+                                    platform="cpu")
     except Exception as e:  # noqa: BLE001  (any build or load failure: fall back, say why)
         logger.warning("cpu kernels unavailable, using the xla backend: %s", e)
         return False
@@ -200,16 +204,19 @@ def matmul(x, w_packed, out_features: int, scale=None, offset=None):
     return call(x2, w_packed, scale, offset).reshape(*lead, out_features)
 
 
-def grouped_matmul(x, w_packed, group_sizes, out_features: int):
+def grouped_matmul(x, w_packed, group_sizes, out_features: int, scale=None):
     """Mixture-of-experts rows: x [M, K] float32, sorted by expert, group_sizes int32 [E]
     (rows of each expert, in order), w_packed [E, P, K, 32] (each expert packed) -> [M, N];
-    rows past sum(group_sizes) come back zero."""
+    rows past sum(group_sizes) come back zero. Quantized experts (int8 / fp8 e4m3): scale
+    [E, P, K / G, 32], each expert's scales packed as its weight."""
     if not available():
         raise RuntimeError("packed weights need the C++ kernels, which could not be built here")
-    call = jax.ffi.ffi_call(GROUPED_MATMUL_TARGET,
-                            jax.ShapeDtypeStruct((x.shape[0], out_features), x.dtype),
-                            vmap_method="sequential")
-    return call(x, w_packed, group_sizes.astype(np.int32))
+    out = jax.ShapeDtypeStruct((x.shape[0], out_features), x.dtype)
+    if scale is None:
+        call = jax.ffi.ffi_call(GROUPED_MATMUL_TARGET, out, vmap_method="sequential")
+        return call(x, w_packed, group_sizes.astype(np.int32))
+    call = jax.ffi.ffi_call(GROUPED_QUANT_MATMUL_TARGET, out, vmap_method="sequential")
+    return call(x, w_packed, scale, group_sizes.astype(np.int32))
 
 
 _PACKING = contextvars.ContextVar("jaxinfer_packing", default=True)

@@ -20,6 +20,9 @@ sigmoid(shared_expert_gate(x)) before it joins the routed experts' sum.
 Expert weights are stacked: experts.gate_up_proj [E, H, 2, I] (gate, then up) and
 experts.down_proj [E, I, H], built at load time from the checkpoint's per-expert tensors
 (models/fused.py). Under tensor parallelism each expert is split over I, like the dense MLP.
+Quantized experts (fp8 / int8, config/quant.py) hold `gate_up_proj_scale` [E, KB, 2, I] and
+`down_proj_scale` [E, KB, H] beside them: the C++ grouped kernel reads them packed with
+per-channel scales; elsewhere the step dequantizes the experts before the grouped matmul.
 """
 
 from __future__ import annotations
@@ -44,50 +47,108 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, j
     return weights, experts.astype(jnp.int32)
 
 
-def _expert_weight(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, packed: bool) -> nnx.Param:
+def _expert_weight(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, packed: bool,
+                   quant=None) -> nnx.Param:
     """Stacked expert weights of logical shape (E, in, *out); packed: each expert's [in, out]
-    in column panels, [E, ceil(out/32), in, 32]."""
+    in column panels, [E, ceil(out/32), in, 32]. Quantized: int8 / fp8 values (dummy: as
+    linear.py's)."""
+    if quant is not None:
+        from jaxinfer.layers.quantization import QMAX
+
+        qmax = QMAX[quant.weight_dtype]
+        init = lambda s: jnp.clip(jax.random.normal(rngs.params(), s) * qmax / 4,  # noqa: E731
+                                  -qmax, qmax).astype(jnp.dtype(quant.weight_dtype))
+    else:
+        init = lambda s: _init(rngs, s, dtype)  # noqa: E731
     if not packed:
-        return nnx.Param(_init(rngs, shape, dtype))
+        return nnx.Param(init(shape))
     from jaxinfer.layers.cpu_kernels import packed_shape
 
     e, k, n = shape[0], shape[1], math.prod(shape[2:])
-    return nnx.Param(_init(rngs, (e, *packed_shape(k, n)), dtype), unpacked_shape=shape,
-                     stacked_experts=True)
+    return nnx.Param(init((e, *packed_shape(k, n))), unpacked_shape=shape, stacked_experts=True)
+
+
+def _expert_scale(shape: tuple[int, ...], quant, packed: bool) -> nnx.Param | None:
+    """Scales of quantized stacked experts of logical shape (E, in, *out): (E, KB, *out)
+    (KB = 1: per output channel), packed per expert [E, P, KB, 32] when the weights are."""
+    if quant is None:
+        return None
+    from jaxinfer.layers.quantization import QMAX
+
+    kb = 1 if quant.in_block is None else -(-shape[1] // quant.in_block)
+    value = 0.02 * 4 / QMAX[quant.weight_dtype]
+    logical = (shape[0], kb, *shape[2:])
+    if not packed:
+        return nnx.Param(jnp.full(logical, value, jnp.float32))
+    from jaxinfer.layers.cpu_kernels import packed_shape
+
+    return nnx.Param(jnp.full((shape[0], *packed_shape(kb, math.prod(shape[2:]))), value,
+                              jnp.float32), unpacked_shape=logical, stacked_experts=True)
+
+
+def _dequantize_experts(w, scale, in_block):
+    """Stacked quantized experts [E, in, *out] with scales [E, KB, *out] -> float32."""
+    e, k = w.shape[:2]
+    out = w.shape[2:]
+    w = w.reshape(e, k, -1).astype(jnp.float32)
+    s = scale.reshape(e, scale.shape[1], -1).astype(jnp.float32)
+    rows = in_block if s.shape[1] > 1 else k
+    s = jnp.repeat(s, rows, axis=1, total_repeat_length=s.shape[1] * rows)[:, :k]
+    return (w * s).reshape(e, k, *out)
 
 
 class Experts(nnx.Module):
     """E gated MLPs with their weights stacked (see the module docstring)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, dtype,
-                 rngs: nnx.Rngs, packed: bool = False):
+                 rngs: nnx.Rngs, packed: bool = False, quant=None):
+        # (quantized experts are packed for the CPU kernel with per-channel scales only)
+        packed = packed and (quant is None or quant.in_block is None)
         self.num_experts, self.intermediate_size, self.packed = (num_experts, intermediate_size,
                                                                  packed)
-        self.hidden_size = hidden_size
-        self.gate_up_proj = _expert_weight(rngs, (num_experts, hidden_size, 2, intermediate_size),
-                                           dtype, packed)
-        self.down_proj = _expert_weight(rngs, (num_experts, intermediate_size, hidden_size),
-                                        dtype, packed)
+        self.hidden_size, self.quant, self.dtype = hidden_size, quant, dtype
+        gu = (num_experts, hidden_size, 2, intermediate_size)
+        dn = (num_experts, intermediate_size, hidden_size)
+        self.gate_up_proj = _expert_weight(rngs, gu, dtype, packed, quant)
+        self.down_proj = _expert_weight(rngs, dn, dtype, packed, quant)
+        self.gate_up_proj_scale = _expert_scale(gu, quant, packed)
+        self.down_proj_scale = _expert_scale(dn, quant, packed)
+
+    def weights(self):
+        """(gate_up, down) as the unpacked paths use them: float (quantized experts
+        dequantized here, in the step: under a mesh XLA partitions this like any op)."""
+        gu, dn = self.gate_up_proj[...], self.down_proj[...]
+        if self.quant is None:
+            return gu, dn
+        block = self.quant.in_block
+        return (_dequantize_experts(gu, self.gate_up_proj_scale[...], block).astype(self.dtype),
+                _dequantize_experts(dn, self.down_proj_scale[...], block).astype(self.dtype))
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """x [T, H], router weights [T, k] and expert ids int32 [T, k] -> [T, H]."""
-        return expert_mlp(x, weights, experts, self.gate_up_proj[...], self.down_proj[...],
-                          packed=self.packed, hidden_size=self.hidden_size,
-                          intermediate_size=self.intermediate_size)
+        if self.packed:
+            scales = ((self.gate_up_proj_scale[...], self.down_proj_scale[...])
+                      if self.quant is not None else (None, None))
+            return expert_mlp(x, weights, experts, self.gate_up_proj[...], self.down_proj[...],
+                              packed=True, hidden_size=self.hidden_size,
+                              intermediate_size=self.intermediate_size, scales=scales)
+        gu, dn = self.weights()
+        return expert_mlp(x, weights, experts, gu, dn, packed=False,
+                          hidden_size=self.hidden_size, intermediate_size=self.intermediate_size)
 
 
-def _grouped(x, weight, group_sizes, out_features: int, packed: bool):
+def _grouped(x, weight, group_sizes, out_features: int, packed: bool, scale=None):
     """rows sorted by expert [M, in] x each group's expert weight -> [M, out_features]."""
     if packed:
         from jaxinfer.layers.cpu_kernels import grouped_matmul
 
-        return grouped_matmul(x, weight, group_sizes, out_features)
+        return grouped_matmul(x, weight, group_sizes, out_features, scale)
     w = weight.reshape(weight.shape[0], x.shape[-1], out_features)
     return jax.lax.ragged_dot(x, w, group_sizes)
 
 
 def expert_mlp(x, weights, experts, gate_up, down, *, packed: bool, hidden_size: int,
-               intermediate_size: int, first_expert=None):
+               intermediate_size: int, first_expert=None, scales=(None, None)):
     """The experts held here (gate_up [E_here, H, 2, I_here], down [E_here, I_here, H]; packed:
     their column panels) on the (token, slot) pairs routed to them: x [T, H], weights [T, k],
     experts int32 [T, k] (global ids; with first_expert, only first_expert .. + E_here are
@@ -105,9 +166,9 @@ def expert_mlp(x, weights, experts, gate_up, down, *, packed: bool, hidden_size:
     group_sizes = jnp.bincount(key, length=e_here + 1)[:e_here].astype(jnp.int32)
     rows = jnp.take(x, order // k, axis=0)  # [T*k, H]
     i = intermediate_size if packed else gate_up.shape[-1]
-    gate_up_out = _grouped(rows, gate_up, group_sizes, 2 * i, packed)
+    gate_up_out = _grouped(rows, gate_up, group_sizes, 2 * i, packed, scales[0])
     h = jax.nn.silu(gate_up_out[:, :i]) * gate_up_out[:, i:]
-    y = _grouped(h, down, group_sizes, hidden_size, packed)  # [T*k, H]
+    y = _grouped(h, down, group_sizes, hidden_size, packed, scales[1])  # [T*k, H]
     # Back to (token, slot) order, then the router-weighted sum over the k slots.
     unsort = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
     y = jnp.take(y, unsort, axis=0).reshape(t, k, -1)
@@ -121,7 +182,8 @@ class SparseMoE(nnx.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  norm_topk_prob: bool, *, dtype, rngs: nnx.Rngs, packed: bool = False,
-                 mesh=None, expert_parallel: bool = False, shared_intermediate_size: int = 0):
+                 mesh=None, expert_parallel: bool = False, shared_intermediate_size: int = 0,
+                 quant=None):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and "
                              f"num_experts={num_experts}")
@@ -130,7 +192,7 @@ class SparseMoE(nnx.Module):
         # The router stays unpacked: E logits, small next to the experts.
         self.gate = Linear(hidden_size, num_experts, use_bias=False, dtype=dtype, rngs=rngs)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, dtype=dtype,
-                               rngs=rngs, packed=packed)
+                               rngs=rngs, packed=packed, quant=quant)
         # Qwen2-MoE: every token also runs a shared expert, scaled by sigmoid(gate(x)).
         if shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, dtype=dtype,
@@ -175,8 +237,7 @@ class SparseMoE(nnx.Module):
             return jax.lax.psum(y, TP)
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(), *specs),
-                             out_specs=P())(x, weights, experts, ex.gate_up_proj[...],
-                                            ex.down_proj[...])
+                             out_specs=P())(x, weights, experts, *ex.weights())
 
 
 def moe_reference(x, router_w, gate_up, down, top_k: int, norm_topk_prob: bool):

@@ -30,8 +30,12 @@ MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 def _experts(name: str) -> tuple[str, str] | None:
-    """'…experts.gate_up_proj' -> ('…experts.', 'gate_up_proj'); None if not stacked experts."""
+    """'…experts.gate_up_proj' -> ('…experts.', 'gate_up_proj'); None if not stacked experts.
+    (Quantized experts' '…experts.gate_up_proj_scale' -> the same.)"""
     head, _, leaf = name.rpartition(".")
+    for suffix in ("_scale", "_offset"):
+        if leaf.endswith(suffix) and leaf[: -len(suffix)] in EXPERTS:
+            leaf = leaf[: -len(suffix)]
     if head.endswith("experts") and leaf in EXPERTS:
         return head + ".", leaf
     return None

@@ -150,7 +150,9 @@ class LlamaDecoderLayer(nnx.Module):
                             cfg.moe_intermediate_size, cfg.norm_topk_prob, dtype=dtype,
                             rngs=rngs, packed=packed, mesh=mesh,
                             expert_parallel=cfg.expert_parallel,
-                            shared_intermediate_size=cfg.shared_expert_intermediate_size)
+                            shared_intermediate_size=cfg.shared_expert_intermediate_size,
+                            quant=module_quant(
+                                cfg, f"model.layers.{layer_idx}.{cfg.moe_module}.experts"))
         else:
             mlp = f"model.layers.{layer_idx}.mlp."
             ffn = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,

@@ -250,7 +250,8 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
     expected = {name: var for (_, var), name in zip(flat, names)}
     # (a quantized weight's weight_scale is filled with its weight)
     sources = {name: checkpoint_names(name, logical_shape(expected[name]))
-               for name in names if not name.endswith((".weight_scale", ".weight_offset"))}
+               for name in names if not (name.endswith(("_scale", "_offset"))
+                                         and name.rsplit("_", 1)[0] in expected)}
     # fp8 KV cache scales: self_attn.k_scale / v_scale, or compressed-tensors' k_proj /
     # v_proj.output_scale; a checkpoint without them: 1.0 (as vLLM does).
     default_one = []

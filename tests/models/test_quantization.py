@@ -423,3 +423,92 @@ def test_gguf_file_served_quantized_equals_float(smollm2_dir):
     print(f"gguf vs float: all 8 tokens equal for {same:.2f} of the prompts")
     assert same >= 0.9, same  # (float rounding order only: the kernel sums per group)
     assert runs["gguf"][1] < 0.6 * runs["float"][1]
+
+
+# -- quantized routed experts ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not cpu_kernels.available(), reason="the C++ kernels could not be built"))])
+def test_quantized_experts_equal_the_dense_reference(dtype, packed):
+    """int8 / fp8 experts with per-channel scales (the C++ grouped kernel when packed, the
+    dequantizing path otherwise) = the dense MoE reference on the dequantized experts."""
+    from flax import nnx
+
+    from jaxinfer.layers.moe import SparseMoE, moe_reference
+
+    h, e, i, k = 64, 6, 40, 2
+    quant = QuantConfig(method="int8" if dtype == "int8" else "fp8", weight_dtype=dtype,
+                        from_checkpoint=False)
+    rng = np.random.default_rng(5)
+    gu = rng.standard_normal((e, h, 2, i)).astype(np.float32)
+    dn = (rng.standard_normal((e, i, h)) * 0.1).astype(np.float32)
+    qs = [quantize(w.reshape(w.shape[0], -1), dtype) for w in gu]
+    ds = [quantize(w, dtype) for w in dn]
+    m = SparseMoE(h, e, k, i, True, dtype=jnp.float32, rngs=nnx.Rngs(0), packed=packed,
+                  quant=quant)
+    router = rng.standard_normal((h, e)).astype(np.float32) * 0.5
+    m.gate.weight.set_value(jnp.asarray(router))
+    if packed:
+        m.experts.gate_up_proj.set_value(jnp.asarray(np.stack([cpu_kernels.pack(q)
+                                                               for q, _ in qs])))
+        m.experts.gate_up_proj_scale.set_value(jnp.asarray(np.stack([cpu_kernels.pack(s)
+                                                                     for _, s in qs])))
+        m.experts.down_proj.set_value(jnp.asarray(np.stack([cpu_kernels.pack(q)
+                                                            for q, _ in ds])))
+        m.experts.down_proj_scale.set_value(jnp.asarray(np.stack([cpu_kernels.pack(s)
+                                                                  for _, s in ds])))
+    else:
+        m.experts.gate_up_proj.set_value(jnp.asarray(np.stack([q for q, _ in qs]).reshape(
+            e, h, 2, i)))
+        m.experts.gate_up_proj_scale.set_value(jnp.asarray(np.stack([s for _, s in qs]).reshape(
+            e, 1, 2, i)))
+        m.experts.down_proj.set_value(jnp.asarray(np.stack([q for q, _ in ds])))
+        m.experts.down_proj_scale.set_value(jnp.asarray(np.stack([s for _, s in ds])))
+    gu_deq = np.stack([dequantize(q, s) for q, s in qs]).reshape(e, h, 2, i)
+    dn_deq = np.stack([dequantize(q, s) for q, s in ds])
+    x = jnp.asarray(rng.standard_normal((9, h)).astype(np.float32))
+    got = jax.jit(lambda x: m(x))(x)
+    ref = moe_reference(x, jnp.asarray(router), jnp.asarray(gu_deq), jnp.asarray(dn_deq), k,
+                        True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+
+def test_qwen3_moe_quantized_at_load_through_the_engine(tmp_path, smollm2_dir):
+    """Qwen3-MoE with quantization="fp8": experts and projections fp8 (the loader stacks and
+    quantizes each expert: equal to numpy's quantization of the checkpoint tensor)."""
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.models.loader import load_model
+    from tests.engine.conftest import assert_no_leaks, make_tiny_model_dir
+
+    make_tiny_model_dir(tmp_path, "qwen3_moe", smollm2_dir, head_dim=16, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
+    from jaxinfer.config import EngineConfig, resolve_config
+
+    mcfg = resolve_config(EngineConfig(model=str(tmp_path), quantization="fp8")).model_config
+    model, _, _ = load_model(str(tmp_path), attention_backend="xla", model_config=mcfg)
+    ex = model.model.layers[0].mlp.experts
+    assert np.dtype(ex.gate_up_proj.dtype) == np.dtype("float8_e4m3fn")
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    w = tensors["model.layers.0.mlp.experts.2.down_proj.weight"].T  # [I, H]
+    q, s = quantize(w, "float8_e4m3fn")
+    np.testing.assert_array_equal(np.asarray(ex.down_proj[...][2]).astype(np.float32),
+                                  q.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(ex.down_proj_scale[...][2]), s)
+    # The engine on both paths (the C++ grouped kernel on packed fp8 experts; XLA on the
+    # dequantized experts): the same greedy tokens, no leak.
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [40, 41, 42]}]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    got = {}
+    for backend in ["xla"] + (["cpu"] if cpu_kernels.available() else []):
+        llm = LLM(str(tmp_path), quantization="fp8", attention_backend=backend,
+                  dtype="float32", max_model_len=64, num_kv_blocks=16, block_size=16,
+                  warmup=False, enable_multiprocessing=False)
+        got[backend] = [o.outputs[0].token_ids
+                        for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert_no_leaks(llm)
+        llm.shutdown()
+    assert all(len(t) == 6 for t in got["xla"])
+    assert got.get("cpu", got["xla"]) == got["xla"]

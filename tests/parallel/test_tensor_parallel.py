@@ -39,6 +39,21 @@ def test_tp_with_quantized_weights_and_fp8_kv_matches_single_device(tmp_path, sm
     assert got["kv_shards"] == 2 and not got["leaked"] and not base["leaked"]
 
 
+def test_fp8_experts_with_expert_parallel_match_single_device(tmp_path, smollm2_dir):
+    """Qwen3-MoE with fp8 experts (per-channel scales sharded with their experts) and an fp8
+    KV cache: EP=2 gives TP=1's greedy tokens."""
+    make_tiny_model_dir(tmp_path, "qwen3_moe", smollm2_dir, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
+    base = run_tp(str(tmp_path), 1, "quant")
+    got = run_tp(str(tmp_path), 2, "quant-ep")
+    assert base["expert_dtype"] == got["expert_dtype"] == "float8_e4m3fn"
+    assert got["expert_parallel"] and got["tokens"] == base["tokens"]
+    np.testing.assert_allclose(np.concatenate(got["logprobs"]),
+                               np.concatenate(base["logprobs"]), atol=2e-4)
+    assert got["param_shards"] == 2 and not got["leaked"]
+
+
 # qwen3 (q/k norm, KV heads = tp) runs with the slow tests; CI covers llama (KV heads split).
 # qwen3_moe: a mixture-of-experts layer 0 (each expert split over the devices), a dense layer 1.
 @pytest.mark.parametrize("arch,kv_heads", [("llama", 2),

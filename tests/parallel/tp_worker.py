@@ -57,13 +57,13 @@ def main():
                       max_num_seqs=4, max_num_batched_tokens=32, warmup=False,
                       num_kv_blocks=11 if spec else 9, block_size=8,
                       enable_multiprocessing=False, speculative_config=spec,
-                      enable_expert_parallel=mode in ("ep", "ep-draft"),
+                      enable_expert_parallel=mode in ("ep", "ep-draft", "quant-ep"),
                       async_scheduling=mode == "ep",  # (EP with the host running ahead)
                       enable_sequence_parallelism=mode == "sp",
                       # "quant": fp8 weights quantized at load, scales sharded with them, and
                       # an fp8 KV cache
-                      quantization="fp8" if mode == "quant" else None,
-                      kv_cache_dtype="fp8" if mode == "quant" else "auto")
+                      quantization="fp8" if mode.startswith("quant") else None,
+                      kv_cache_dtype="fp8" if mode.startswith("quant") else "auto")
     except ValueError as e:
         print(json.dumps({"error": str(e)}))
         return
@@ -96,6 +96,8 @@ def main():
         "collectives": _collectives(eng.runner),
         "weight_dtype": str(eng.runner.state["model"]["layers"][1]["mlp"]["down_proj"]
                             ["weight"].value.dtype),
+        "expert_dtype": str(_mlp_weight(eng.runner.state["model"]["layers"][0]["mlp"])
+                            .value.dtype),
         "spec": {k: v for k, v in eng.get_stats().items() if k.startswith("spec_decode")},
     }
     llm.shutdown()
