@@ -16,6 +16,8 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
+#include <vector>
 
 #include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
@@ -124,6 +126,31 @@ struct Groups {
   int64_t G = 0;  // rows per group
 };
 
+// Rows from which a quantized panel is widened to floats once (scales and offsets applied)
+// and multiplied as a float panel, instead of widening it again for every block of rows:
+// prefill-sized products are compute-bound, and the widening would cost as much as the FMAs.
+constexpr int64_t kWidenRows = 12;
+
+// All M rows x one panel (its first column col0, ncols of them).
+template <typename W>
+void panel_rows(const float* x, const W* panel, const float* sc, const float* of, int64_t G,
+                float* y, int64_t M, int64_t K, int64_t N, int64_t col0, int64_t ncols) {
+  int64_t m0 = 0;
+  if (sc != nullptr && (G < K || of != nullptr)) {  // groups: 3 rows at a time
+    for (; m0 + 3 <= M; m0 += 3) block<3>(x, panel, sc, of, G, y, m0, K, N, col0, ncols);
+  } else {
+    for (; m0 + kMR <= M; m0 += kMR) block<kMR>(x, panel, sc, of, G, y, m0, K, N, col0, ncols);
+  }
+  switch (M - m0) {
+    case 1: block<1>(x, panel, sc, of, G, y, m0, K, N, col0, ncols); break;
+    case 2: block<2>(x, panel, sc, of, G, y, m0, K, N, col0, ncols); break;
+    case 3: block<3>(x, panel, sc, of, G, y, m0, K, N, col0, ncols); break;
+    case 4: block<4>(x, panel, sc, of, G, y, m0, K, N, col0, ncols); break;
+    case 5: block<5>(x, panel, sc, of, G, y, m0, K, N, col0, ncols); break;
+    default: break;
+  }
+}
+
 template <typename W>
 void panel_product(const float* x, const W* w, const Groups& gr, float* y, int64_t M,
                    int64_t K, int64_t N, int64_t p) {
@@ -132,20 +159,26 @@ void panel_product(const float* x, const W* w, const Groups& gr, float* y, int64
   const int64_t per = gr.G > 0 ? (K / gr.G) * kNR : 0;  // a panel's scales
   const float* sc = gr.scale ? gr.scale + p * per : nullptr;
   const float* of = gr.offset ? gr.offset + p * per : nullptr;
-  int64_t m0 = 0;
-  if (sc != nullptr && (gr.G < K || of != nullptr)) {  // groups: 3 rows at a time
-    for (; m0 + 3 <= M; m0 += 3) block<3>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols);
-  } else {
-    for (; m0 + kMR <= M; m0 += kMR) block<kMR>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols);
+  if constexpr (!std::is_same_v<W, float>) {
+    if (sc != nullptr && M >= kWidenRows) {
+      thread_local std::vector<float> buf;
+      buf.resize(static_cast<size_t>(K * kNR));
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t g = k / gr.G;
+        v16 w0 = load_w(panel + k * kNR) * load16(sc + g * kNR);
+        v16 w1 = load_w(panel + k * kNR + 16) * load16(sc + g * kNR + 16);
+        if (of != nullptr) {
+          w0 += load16(of + g * kNR);
+          w1 += load16(of + g * kNR + 16);
+        }
+        store16(buf.data() + k * kNR, w0);
+        store16(buf.data() + k * kNR + 16, w1);
+      }
+      panel_rows<float>(x, buf.data(), nullptr, nullptr, 0, y, M, K, N, col0, ncols);
+      return;
+    }
   }
-  switch (M - m0) {
-    case 1: block<1>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols); break;
-    case 2: block<2>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols); break;
-    case 3: block<3>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols); break;
-    case 4: block<4>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols); break;
-    case 5: block<5>(x, panel, sc, of, gr.G, y, m0, K, N, col0, ncols); break;
-    default: break;
-  }
+  panel_rows(x, panel, sc, of, gr.G, y, M, K, N, col0, ncols);
 }
 
 template <typename W>
