@@ -17,19 +17,30 @@ def _init(rngs: nnx.Rngs, shape, dtype, std: float = 0.02):
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
+def _initializer(rngs: nnx.Rngs, dtype, quant):
+    """shape -> dummy weight values: N(0, 0.02) in dtype; quantized, N(0, 1) * qmax / 4 in
+    the quantized dtype (times _scale_value: std 0.02 again)."""
+    if quant is None:
+        return lambda s: _init(rngs, s, dtype)
+    from jaxinfer.layers.quantization import QMAX
+
+    qmax = QMAX[quant.weight_dtype]
+    return lambda s: jnp.clip(jax.random.normal(rngs.params(), s) * qmax / 4, -qmax,
+                              qmax).astype(jnp.dtype(quant.weight_dtype))
+
+
+def _scale_value(quant) -> float:
+    """The dummy scale of quantized dummy weights (see _initializer)."""
+    from jaxinfer.layers.quantization import QMAX
+
+    return 0.02 * 4 / QMAX[quant.weight_dtype]
+
+
 def _weight(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, packed: bool,
             quant=None) -> nnx.Param:
     """A weight of logical shape (in, *out): plain, or packed into column panels over the
-    flattened outputs; quantized (dummy values: N(0, 1) * qmax / 4, see _scale)."""
-    if quant is not None:
-        from jaxinfer.layers.quantization import QMAX
-
-        qmax = QMAX[quant.weight_dtype]
-        qdtype = jnp.dtype(quant.weight_dtype)
-        init = lambda s: jnp.clip(jax.random.normal(rngs.params(), s) * qmax / 4,  # noqa: E731
-                                  -qmax, qmax).astype(qdtype)
-    else:
-        init = lambda s: _init(rngs, s, dtype)  # noqa: E731
+    flattened outputs; quantized values with a quant config."""
+    init = _initializer(rngs, dtype, quant)
     if not packed:
         return nnx.Param(init(shape))
     from jaxinfer.layers.cpu_kernels import packed_shape
@@ -44,11 +55,9 @@ def _scale(shape: tuple[int, ...], quant, packed: bool, value: float | None = No
     with the weight; value=0.0: a GGUF-style weight_offset of the same shape."""
     if quant is None:
         return None
-    from jaxinfer.layers.quantization import QMAX
-
     kb = 1 if quant.in_block is None else -(-shape[0] // quant.in_block)
     if value is None:
-        value = 0.02 * 4 / QMAX[quant.weight_dtype]
+        value = _scale_value(quant)
     logical = (kb, *shape[1:])
     if not packed:
         return nnx.Param(jnp.full(logical, value, jnp.float32))

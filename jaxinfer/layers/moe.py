@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.layers.linear import GatedMLP, Linear, _init
+from jaxinfer.layers.linear import GatedMLP, Linear, _initializer, _scale_value
 
 
 def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -52,14 +52,7 @@ def _expert_weight(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, packed: bool,
     """Stacked expert weights of logical shape (E, in, *out); packed: each expert's [in, out]
     in column panels, [E, ceil(out/32), in, 32]. Quantized: int8 / fp8 values (dummy: as
     linear.py's)."""
-    if quant is not None:
-        from jaxinfer.layers.quantization import QMAX
-
-        qmax = QMAX[quant.weight_dtype]
-        init = lambda s: jnp.clip(jax.random.normal(rngs.params(), s) * qmax / 4,  # noqa: E731
-                                  -qmax, qmax).astype(jnp.dtype(quant.weight_dtype))
-    else:
-        init = lambda s: _init(rngs, s, dtype)  # noqa: E731
+    init = _initializer(rngs, dtype, quant)
     if not packed:
         return nnx.Param(init(shape))
     from jaxinfer.layers.cpu_kernels import packed_shape
@@ -73,10 +66,8 @@ def _expert_scale(shape: tuple[int, ...], quant, packed: bool) -> nnx.Param | No
     (KB = 1: per output channel), packed per expert [E, P, KB, 32] when the weights are."""
     if quant is None:
         return None
-    from jaxinfer.layers.quantization import QMAX
-
     kb = 1 if quant.in_block is None else -(-shape[1] // quant.in_block)
-    value = 0.02 * 4 / QMAX[quant.weight_dtype]
+    value = _scale_value(quant)
     logical = (shape[0], kb, *shape[2:])
     if not packed:
         return nnx.Param(jnp.full(logical, value, jnp.float32))
