@@ -17,7 +17,7 @@ def engine_args(p) -> None:
     p.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--dtype", default="auto")
-    from jaxinfer.entrypoints.cli import add_quantization_args
+    from jaxinfer.config.engine import add_quantization_args
 
     add_quantization_args(p)
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])

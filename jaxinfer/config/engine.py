@@ -277,6 +277,19 @@ def add_compilation_args(parser) -> None:
                              "serving")
 
 
+def add_quantization_args(p) -> None:
+    """--kv-cache-dtype and --quantization / -q (vLLM's names; generate, serve, bench)."""
+    from jaxinfer.config.quant import QUANTIZATION_METHODS
+
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="auto: the model's dtype; fp8 (= fp8_e4m3) / fp8_e5m2: a quarter of "
+                        "float32's bytes per token")
+    p.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
+                   help="fp8 / int8: quantize the linear weights at load (per output "
+                        "channel); gguf: a .gguf model keeps its quantized blocks; default: "
+                        "the checkpoint's quantization_config")
+
+
 def _generation_eos_ids(model_dir: str) -> tuple[int, ...]:
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(path):

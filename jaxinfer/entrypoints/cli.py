@@ -53,19 +53,6 @@ def _json_arg(text: str):
     return value
 
 
-def add_quantization_args(p) -> None:
-    """--kv-cache-dtype and --quantization / -q (vLLM's names; generate, serve, bench)."""
-    from jaxinfer.config.engine import KV_CACHE_DTYPES
-    from jaxinfer.config.quant import QUANTIZATION_METHODS
-
-    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="auto: the model's dtype; fp8 (= fp8_e4m3) / fp8_e5m2: a quarter of "
-                        "float32's bytes per token")
-    p.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
-                   help="fp8 / int8: quantize the linear weights at load (per output "
-                        "channel); default: the checkpoint's quantization_config")
-
-
 def _add_ep_sp_args(p) -> None:
     """Expert and sequence parallelism flags (generate and serve)."""
     p.add_argument("--enable-expert-parallel", action="store_true",
@@ -77,7 +64,7 @@ def _add_ep_sp_args(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxinfer.config.engine import add_compilation_args
+    from jaxinfer.config.engine import add_compilation_args, add_quantization_args
 
     p = argparse.ArgumentParser(prog="jaxinfer", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
