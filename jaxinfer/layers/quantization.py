@@ -14,8 +14,11 @@ Where quantized weights come from (`QuantConfig.from_configs`):
   with `weight_block_size`, or a per-tensor `weight_scale`) and "compressed-tensors"
   (8-bit float or int weights, per channel / tensor / block `weight_scale`). Anything else
   (awq, gptq, bitsandbytes, mxfp4, 4-bit compressed-tensors, ...) is refused by name.
-Embeddings, the LM head, MoE routers and (for now) expert weights stay unquantized; quantized
-checkpoint tensors for them are dequantized at load.
+- "gguf": a .gguf file's projection and LM head blocks kept (models/gguf_convert.py): int8
+  values with a scale and an offset (`weight_offset`) per group of 16 / 32 inputs.
+Routed experts are quantized per expert as well (layers/moe.py). Embeddings, the LM head
+(except GGUF's), MoE routers and shared experts stay unquantized; quantized checkpoint tensors
+for them are dequantized at load.
 
 Activations stay in the model's dtype (weight-only, W8A16) except with `activation_fp8`
 (GPUs: W8A8): each row of x is scaled to fp8 dynamically (per token) and the product runs as
