@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -238,6 +239,16 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                              x.dimensions(), w.dimensions(), y->dimensions());
 }
 
+// f(the weights typed: const int8_t* or const Fp8E4M3*), or an error naming `who`.
+template <typename F>
+ffi::Error with_quantized(const ffi::AnyBuffer& w, const char* who, F f) {
+  if (w.element_type() == ffi::DataType::S8)
+    return f(static_cast<const int8_t*>(w.untyped_data()));
+  if (w.element_type() == ffi::DataType::F8E4M3FN)
+    return f(static_cast<const Fp8E4M3*>(w.untyped_data()));
+  return ffi::Error::InvalidArgument(std::string(who) + ": weights must be int8 or fp8 e4m3");
+}
+
 // Quantized panels: w int8 or fp8 e4m3 [P, K, kNR]; scale float32 [P, K / G, kNR] (one group
 // of all K rows: per-channel); offset the same shape, or [0] (none).
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
@@ -255,13 +266,10 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   gr.scale = scale.typed_data();
   gr.offset = has_offset ? offset.typed_data() : nullptr;
   gr.G = wd[1] / sd[1];
-  if (w.element_type() == ffi::DataType::S8)
-    return PackedMatmul<int8_t>(pool, x.typed_data(), static_cast<const int8_t*>(
-        w.untyped_data()), gr, y->typed_data(), x.dimensions(), wd, y->dimensions());
-  if (w.element_type() == ffi::DataType::F8E4M3FN)
-    return PackedMatmul<Fp8E4M3>(pool, x.typed_data(), static_cast<const Fp8E4M3*>(
-        w.untyped_data()), gr, y->typed_data(), x.dimensions(), wd, y->dimensions());
-  return ffi::Error::InvalidArgument("quant_matmul_cpu: weights must be int8 or fp8 e4m3");
+  return with_quantized(w, "quant_matmul_cpu", [&](auto* wq) {
+    return PackedMatmul(pool, x.typed_data(), wq, gr, y->typed_data(), x.dimensions(), wd,
+                        y->dimensions());
+  });
 }
 
 // Grouped (mixture-of-experts) form: rows of x sorted by expert, group_sizes[e] rows for
@@ -368,15 +376,11 @@ ffi::Error GroupedQuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       sd[2] < 1 || wd[2] % sd[2] != 0)
     return ffi::Error::InvalidArgument(
         "grouped_quant_matmul_cpu: scale must be [E, panels, K / G, 32] with G dividing K");
-  if (w.element_type() == ffi::DataType::S8)
-    return GroupedMatmul<int8_t>(pool, x.typed_data(), static_cast<const int8_t*>(
-        w.untyped_data()), scale.typed_data(), sd[2], group_sizes.typed_data(),
-        y->typed_data(), x.dimensions(), wd, group_sizes.dimensions(), y->dimensions());
-  if (w.element_type() == ffi::DataType::F8E4M3FN)
-    return GroupedMatmul<Fp8E4M3>(pool, x.typed_data(), static_cast<const Fp8E4M3*>(
-        w.untyped_data()), scale.typed_data(), sd[2], group_sizes.typed_data(),
-        y->typed_data(), x.dimensions(), wd, group_sizes.dimensions(), y->dimensions());
-  return ffi::Error::InvalidArgument("grouped_quant_matmul_cpu: int8 or fp8 e4m3 weights");
+  return with_quantized(w, "grouped_quant_matmul_cpu", [&](auto* wq) {
+    return GroupedMatmul(pool, x.typed_data(), wq, scale.typed_data(), sd[2],
+                         group_sizes.typed_data(), y->typed_data(), x.dimensions(), wd,
+                         group_sizes.dimensions(), y->dimensions());
+  });
 }
 
 }  // namespace

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.config.quant import QMAX  # (the formats' largest values: one table)
 from pallas_kernels.reference import ragged_paged_attention_reference, write_kv_reference
 
 # "cpu": the C++ FFI kernel (the default on CPU, layers/cpu_kernels.py); "xla": cost follows
@@ -41,7 +42,7 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-FP8_MAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
+FP8_MAX = {jnp.dtype(name): QMAX[name] for name in ("float8_e4m3fn", "float8_e5m2")}
 
 
 def is_fp8(dtype) -> bool:

@@ -130,20 +130,13 @@ def available() -> bool:
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(build())
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxinferPagedAttentionCpu),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(MATMUL_TARGET,
-                                    jax.ffi.pycapsule(lib.JaxinferPackedMatmulCpu),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(GROUPED_MATMUL_TARGET,
-                                    jax.ffi.pycapsule(lib.JaxinferGroupedMatmulCpu),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(QUANT_MATMUL_TARGET,
-                                    jax.ffi.pycapsule(lib.JaxinferQuantMatmulCpu),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(GROUPED_QUANT_MATMUL_TARGET,
-                                    jax.ffi.pycapsule(lib.JaxinferGroupedQuantMatmulCpu),
-                                    platform="cpu")
+        for target, symbol in ((TARGET, "JaxinferPagedAttentionCpu"),
+                               (MATMUL_TARGET, "JaxinferPackedMatmulCpu"),
+                               (GROUPED_MATMUL_TARGET, "JaxinferGroupedMatmulCpu"),
+                               (QUANT_MATMUL_TARGET, "JaxinferQuantMatmulCpu"),
+                               (GROUPED_QUANT_MATMUL_TARGET, "JaxinferGroupedQuantMatmulCpu")):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                        platform="cpu")
     except Exception as e:  # noqa: BLE001  (any build or load failure: fall back, say why)
         logger.warning("cpu kernels unavailable, using the xla backend: %s", e)
         return False

@@ -126,7 +126,8 @@ def _fp8_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
     sx = jnp.where(amax > 0, amax / QMAX["float8_e4m3fn"], 1.0)
-    xq = jnp.clip(x32 / sx, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    m = QMAX["float8_e4m3fn"]
+    xq = jnp.clip(x32 / sx, -m, m).astype(jnp.float8_e4m3fn)
     return jnp.dot(xq, w, preferred_element_type=jnp.float32) * sx
 
 

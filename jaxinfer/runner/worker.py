@@ -227,8 +227,13 @@ class Worker:
             self.mesh = make_mesh(tp, self.devices)
         from jaxinfer.layers.attention import is_fp8
 
-        model_config = dataclasses.replace(rc.model_config,
-                                           fp8_kv_cache=is_fp8(jnp_dtype(rc.kv_cache_dtype)))
+        from jaxinfer.layers.quantization import with_activation_fp8
+
+        model_config = dataclasses.replace(
+            rc.model_config, fp8_kv_cache=is_fp8(jnp_dtype(rc.kv_cache_dtype)),
+            # fp8 weights on GPUs: W8A8 (activations to fp8 per token, fp8 x fp8 dots)
+            quantization=with_activation_fp8(rc.model_config.quantization,
+                                             on_gpu(self.devices)))
         model, mcfg, dtype = load_model(rc.model_dir, dtype=rc.dtype,
                                         load_format=cfg.load_format,
                                         attention_backend=self.attention_backend, seed=cfg.seed,

@@ -512,3 +512,16 @@ def test_qwen3_moe_quantized_at_load_through_the_engine(tmp_path, smollm2_dir):
         llm.shutdown()
     assert all(len(t) == 6 for t in got["xla"])
     assert got.get("cpu", got["xla"]) == got["xla"]
+
+
+def test_w8a8_only_for_fp8_weights_on_gpus():
+    """The worker turns fp8 weights into W8A8 on GPUs (with_activation_fp8); int8 weights and
+    CPUs stay weight-only."""
+    from jaxinfer.layers.quantization import with_activation_fp8
+
+    fp8 = QuantConfig.from_configs("fp8", None)
+    int8 = QuantConfig.from_configs("int8", None)
+    assert with_activation_fp8(fp8, on_gpu=True).activation_fp8
+    assert not with_activation_fp8(fp8, on_gpu=False).activation_fp8
+    assert not with_activation_fp8(int8, on_gpu=True).activation_fp8
+    assert with_activation_fp8(None, on_gpu=True) is None
