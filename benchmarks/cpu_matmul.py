@@ -40,6 +40,19 @@ def measure(kind: str, rows: list[int], iters: int) -> dict[int, float]:
 
         def mm(x, w, n):
             return ck.matmul(x, w, n)
+    elif kind == "packed-int8":  # per-channel int8 weights, as quantization="int8" packs them
+        if not ck.available():
+            raise SystemExit("the C++ kernels could not be built")
+
+        def q8(w):
+            s = np.abs(w).max(axis=0, keepdims=True) / 127.0
+            q = np.clip(np.round(w / s), -127, 127).astype(np.int8)
+            return jnp.asarray(ck.pack(q)), jnp.asarray(ck.pack(s.astype(np.float32)))
+
+        params = [[q8(w) for w in layer] for layer in ws]
+
+        def mm(x, w, n):
+            return ck.matmul(x, w[0], n, scale=w[1])
     else:
         params = [[jnp.asarray(w) for w in layer] for layer in ws]
 
@@ -75,6 +88,8 @@ def main():
     ap.add_argument("--xla-flags", action="append", default=None,
                     help="an XLA_FLAGS value for a row of XLA's dot (repeatable; default: "
                          "none, oneDNN and XNNPACK dot fusion)")
+    ap.add_argument("--variants", default="xla,packed,packed-int8",
+                    help="which of xla (one row per --xla-flags), packed, packed-int8")
     ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
@@ -85,21 +100,27 @@ def main():
     flags = args.xla_flags or ["", "--xla_cpu_experimental_onednn_fusion_type=dot",
                                "--xla_cpu_experimental_xnn_fusion_type=dot"]
     flops = {m: 2 * m * LAYERS * sum(k * n for k, n in SHAPES) for m in rows}
-    variants = [("xla dot", f) for f in flags] + [("packed kernel", "")]
+    chosen = args.variants.split(",")
+    variants = ([("xla dot", "xla", f) for f in flags] if "xla" in chosen else []) + [
+        (name, kind, "") for name, kind in [("packed kernel", "packed"),
+                                             ("packed int8", "packed-int8")] if kind in chosen]
+    weight_bytes = {"xla": 4, "packed": 4, "packed-int8": 1}
     results = []
-    for name, flag in variants:
+    for name, kind, flag in variants:
         env = dict(os.environ, XLA_FLAGS=flag)
-        cmd = [sys.executable, os.path.abspath(__file__), "--run",
-               "packed" if name == "packed kernel" else "xla", "--rows", args.rows,
+        cmd = [sys.executable, os.path.abspath(__file__), "--run", kind, "--rows", args.rows,
                "--iters", str(args.iters)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
         times = {int(k): v for k, v in json.loads(line[7:]).items()}
+        wbytes = weight_bytes[kind] * LAYERS * sum(k * n for k, n in SHAPES)
         row = {"variant": name, "xla_flags": flag, "seconds": times,
-               "gflops": {m: flops[m] / t / 1e9 for m, t in times.items()}}
+               "gflops": {m: flops[m] / t / 1e9 for m, t in times.items()},
+               "weight_gb_per_s": {m: wbytes / t / 1e9 for m, t in times.items()}}
         results.append(row)
         print(f"{name:<14} {flag or '(default flags)':<48} " + "  ".join(
-            f"M={m}: {row['gflops'][m]:.0f}" for m in rows) + "  GFLOP/s", flush=True)
+            f"M={m}: {row['gflops'][m]:.0f}" for m in rows) + "  GFLOP/s; weights " + "  ".join(
+            f"M={m}: {row['weight_gb_per_s'][m]:.1f}" for m in rows) + " GB/s", flush=True)
     result = {"benchmark": "cpu_matmul", "layers": LAYERS, "shapes": SHAPES, "rows": rows,
               "results": results, "cpus": os.cpu_count(), "command": " ".join(sys.argv)}
     if args.output_json:

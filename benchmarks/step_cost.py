@@ -71,6 +71,8 @@ def main():
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=None,
                     help="tokens per KV block (default: the engine's, 128 on CPU)")
+    ap.add_argument("--quantization", default=None, help="int8, fp8 or gguf weights")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
 
@@ -89,6 +91,7 @@ def main():
                   num_kv_blocks=64 * -(-args.max_model_len // bs) + 2, block_size=bs,
                   step_compilation=args.step_compilation,
                   layers_per_program=args.layers_per_program,
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                   enable_multiprocessing=False)  # times the runner in this process
         runner = llm.llm_engine.runner
         for name in args.cases.split(","):
@@ -97,7 +100,8 @@ def main():
             work = sum(q * (c + (q + 1) / 2) for q, c in seqs)  # query x key pairs
             rows.append({"backend": backend, "step_compilation": args.step_compilation,
                          "layers_per_program": args.layers_per_program, "block_size": bs,
-                         "case": name, "tokens": sum(q for q, _ in seqs),
+                         "quantization": args.quantization,
+                         "kv_cache_dtype": args.kv_cache_dtype, "case": name, "tokens": sum(q for q, _ in seqs),
                          "seqs": len(seqs), "attention_pairs": work, "step_s": s})
             print(f"{backend:>9} {name:>24}: {s * 1e3:9.1f} ms", flush=True)
         del llm

@@ -48,6 +48,24 @@ inline v16 load_w(const Fp8E4M3* p) {
   return jaxinfer_cpu::e4m3_to_float16x(reinterpret_cast<const uint8_t*>(p));
 }
 
+// Bytes ahead of the k row being read that the first pass over a panel prefetches. A panel
+// is one sequential stream, yet this machine's hardware prefetchers kept too few lines in
+// flight for it: at one to eight decode rows the loop stalled on its weight loads, and int8
+// panels (half a cache line per k row) streamed at 7 GB/s where float32 ones reached 24
+// (benchmarks/cpu_matmul.py, packed int8 row; 18.5 GB/s with this and the two sets of sums).
+constexpr int64_t kPrefetchAhead = 4096;
+
+template <typename W>
+inline void prefetch_row(const W* row, int64_t k) {
+  constexpr int64_t bytes = kNR * sizeof(W);  // 32 (int8, fp8) or 128 (float)
+  const char* p = reinterpret_cast<const char*>(row) + kPrefetchAhead;
+  if constexpr (bytes >= 64) {
+    for (int64_t b = 0; b < bytes; b += 64) jaxinfer_cpu::prefetch(p + b);
+  } else {
+    if ((k & (64 / bytes - 1)) == 0) jaxinfer_cpu::prefetch(p);
+  }
+}
+
 // rows [m0, m0 + MR) x panel `panel`: acc = x rows . panel, written to y. Quantized weights
 // (scale set): the panel's K rows come in groups of G, each with a scale and (offset set)
 // an offset per column, [K / G, kNR] from `scale` / `offset`: y = sum over groups of
@@ -55,7 +73,7 @@ inline v16 load_w(const Fp8E4M3* p) {
 // group (G = K, per-channel scales) accumulates as float weights do and scales at the end;
 // several need a second set of accumulators, so the caller runs them with fewer rows (the
 // two sets must stay in registers: with 256-bit vectors preferred, a v16 takes two).
-template <int MR, typename W>
+template <int MR, bool Stream, typename W>
 inline void block(const float* x, const W* panel, const float* scale, const float* offset,
                   int64_t G, float* y, int64_t m0, int64_t K, int64_t N, int64_t col0,
                   int64_t ncols) {
@@ -63,7 +81,30 @@ inline void block(const float* x, const W* panel, const float* scale, const floa
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = v16{};
   const float* xr = x + m0 * K;
   if (scale == nullptr || (G == K && offset == nullptr)) {
-    for (int64_t k = 0; k < K; ++k) {
+    int64_t k = 0;
+    if constexpr (MR <= 2) {  // few rows: two sets of sums, so the FMA latency does not bind
+      v16 odd[MR][2];
+      for (int i = 0; i < MR; ++i) odd[i][0] = odd[i][1] = v16{};
+      for (; k + 2 <= K; k += 2) {
+        if (Stream) prefetch_row(panel + k * kNR, k);
+        if (Stream) prefetch_row(panel + (k + 1) * kNR, k + 1);
+        const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
+        const v16 c0 = load_w(panel + (k + 1) * kNR), c1 = load_w(panel + (k + 1) * kNR + 16);
+        for (int i = 0; i < MR; ++i) {
+          const float a = xr[i * K + k], a2 = xr[i * K + k + 1];
+          acc[i][0] += a * b0;
+          acc[i][1] += a * b1;
+          odd[i][0] += a2 * c0;
+          odd[i][1] += a2 * c1;
+        }
+      }
+      for (int i = 0; i < MR; ++i) {
+        acc[i][0] += odd[i][0];
+        acc[i][1] += odd[i][1];
+      }
+    }
+    for (; k < K; ++k) {
+      if (Stream) prefetch_row(panel + k * kNR, k);
       const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
       for (int i = 0; i < MR; ++i) {
         const float a = xr[i * K + k];
@@ -83,6 +124,7 @@ inline void block(const float* x, const W* panel, const float* scale, const floa
       v16 t[MR][2];
       for (int i = 0; i < MR; ++i) t[i][0] = t[i][1] = v16{};
       for (int64_t k = g0; k < g0 + G; ++k) {
+        if (Stream) prefetch_row(panel + k * kNR, k);
         const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
         for (int i = 0; i < MR; ++i) {
           const float a = xr[i * K + k];
@@ -135,19 +177,39 @@ constexpr int64_t kWidenRows = 12;
 // All M rows x one panel (its first column col0, ncols of them).
 template <typename W>
 void panel_rows(const float* x, const W* panel, const float* sc, const float* of, int64_t G,
-                float* y, int64_t M, int64_t K, int64_t N, int64_t col0, int64_t ncols) {
+                float* y, int64_t M, int64_t K, int64_t N, int64_t col0, int64_t ncols,
+                bool from_memory = true) {
+  // The first block of rows reads the panel from memory (and prefetches ahead); the others
+  // find it in cache.
+  const int64_t mr = sc != nullptr && (G < K || of != nullptr) ? 3 : kMR;  // groups: 3 rows
   int64_t m0 = 0;
-  if (sc != nullptr && (G < K || of != nullptr)) {  // groups: 3 rows at a time
-    for (; m0 + 3 <= M; m0 += 3) block<3>(x, panel, sc, of, G, y, m0, K, N, col0, ncols);
-  } else {
-    for (; m0 + kMR <= M; m0 += kMR) block<kMR>(x, panel, sc, of, G, y, m0, K, N, col0, ncols);
+  if (M >= mr && !from_memory) {
+    for (; m0 + kMR <= M; m0 += kMR)
+      block<kMR, false>(x, panel, sc, of, G, y, m0, K, N, col0, ncols);
+  } else if (M >= mr) {
+    if (mr == 3) block<3, true>(x, panel, sc, of, G, y, 0, K, N, col0, ncols);
+    else block<kMR, true>(x, panel, sc, of, G, y, 0, K, N, col0, ncols);
+    m0 = mr;
+    if (mr == 3) {
+      for (; m0 + 3 <= M; m0 += 3) block<3, false>(x, panel, sc, of, G, y, m0, K, N, col0, ncols);
+    } else {
+      for (; m0 + kMR <= M; m0 += kMR)
+        block<kMR, false>(x, panel, sc, of, G, y, m0, K, N, col0, ncols);
+    }
   }
+  const bool stream = m0 == 0 && from_memory;
   switch (M - m0) {
-    case 1: block<1>(x, panel, sc, of, G, y, m0, K, N, col0, ncols); break;
-    case 2: block<2>(x, panel, sc, of, G, y, m0, K, N, col0, ncols); break;
-    case 3: block<3>(x, panel, sc, of, G, y, m0, K, N, col0, ncols); break;
-    case 4: block<4>(x, panel, sc, of, G, y, m0, K, N, col0, ncols); break;
-    case 5: block<5>(x, panel, sc, of, G, y, m0, K, N, col0, ncols); break;
+#define JAXINFER_REST(R)                                                           \
+  case R:                                                                          \
+    if (stream) block<R, true>(x, panel, sc, of, G, y, m0, K, N, col0, ncols);   \
+    else block<R, false>(x, panel, sc, of, G, y, m0, K, N, col0, ncols);         \
+    break;
+    JAXINFER_REST(1)
+    JAXINFER_REST(2)
+    JAXINFER_REST(3)
+    JAXINFER_REST(4)
+    JAXINFER_REST(5)
+#undef JAXINFER_REST
     default: break;
   }
 }
@@ -165,6 +227,7 @@ void panel_product(const float* x, const W* w, const Groups& gr, float* y, int64
       thread_local std::vector<float> buf;
       buf.resize(static_cast<size_t>(K * kNR));
       for (int64_t k = 0; k < K; ++k) {
+        prefetch_row(panel + k * kNR, k);
         const int64_t g = k / gr.G;
         v16 w0 = load_w(panel + k * kNR) * load16(sc + g * kNR);
         v16 w1 = load_w(panel + k * kNR + 16) * load16(sc + g * kNR + 16);
@@ -175,7 +238,7 @@ void panel_product(const float* x, const W* w, const Groups& gr, float* y, int64
         store16(buf.data() + k * kNR, w0);
         store16(buf.data() + k * kNR + 16, w1);
       }
-      panel_rows<float>(x, buf.data(), nullptr, nullptr, 0, y, M, K, N, col0, ncols);
+      panel_rows<float>(x, buf.data(), nullptr, nullptr, 0, y, M, K, N, col0, ncols, false);
       return;
     }
   }
