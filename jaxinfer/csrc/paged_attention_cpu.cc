@@ -605,7 +605,54 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// This step's k, v [T, Hkv, D] copied into the caches [NB, BS, Hkv, D] at slot_mapping
+// (slot = block * BS + offset; slots outside the cache are skipped, as XLA's scatter drops
+// them). The outputs alias the caches, so only T rows move. For fp8 caches: XLA:CPU has no
+// fp8 scatter, and scattering on the caches' bytes instead made it convert the whole cache to
+// bytes and back each layer (bitcast-convert is a copy there: ~2 ms a layer, a batch-1 step
+// 12x slower than with a float32 cache). Any element type, k's the caches'.
+ffi::Error KvWriteImpl(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer k,
+                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> slots,
+                       ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+  auto kd = k_cache.dimensions(), vd = v_cache.dimensions(), td = k.dimensions();
+  if (kd.size() != 4 || vd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin()) ||
+      td.size() != 3 || !std::equal(td.begin(), td.end(), v.dimensions().begin()) ||
+      td[1] != kd[2] || td[2] != kd[3] || slots.element_count() != static_cast<size_t>(td[0]))
+    return ffi::Error::InvalidArgument("kv_write_cpu: shapes do not match");
+  if (k.element_type() != k_cache.element_type() || v.element_type() != k_cache.element_type() ||
+      v_cache.element_type() != k_cache.element_type() ||
+      k_out->element_type() != k_cache.element_type())
+    return ffi::Error::InvalidArgument("kv_write_cpu: k, v and the caches' types differ");
+  const int64_t num_slots = kd[0] * kd[1];
+  const size_t row = k.size_bytes() / std::max<int64_t>(td[0], 1);  // one token's Hkv x D
+  const ffi::AnyBuffer* caches[2] = {&k_cache, &v_cache};
+  const ffi::AnyBuffer* rows[2] = {&k, &v};
+  char* outs[2] = {static_cast<char*>(k_out->untyped_data()),
+                   static_cast<char*>(v_out->untyped_data())};
+  for (int i = 0; i < 2; ++i) {
+    if (outs[i] != caches[i]->untyped_data())  // (not aliased: start from the old cache)
+      std::memcpy(outs[i], caches[i]->untyped_data(), caches[i]->size_bytes());
+    const char* from = static_cast<const char*>(rows[i]->untyped_data());
+    for (int64_t t = 0; t < td[0]; ++t) {
+      const int64_t slot = slots.typed_data()[t];
+      if (slot < 0 || slot >= num_slots) continue;
+      std::memcpy(outs[i] + slot * row, from + t * row, row);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferKvWriteCpu, KvWriteImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttentionCpu, PagedAttentionImpl,
                               ffi::Ffi::Bind()

@@ -62,8 +62,14 @@ def write_kv(k_cache, v_cache, k, v, md: AttentionMetadata, kv_scales=None):
     if is_fp8(k_cache.dtype):
         ks, vs = kv_scales if kv_scales is not None else (1.0, 1.0)
         k, v = quantize_kv(k, ks, k_cache.dtype), quantize_kv(v, vs, v_cache.dtype)
-        # The scatter on the caches' bytes: XLA:CPU has no fp8 scatter and would widen the
-        # whole cache to float and back around it (seconds per step); a bitcast is free.
+        if jax.default_backend() == "cpu":
+            from jaxinfer.layers import cpu_kernels
+
+            if cpu_kernels.available():
+                # XLA:CPU has no fp8 scatter: it would widen the whole cache to float and back
+                # around it, and a bitcast of the cache to bytes is a copy there too.
+                return cpu_kernels.write_kv_cpu(k_cache, v_cache, k, v, md.slot_mapping)
+        # The scatter on the caches' bytes (XLA:CPU without the C++ kernels: slow but right).
         u8 = jnp.uint8
         bits = jax.lax.bitcast_convert_type
         kc, vc = write_kv_reference(bits(k_cache, u8), bits(v_cache, u8), bits(k, u8),

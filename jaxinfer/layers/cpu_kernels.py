@@ -39,6 +39,7 @@ MATMUL_TARGET = "jaxinfer_packed_matmul_cpu"
 GROUPED_MATMUL_TARGET = "jaxinfer_grouped_matmul_cpu"
 QUANT_MATMUL_TARGET = "jaxinfer_quant_matmul_cpu"
 GROUPED_QUANT_MATMUL_TARGET = "jaxinfer_grouped_quant_matmul_cpu"
+KV_WRITE_TARGET = "jaxinfer_kv_write_cpu"
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 _SOURCES = [os.path.join(_CSRC, f) for f in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc")]
 _HEADERS = [os.path.join(_CSRC, "cpu_common.h")]
@@ -134,7 +135,8 @@ def available() -> bool:
                                (MATMUL_TARGET, "JaxinferPackedMatmulCpu"),
                                (GROUPED_MATMUL_TARGET, "JaxinferGroupedMatmulCpu"),
                                (QUANT_MATMUL_TARGET, "JaxinferQuantMatmulCpu"),
-                               (GROUPED_QUANT_MATMUL_TARGET, "JaxinferGroupedQuantMatmulCpu")):
+                               (GROUPED_QUANT_MATMUL_TARGET, "JaxinferGroupedQuantMatmulCpu"),
+                               (KV_WRITE_TARGET, "JaxinferKvWriteCpu")):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
     except Exception as e:  # noqa: BLE001  (any build or load failure: fall back, say why)
@@ -155,6 +157,18 @@ def ragged_paged_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, query
     return call(q, k_cache, v_cache, kv_lens.astype(i32), block_tables.astype(i32),
                 query_start_loc.astype(i32), num_seqs.astype(i32),
                 sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0))
+
+
+def write_kv_cpu(k_cache, v_cache, k, v, slot_mapping):
+    """`write_kv_reference`'s contract, in place: the outputs alias the caches (donated caches
+    are written where they are; XLA copies one that is not). k, v in the caches' dtype."""
+    if not available():
+        raise RuntimeError("write_kv_cpu needs the C++ kernels, which could not be built here")
+    out = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+           jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    call = jax.ffi.ffi_call(KV_WRITE_TARGET, out, vmap_method="sequential",
+                            input_output_aliases={0: 0, 1: 1})
+    return call(k_cache, v_cache, k, v, slot_mapping.astype(np.int32))
 
 
 def packed_shape(in_features: int, out_features: int) -> tuple[int, int, int]:

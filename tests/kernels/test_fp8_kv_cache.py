@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from jaxinfer.layers import cpu_kernels
-from jaxinfer.layers.attention import AttentionMetadata, paged_attention, quantize_kv
+from jaxinfer.layers.attention import AttentionMetadata, paged_attention, quantize_kv, write_kv
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels.reference import ragged_paged_attention_reference, write_kv_reference
 from tests.kernels.test_ragged_paged_attention import make_case
 
 FP8 = {"fp8_e4m3": (jnp.float8_e4m3fn, ml_dtypes.float8_e4m3fn, 448.0, 2.0 ** -4),
@@ -74,6 +74,60 @@ def test_every_backend_attends_over_fp8_caches(kind, backend, case):
     np.testing.assert_allclose(np.asarray(kc[0, 5], np.float32) * 0.02, 0.3, rtol=2 ** -3)
     np.testing.assert_allclose(np.asarray(vc[0, 5], np.float32) * 0.5, 0.3, rtol=2 ** -3)
     np.testing.assert_allclose(np.asarray(out)[:n], np.asarray(ref)[:n], atol=2e-5, rtol=2e-5)
+
+
+def _write_case(dtype):
+    rng = np.random.default_rng(3)
+    nb, bs, h, d, t = 6, 8, 2, 16, 7
+    kc = jnp.asarray(rng.standard_normal((nb, bs, h, d)), jnp.float32).astype(dtype)
+    vc = jnp.asarray(rng.standard_normal((nb, bs, h, d)), jnp.float32).astype(dtype)
+    k = jnp.asarray(rng.standard_normal((t, h, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((t, h, d)), jnp.float32)
+    # padding rows -> slot 0 (the null block); past the end: dropped, as XLA's scatter does
+    slots = jnp.asarray([9, 0, 47, 0, nb * bs, nb * bs + 100, 20], jnp.int32)
+    return kc, vc, k, v, slots
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float32,
+                                   jnp.bfloat16])
+def test_cpu_kv_write_equals_the_scatter(dtype):
+    """The C++ KV write (fp8 caches on CPU use it) = XLA's scatter on the caches' bytes, and
+    in place: compiled with the caches donated, no cache-sized copy is left in the program."""
+    kc, vc, k, v, slots = _write_case(dtype)
+    kq, vq = k.astype(dtype), v.astype(dtype)
+    bits = jax.lax.bitcast_convert_type
+    u8 = jnp.uint8 if jnp.dtype(dtype).itemsize == 1 else jnp.uint16 if jnp.dtype(
+        dtype).itemsize == 2 else jnp.uint32
+    want = write_kv_reference(bits(kc, u8), bits(vc, u8), bits(kq, u8), bits(vq, u8), slots)
+    fn = jax.jit(cpu_kernels.write_kv_cpu, donate_argnums=(0, 1))
+    text = fn.lower(kc, vc, kq, vq, slots).compile().as_text()
+    assert not [line for line in text.splitlines() if " copy(" in line and "[6,8,2,16]" in line]
+    got = fn(kc, vc, kq, vq, slots)
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(bits(g, u8)), np.asarray(w))
+
+
+@pytest.mark.parametrize("kind", list(FP8))
+def test_fp8_write_without_the_cpu_kernels(kind, monkeypatch):
+    """Where the C++ kernels are not built, fp8 caches are written by XLA's scatter on their
+    bytes: the same caches."""
+    dtype = FP8[kind][0]
+    kc, vc, k, v, slots = _write_case(dtype)
+    md = AttentionMetadata(slot_mapping=slots, block_tables=None, seq_lens=None,
+                           query_start_loc=None, num_seqs=None, num_decodes=None)
+    scales = (jnp.float32(0.5), jnp.float32(2.0))
+    with_kernels = write_kv(kc, vc, k, v, md, scales)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    without = write_kv(kc, vc, k, v, md, scales)
+    for a, b in zip(with_kernels, without):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                      np.asarray(b.astype(jnp.float32)))
+    # the written rows hold k / k_scale (and v / v_scale), quantized
+    np.testing.assert_array_equal(
+        np.asarray(without[0].reshape(-1, 2, 16)[9].astype(jnp.float32)),
+        np.asarray(quantize_kv(k[0], scales[0], dtype).astype(jnp.float32)))
 
 
 def test_fp8_cache_kernel_lowers_for_cuda():
