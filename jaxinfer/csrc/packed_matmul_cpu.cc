@@ -39,6 +39,44 @@ struct Fp8E4M3 {
 };
 
 
+// 4-bit weights (GGUF's Q4 types), two k rows in each byte row of a panel: byte c of row
+// pair j holds column c's row 2j in its low nibble and row 2j + 1 in its high one, codes 0..15
+// (the loader folds each tensor's lowest code into its offsets). The panel is [K / 2, kNR].
+struct Nibbles {
+  uint8_t bits;
+};
+
+template <typename W>
+constexpr int64_t kRowsPerByteRow = 1;
+template <>
+constexpr int64_t kRowsPerByteRow<Nibbles> = 2;
+
+// 16 columns of a row pair -> their row 2j (lo) and row 2j + 1 (hi) as floats.
+inline void load_nibbles(const Nibbles* p, v16& lo, v16& hi) {
+  const uint8_t* b = &p->bits;
+#if defined(__AVX512F__)
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+  lo = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15))));
+  hi = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4)));
+#elif defined(__AVX2__)
+  const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m256i w0 = _mm256_cvtepu8_epi32(w), w1 = _mm256_cvtepu8_epi32(_mm_srli_si128(w, 8));
+  const __m256i m = _mm256_set1_epi32(15);
+  lo = jaxinfer_cpu::join(_mm256_cvtepi32_ps(_mm256_and_si256(w0, m)),
+                          _mm256_cvtepi32_ps(_mm256_and_si256(w1, m)));
+  hi = jaxinfer_cpu::join(_mm256_cvtepi32_ps(_mm256_srli_epi32(w0, 4)),
+                          _mm256_cvtepi32_ps(_mm256_srli_epi32(w1, 4)));
+#else
+  float l[16], h[16];
+  for (int c = 0; c < 16; ++c) {
+    l[c] = static_cast<float>(b[c] & 15);
+    h[c] = static_cast<float>(b[c] >> 4);
+  }
+  lo = load16(l);
+  hi = load16(h);
+#endif
+}
+
 inline v16 load_w(const float* p) { return load16(p); }
 
 inline v16 load_w(const int8_t* p) { return jaxinfer_cpu::i8_to_float16x(p); }
@@ -80,7 +118,38 @@ inline void block(const float* x, const W* panel, const float* scale, const floa
   v16 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = v16{};
   const float* xr = x + m0 * K;
-  if (scale == nullptr || (G == K && offset == nullptr)) {
+  if constexpr (std::is_same_v<W, Nibbles>) {  // (always groups: GGUF's; G even)
+    for (int64_t g0 = 0, g = 0; g0 < K; g0 += G, ++g) {
+      v16 t[MR][2];
+      for (int i = 0; i < MR; ++i) t[i][0] = t[i][1] = v16{};
+      for (int64_t k = g0; k < g0 + G; k += 2) {
+        const Nibbles* r = panel + (k / 2) * kNR;
+        if (Stream) prefetch_row(r, k / 2);
+        v16 l0, h0, l1, h1;
+        load_nibbles(r, l0, h0);
+        load_nibbles(r + 16, l1, h1);
+        for (int i = 0; i < MR; ++i) {
+          const float a = xr[i * K + k], a2 = xr[i * K + k + 1];
+          t[i][0] += a * l0 + a2 * h0;
+          t[i][1] += a * l1 + a2 * h1;
+        }
+      }
+      const v16 s0 = load16(scale + g * kNR), s1 = load16(scale + g * kNR + 16);
+      for (int i = 0; i < MR; ++i) {
+        acc[i][0] += t[i][0] * s0;
+        acc[i][1] += t[i][1] * s1;
+      }
+      if (offset != nullptr) {
+        const v16 o0 = load16(offset + g * kNR), o1 = load16(offset + g * kNR + 16);
+        for (int i = 0; i < MR; ++i) {
+          float xs = 0.0f;
+          for (int64_t k = g0; k < g0 + G; ++k) xs += xr[i * K + k];
+          acc[i][0] += xs * o0;
+          acc[i][1] += xs * o1;
+        }
+      }
+    }
+  } else if (scale == nullptr || (G == K && offset == nullptr)) {
     int64_t k = 0;
     if constexpr (MR <= 2) {  // few rows: two sets of sums, so the FMA latency does not bind
       v16 odd[MR][2];
@@ -181,7 +250,8 @@ void panel_rows(const float* x, const W* panel, const float* sc, const float* of
                 bool from_memory = true) {
   // The first block of rows reads the panel from memory (and prefetches ahead); the others
   // find it in cache.
-  const int64_t mr = sc != nullptr && (G < K || of != nullptr) ? 3 : kMR;  // groups: 3 rows
+  const bool groups = std::is_same_v<W, Nibbles> || (sc != nullptr && (G < K || of != nullptr));
+  const int64_t mr = groups ? 3 : kMR;  // groups: 3 rows
   int64_t m0 = 0;
   if (M >= mr && !from_memory) {
     for (; m0 + kMR <= M; m0 += kMR)
@@ -217,7 +287,7 @@ void panel_rows(const float* x, const W* panel, const float* sc, const float* of
 template <typename W>
 void panel_product(const float* x, const W* w, const Groups& gr, float* y, int64_t M,
                    int64_t K, int64_t N, int64_t p) {
-  const W* panel = w + p * K * kNR;
+  const W* panel = w + p * (K / kRowsPerByteRow<W>) * kNR;
   const int64_t col0 = p * kNR, ncols = std::min(kNR, N - col0);
   const int64_t per = gr.G > 0 ? (K / gr.G) * kNR : 0;  // a panel's scales
   const float* sc = gr.scale ? gr.scale + p * per : nullptr;
@@ -226,17 +296,35 @@ void panel_product(const float* x, const W* w, const Groups& gr, float* y, int64
     if (sc != nullptr && M >= kWidenRows) {
       thread_local std::vector<float> buf;
       buf.resize(static_cast<size_t>(K * kNR));
-      for (int64_t k = 0; k < K; ++k) {
-        prefetch_row(panel + k * kNR, k);
-        const int64_t g = k / gr.G;
-        v16 w0 = load_w(panel + k * kNR) * load16(sc + g * kNR);
-        v16 w1 = load_w(panel + k * kNR + 16) * load16(sc + g * kNR + 16);
-        if (of != nullptr) {
-          w0 += load16(of + g * kNR);
-          w1 += load16(of + g * kNR + 16);
+      if constexpr (std::is_same_v<W, Nibbles>) {
+        for (int64_t k = 0; k < K; k += 2) {
+          const Nibbles* r = panel + (k / 2) * kNR;
+          prefetch_row(r, k / 2);
+          const int64_t g = k / gr.G;
+          const v16 s0 = load16(sc + g * kNR), s1 = load16(sc + g * kNR + 16);
+          const v16 o0 = of ? load16(of + g * kNR) : v16{}, o1 = of ? load16(of + g * kNR + 16)
+                                                                    : v16{};
+          v16 l0, h0, l1, h1;
+          load_nibbles(r, l0, h0);
+          load_nibbles(r + 16, l1, h1);
+          store16(buf.data() + k * kNR, l0 * s0 + o0);
+          store16(buf.data() + k * kNR + 16, l1 * s1 + o1);
+          store16(buf.data() + (k + 1) * kNR, h0 * s0 + o0);
+          store16(buf.data() + (k + 1) * kNR + 16, h1 * s1 + o1);
         }
-        store16(buf.data() + k * kNR, w0);
-        store16(buf.data() + k * kNR + 16, w1);
+      } else {
+        for (int64_t k = 0; k < K; ++k) {
+          prefetch_row(panel + k * kNR, k);
+          const int64_t g = k / gr.G;
+          v16 w0 = load_w(panel + k * kNR) * load16(sc + g * kNR);
+          v16 w1 = load_w(panel + k * kNR + 16) * load16(sc + g * kNR + 16);
+          if (of != nullptr) {
+            w0 += load16(of + g * kNR);
+            w1 += load16(of + g * kNR + 16);
+          }
+          store16(buf.data() + k * kNR, w0);
+          store16(buf.data() + k * kNR + 16, w1);
+        }
       }
       panel_rows<float>(x, buf.data(), nullptr, nullptr, 0, y, M, K, N, col0, ncols, false);
       return;
@@ -272,7 +360,8 @@ template <typename W>
 ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const Groups& groups,
                         float* y, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
                         ffi::Span<const int64_t> yd) {
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kNR || wd[1] != xd[1] ||
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kNR ||
+      wd[1] * kRowsPerByteRow<W> != xd[1] ||
       yd[0] != xd[0] || yd[1] > wd[0] * kNR || yd[1] <= (wd[0] - 1) * kNR)
     return ffi::Error::InvalidArgument("packed_matmul_cpu: shapes do not match");
   auto sh = std::make_shared<Shared<W>>();
@@ -312,8 +401,9 @@ ffi::Error with_quantized(const ffi::AnyBuffer& w, const char* who, F f) {
   return ffi::Error::InvalidArgument(std::string(who) + ": weights must be int8 or fp8 e4m3");
 }
 
-// Quantized panels: w int8 or fp8 e4m3 [P, K, kNR]; scale float32 [P, K / G, kNR] (one group
-// of all K rows: per-channel); offset the same shape, or [0] (none).
+// Quantized panels: w int8 or fp8 e4m3 [P, K, kNR], or 4-bit (uint8 [P, K / 2, kNR], see
+// Nibbles); scale float32 [P, K / G, kNR] (one group of all K rows: per-channel); offset the
+// same shape, or [0] (none).
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
                            ffi::Result<ffi::Buffer<ffi::F32>> y) {
@@ -328,6 +418,13 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   Groups gr;
   gr.scale = scale.typed_data();
   gr.offset = has_offset ? offset.typed_data() : nullptr;
+  if (w.element_type() == ffi::DataType::U8) {  // 4-bit: [P, K / 2, kNR] byte rows
+    gr.G = 2 * wd[1] / sd[1];
+    if ((2 * wd[1]) % sd[1] != 0 || gr.G % 2 != 0)
+      return ffi::Error::InvalidArgument("quant_matmul_cpu: 4-bit groups must be even");
+    return PackedMatmul(pool, x.typed_data(), static_cast<const Nibbles*>(w.untyped_data()), gr,
+                        y->typed_data(), x.dimensions(), wd, y->dimensions());
+  }
   gr.G = wd[1] / sd[1];
   return with_quantized(w, "quant_matmul_cpu", [&](auto* wq) {
     return PackedMatmul(pool, x.typed_data(), wq, gr, y->typed_data(), x.dimensions(), wd,

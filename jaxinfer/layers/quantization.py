@@ -15,7 +15,9 @@ Where quantized weights come from (`QuantConfig.from_configs`):
   (8-bit float or int weights, per channel / tensor / block `weight_scale`). Anything else
   (awq, gptq, bitsandbytes, mxfp4, 4-bit compressed-tensors, ...) is refused by name.
 - "gguf": a .gguf file's projection and LM head blocks kept (models/gguf_convert.py): int8
-  values with a scale and an offset (`weight_offset`) per group of 16 / 32 inputs.
+  values with a scale and an offset (`weight_offset`) per group of 16 / 32 inputs; for the
+  `cpu` backend's kernel, tensors of the 4-bit types are packed two values to a byte
+  (`to_nibbles`, `pack_nibbles`).
 Routed experts are quantized per expert as well (layers/moe.py). Embeddings, the LM head
 (except GGUF's), MoE routers and shared experts stay unquantized; quantized checkpoint tensors
 for them are dequantized at load.
@@ -44,6 +46,28 @@ def np_dtype(name: str):
 
 
 # -- host-side (numpy) quantization, used by the loader -------------------------------------
+
+def to_nibbles(q: np.ndarray, scale: np.ndarray, offset: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray] | None:
+    """GGUF int8 values [in, out] whose codes span at most 16 consecutive values (the Q4
+    types) -> (codes 0..15 uint8 [in, out], offset [KB, out] with the lowest code folded in:
+    q * s + o = (q - lo) * s + (o + lo * s)); None when they do not fit in 4 bits or the
+    input count is odd."""
+    lo, hi = int(q.min()), int(q.max())
+    if hi - lo > 15 or q.shape[0] % 2 or q.shape[0] % scale.shape[0]:
+        return None
+    if (q.shape[0] // scale.shape[0]) % 2:  # groups of an odd size would split a byte
+        return None
+    codes = (q.astype(np.int16) - lo).astype(np.uint8)
+    return codes, (offset + np.float32(lo) * scale).astype(np.float32)
+
+
+def pack_nibbles(packed_codes: np.ndarray) -> np.ndarray:
+    """Column panels of 4-bit codes [P, K, 32] -> the kernel's byte rows [P, K / 2, 32]: row
+    2j in each byte's low nibble, row 2j + 1 in its high one."""
+    lo, hi = packed_codes[:, 0::2, :], packed_codes[:, 1::2, :]
+    return (lo | (hi << 4)).astype(np.uint8)
+
 
 def quantize(w: np.ndarray, weight_dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """w [in, *out] float -> (quantized [in, *out], scale float32 [1, *out]): symmetric, per

@@ -278,6 +278,7 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
     head_dim = model_config.head_dim
     qcfg = model_config.quantization
     ckpt_scales = _checkpoint_scales(files_by_name)
+    from jaxinfer.layers.quantization import pack_nibbles, to_nibbles
     pending: dict[str, dict[str, np.ndarray]] = {}  # fused params still missing a part
     for src, tensor in _iter_tensors(files_by_name, wanted):
         for name in owners[src]:
@@ -312,6 +313,14 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
                     name + suffix, [p[i] for p in ordered], head_dim)
                     for i, suffix in enumerate(("", "_scale", "_offset")[:len(ordered[0])])]
                 value = fused[0]
+                nibbles = None  # (GGUF 4-bit codes, packed two to a byte for the C++ kernel)
+                if (offset_var is not None and getattr(var, "unpacked_shape", None) is not None
+                        and not getattr(var, "stacked_experts", False)):
+                    nibbles = to_nibbles(value.reshape(value.shape[0], -1),
+                                         fused[1].reshape(fused[1].shape[0], -1),
+                                         fused[2].reshape(fused[2].shape[0], -1))
+                    if nibbles is not None:
+                        fused[2] = nibbles[1].reshape(fused[2].shape)
                 for extra, evar, suffix in zip(fused[1:], (scale_var, offset_var),
                                                ("_scale", "_offset")):
                     if tuple(extra.shape) != logical_shape(evar):
@@ -320,6 +329,10 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
                                          f"{logical_shape(evar)}")
                     evar.set_value(_place(name + suffix, to_param_layout(evar, extra),
                                           mesh=mesh, to_host=to_host, expert_parallel=ep))
+                if nibbles is not None:
+                    var.set_value(_place(name, pack_nibbles(to_param_layout(var, nibbles[0])),
+                                         mesh=mesh, to_host=to_host, expert_parallel=ep))
+                    continue
             else:
                 value = ordered[0] if len(srcs) == 1 else fuse(name, ordered, head_dim)
             var.set_value(_place(name, to_param_layout(var, value), mesh=mesh,

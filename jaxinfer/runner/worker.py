@@ -294,10 +294,11 @@ class Worker:
         self.memory = {"weight_bytes_per_device": _bytes_per_device(self.runner.state),
                        "kv_cache_bytes_per_device": _bytes_per_device(self.runner.kv_caches)}
         q = mcfg.quantization
+        kinds = None if q is None else "GGUF blocks" if q.method == "gguf" else q.weight_dtype
         logger.info("weights: %.1f MiB per device (%s); KV cache: %d blocks of %d tokens, "
                     "%.1f MiB per device (%s)",
                     self.memory["weight_bytes_per_device"] / 2**20,
-                    f"{rc.dtype}, linear layers {q.weight_dtype}" if q else rc.dtype,
+                    f"{rc.dtype}, linear layers {kinds}" if q else rc.dtype,
                     num_blocks, self.block_size,
                     self.memory["kv_cache_bytes_per_device"] / 2**20,
                     np.dtype(self.kv_dtype).name)
