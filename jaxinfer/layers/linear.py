@@ -200,31 +200,57 @@ class GatedMLP(nnx.Module):
         return self.down_proj(ACTIVATIONS[self.act](gate) * up)
 
 
+def packed_rows(weight: jax.Array, ids: jax.Array, in_features: int,
+                scale: jax.Array | None = None, offset: jax.Array | None = None) -> jax.Array:
+    """Rows `ids` of W^T from a packed weight W [in, out] ([P, in, 32] column panels; 4-bit
+    codes: uint8 [P, in / 2, 32]; quantized with scale / offset [P, in / G, 32]) -> float32
+    [len(ids), in]: a packed tied LM head serves the embedding lookups too."""
+    p, c = ids // 32, ids % 32
+    cols = weight[p, :, c]  # [T, in] (4-bit: [T, in / 2], two codes a byte)
+    if weight.dtype == jnp.uint8:
+        cols = jnp.stack([cols & 15, cols >> 4], axis=-1).reshape(ids.shape[0], in_features)
+    rows = cols.astype(jnp.float32)
+    if scale is None:
+        return rows
+    s = scale[p, :, c]  # [T, in / G]
+    grouped = rows.reshape(ids.shape[0], s.shape[1], -1) * s[..., None]
+    if offset is not None:
+        grouped = grouped + offset[p, :, c][..., None]
+    return grouped.reshape(ids.shape[0], in_features)
+
+
 class Embedding(nnx.Module):
-    """The token embedding [V, H]; as a tied LM head, with packed_lm_head (the `cpu` backend)
-    also its transpose packed for the matmul kernel, `lm_weight` (the loader fills it from the
-    same checkpoint tensor: weights stay tied; the table is held twice)."""
+    """The token embedding [V, H]. As a tied LM head on the `cpu` backend (packed_lm_head) it
+    is held once, as the head: `lm_weight`, the table's transpose packed in column panels for
+    the matmul kernel (with `quant`, GGUF's tied token_embd: quantized, with lm_weight_scale /
+    lm_weight_offset), and the looked-up rows are gathered from those panels."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs,
-                 packed_lm_head: bool = False, scale: float | None = None):
-        self.vocab_size = vocab_size
+                 packed_lm_head: bool = False, scale: float | None = None, quant=None):
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.dtype = dtype
         self.scale = scale  # Gemma: looked-up rows x sqrt(hidden), in the table's dtype
-        self.weight = nnx.Param(_init(rngs, (vocab_size, hidden_size), dtype))  # [V, H]
-        self.lm_weight = (_weight(rngs, (hidden_size, vocab_size), dtype, True)
-                          if packed_lm_head else None)
+        self.quant = quant if packed_lm_head else None
+        if packed_lm_head:
+            shape = (hidden_size, vocab_size)
+            self.weight = None
+            self.lm_weight = _weight(rngs, shape, dtype, True, self.quant)
+            self.lm_weight_scale = _scale(shape, self.quant, True)
+            self.lm_weight_offset = _offset(shape, self.quant, True)
+        else:
+            self.weight = nnx.Param(_init(rngs, (vocab_size, hidden_size), dtype))  # [V, H]
+            self.lm_weight = self.lm_weight_scale = self.lm_weight_offset = None
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        rows = jnp.take(self.weight[...], ids, axis=0)
+        if self.weight is not None:
+            rows = jnp.take(self.weight[...], ids, axis=0)
+        else:
+            rows = packed_rows(self.lm_weight[...], ids, self.hidden_size,
+                               _value(self.lm_weight_scale),
+                               _value(self.lm_weight_offset)).astype(self.dtype)
         if self.scale is not None:
             rows = rows * jnp.asarray(self.scale, rows.dtype)
         return rows
-
-    def tie(self) -> None:
-        """lm_weight := the packed transpose of the table (dummy weights: set, not loaded)."""
-        if self.lm_weight is not None:
-            from jaxinfer.layers.cpu_kernels import pack_jnp
-
-            self.lm_weight.set_value(pack_jnp(self.weight[...].T))
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied LM head: x [T, H] -> logits [T, V].
@@ -232,5 +258,7 @@ class Embedding(nnx.Module):
         Unpacked, written as (W [V, H] . x^T)^T: XLA's CPU dot then reads the table in place
         instead of first copying out its transpose (113 MB for SmolLM2, ~15 ms per step)."""
         if self.lm_weight is not None:
-            return _matmul(x, self.lm_weight[...], True, (self.vocab_size,))
+            return _matmul(x, self.lm_weight[...], True, (self.vocab_size,),
+                           _value(self.lm_weight_scale), self.quant,
+                           _value(self.lm_weight_offset))
         return jax.lax.dot_general(self.weight[...], x, (((1,), (1,)), ((), ()))).T

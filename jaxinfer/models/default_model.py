@@ -16,7 +16,7 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _STAMP = ".jaxinfer-source-sha256"
 # Part of a quantized conversion's stamp: bumped when what keep_quantized writes changes, so
 # an older conversion in the cache is redone.
-QUANTIZED_LAYOUT = "gguf-groups-2"
+QUANTIZED_LAYOUT = "gguf-groups-3"
 
 
 def _stamp_text(digest: str, quantized: bool) -> str:

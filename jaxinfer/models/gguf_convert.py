@@ -183,6 +183,8 @@ def _tensors(reader, cfg, keep_quantized: bool = False) -> dict[str, np.ndarray]
     from gguf.quants import dequantize
 
     group = 32
+    by_name = {t.name: t for t in reader.tensors}
+    head_kept = False
     if keep_quantized:
         kinds = {t.tensor_type.name for t in reader.tensors
                  if re.fullmatch(r"blk\.\d+\.(attn_[qkv]|attn_output|ffn_(gate|up|down))\.weight",
@@ -194,9 +196,9 @@ def _tensors(reader, cfg, keep_quantized: bool = False) -> dict[str, np.ndarray]
                                       f"{', '.join(KEPT_TYPES)}); load it without "
                                       "quantization='gguf' (converted to float)")
         # The LM head too (llama.cpp's output matmul reads it quantized): output.weight, or
-        # a tied model's token_embd as its own quantized lm_head (the lookup table stays
-        # float); left float when its type cannot be kept.
-        by_name = {t.name: t for t in reader.tensors}
+        # a tied model's token_embd, then kept quantized as the embedding (the cpu backend's
+        # packed tied head serves the lookups from it; elsewhere it is dequantized at load);
+        # left float when its type cannot be kept.
         head = by_name.get("output.weight", by_name.get("token_embd.weight"))
         head_kept = head is not None and head.tensor_type.name in KEPT_TYPES
         if head_kept:
@@ -205,8 +207,6 @@ def _tensors(reader, cfg, keep_quantized: bool = False) -> dict[str, np.ndarray]
         cfg["quantization_config"] = {"quant_method": "gguf", "group_size": group,
                                       "modules_to_not_convert": [] if head_kept
                                       else ["lm_head"]}
-        if head_kept and "output.weight" not in by_name:
-            cfg["tie_word_embeddings"] = False  # (the same values, held twice)
     out = {}
     for t in reader.tensors:
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
@@ -222,18 +222,14 @@ def _tensors(reader, cfg, keep_quantized: bool = False) -> dict[str, np.ndarray]
             continue
         # GGUF shapes are innermost-first; numpy order is the reverse ([out, in] as HF).
         shape = tuple(int(x) for x in reversed(t.shape))
+        tied_head = t.name == "token_embd.weight" and "output.weight" not in by_name
         if keep_quantized and (name.endswith("_proj.weight") or (
-                name == "lm_head.weight" and head_kept)):
+                name == "lm_head.weight" or tied_head) and head_kept):
             parts = dict(zip(("", "_scale", "_offset"),
                              gguf_groups(t.data, t.tensor_type, shape, group)))
         else:
             parts = {"": np.asarray(dequantize(t.data, t.tensor_type),
                                     dtype=np.float32).reshape(shape)}
-        if keep_quantized and t.name == "token_embd.weight" and head_kept and (
-                "output.weight" not in by_name):
-            for suffix, w in zip(("", "_scale", "_offset"),
-                                 gguf_groups(t.data, t.tensor_type, shape, group)):
-                out["lm_head.weight" + suffix] = np.ascontiguousarray(w)
         for suffix, w in parts.items():
             if name.endswith("q_proj.weight"):
                 w = unpermute_rotary(w, cfg["num_attention_heads"])

@@ -182,7 +182,8 @@ class LlamaModel(nnx.Module):
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs,
             packed_lm_head=cfg.tie_word_embeddings and use_packed_weights(attention_backend,
                                                                           dtype, mesh),
-            scale=cfg.hidden_size ** 0.5 if cfg.scale_embeddings else None)
+            scale=cfg.hidden_size ** 0.5 if cfg.scale_embeddings else None,
+            quant=module_quant(cfg, "lm_head") if cfg.tie_word_embeddings else None)
         self.layers = module_list(
             LlamaDecoderLayer(cfg, dtype=dtype, attention_backend=attention_backend, rngs=rngs,
                               mesh=mesh, layer_idx=i)

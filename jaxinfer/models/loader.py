@@ -153,12 +153,17 @@ def _source_part(src: str, tensor: np.ndarray, ckpt_entry, shape, var, scale_var
         parts = _quantized_source(src, tensor, ckpt_entry, qcfg, kv_repeat=kv_repeat,
                                   head_dim=head_dim)
         q = parts[0]
-        if tuple(q.shape) != tuple(shape):
-            raise ValueError(f"tensor {src!r} has shape {tuple(q.shape)} (after transposing "
-                             f"HF's [out, in] layout) but the model expects {tuple(shape)}")
+        # (a float table in the checkpoint's own orientation, from GGUF's quantized
+        # token_embd: the embedding where its packed tied head is not used)
+        as_table = scale_var is None and not src.endswith(_TRANSPOSED_SUFFIXES)
+        if tuple(q.T.shape if as_table else q.shape) != tuple(shape):
+            raise ValueError(f"tensor {src!r} has shape {tuple(tensor.shape)} but the model "
+                             f"expects {tuple(shape)}"
+                             + ("" if as_table else " (after transposing HF's [out, in])"))
         if scale_var is None:
             block = qcfg.in_block if qcfg is not None else None
-            return dequantize(*parts[:2], block, *parts[2:]).astype(var.dtype)
+            value = dequantize(*parts[:2], block, *parts[2:]).astype(var.dtype)
+            return value.T if as_table else value
         if np.dtype(q.dtype) != np.dtype(var.dtype):
             raise ValueError(f"tensor {src!r} is {q.dtype} but the model holds "
                              f"{np.dtype(var.dtype)} weights")
@@ -236,9 +241,7 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
             (path, sharding(mesh, param_spec(name, var.shape, tp, ep)) if mesh else None)
             for (path, var), name in zip(flat, names)])
         def dummy():
-            model = make()
-            getattr(model.model, "embed_tokens").tie()  # (a packed tied LM head: its table^T)
-            return nnx.state(model)
+            return nnx.state(make())
 
         init = jax.jit(dummy, out_shardings=shardings if mesh is not None else None)
         state = init()
@@ -294,7 +297,8 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
                 var.set_value(_place(name, np.asarray(tensor, np.float32).reshape(()),
                                      mesh=mesh, to_host=to_host))
                 continue
-            if name.endswith(TIED_LM_HEAD):  # the embedding [V, H], transposed
+            if name.endswith(TIED_LM_HEAD) and scale_var is None:  # the table [V, H]^T
+                # (quantized, GGUF's tied token_embd: as any quantized [out, in] weight below)
                 value = _host_tensor(src, tensor, want[::-1], var.dtype, kv_repeat=kv_repeat,
                                      head_dim=head_dim).T
                 var.set_value(_place(name, to_param_layout(var, value), mesh=mesh,

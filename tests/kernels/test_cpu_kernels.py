@@ -193,6 +193,11 @@ def test_packed_model_matches_unpacked():
     assert packed.model.layers[0].mlp.down_proj.weight[...].ndim == 3
     assert plain.model.layers[0].mlp.down_proj.weight[...].ndim == 2
     x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 576)), jnp.float32)
+    ids = jnp.asarray([0, 31, 32, 49151, 7], jnp.int32)
+    # the tied table is held once, as the packed head; lookups read it: the same rows
+    assert packed.model.embed_tokens.weight is None
+    np.testing.assert_array_equal(np.asarray(packed.model.embed_tokens(ids)),
+                                  np.asarray(plain.model.embed_tokens(ids)))
     for fn in (lambda m: m.model.layers[3].mlp(x),
                lambda m: m.model.layers[3].self_attn.qkv_proj(x),
                lambda m: m.compute_logits(x)):  # the tied LM head, packed from the table
@@ -203,15 +208,33 @@ def test_packed_model_matches_unpacked():
     assert bf16.model.layers[0].mlp.down_proj.weight[...].ndim == 2
 
 
-def test_dummy_weights_keep_the_packed_lm_head_tied():
-    from jaxinfer.models.default_model import ensure_default_model
-    from jaxinfer.models.loader import load_model
+@pytest.mark.parametrize("kind", ["float", "int8", "4bit"])
+def test_rows_gathered_from_packed_panels(kind):
+    """Embedding rows read from a packed head W [H, V] (float, int8 codes with group scales
+    and offsets, 4-bit codes two to a byte) = rows of the dequantized W^T."""
+    from jaxinfer.layers.linear import packed_rows
+    from jaxinfer.layers.quantization import dequantize, pack_nibbles, to_nibbles
 
-    m, _, _ = load_model(ensure_default_model(), dtype="float32", attention_backend="cpu",
-                         load_format="dummy")
-    emb = m.model.embed_tokens
-    np.testing.assert_array_equal(np.asarray(emb.lm_weight[...]),
-                                  cpu_kernels.pack(np.asarray(emb.weight[...]).T))
+    rng = np.random.default_rng(1)
+    h, v, g = 64, 70, 16  # (a partial last panel)
+    ids = jnp.asarray([0, 69, 31, 32, 5, 5], jnp.int32)
+    if kind == "float":
+        w = rng.standard_normal((h, v)).astype(np.float32)
+        got = packed_rows(jnp.asarray(cpu_kernels.pack(w)), ids, h)
+        np.testing.assert_array_equal(np.asarray(got), w.T[np.asarray(ids)])
+        return
+    q = rng.integers(-8, 8 if kind == "4bit" else 100, (h, v)).astype(np.int8)
+    s = rng.uniform(0.01, 0.1, (h // g, v)).astype(np.float32)
+    o = rng.uniform(-1, 1, (h // g, v)).astype(np.float32)
+    want = dequantize(q, s, g, o).T[np.asarray(ids)]
+    if kind == "4bit":
+        codes, o = to_nibbles(q, s, o)
+        packed = pack_nibbles(cpu_kernels.pack(codes))
+    else:
+        packed = cpu_kernels.pack(q)
+    got = packed_rows(jnp.asarray(packed), ids, h, jnp.asarray(cpu_kernels.pack(s)),
+                      jnp.asarray(cpu_kernels.pack(o)))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
 
 
 def test_switch_env_var_takes_0_or_1_only(monkeypatch):
