@@ -113,7 +113,7 @@ inline void prefetch_row(const W* row, int64_t k) {
 // two sets must stay in registers: with 256-bit vectors preferred, a v16 takes two).
 template <int MR, bool Stream, typename W>
 inline void block(const float* x, const W* panel, const float* scale, const float* offset,
-                  int64_t G, float* y, int64_t m0, int64_t K, int64_t N, int64_t col0,
+                  const float* xsum, int64_t G, float* y, int64_t m0, int64_t K, int64_t N, int64_t col0,
                   int64_t ncols) {
   v16 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = v16{};
@@ -142,8 +142,7 @@ inline void block(const float* x, const W* panel, const float* scale, const floa
       if (offset != nullptr) {
         const v16 o0 = load16(offset + g * kNR), o1 = load16(offset + g * kNR + 16);
         for (int i = 0; i < MR; ++i) {
-          float xs = 0.0f;
-          for (int64_t k = g0; k < g0 + G; ++k) xs += xr[i * K + k];
+          const float xs = xsum[(m0 + i) * (K / G) + g];
           acc[i][0] += xs * o0;
           acc[i][1] += xs * o1;
         }
@@ -209,8 +208,7 @@ inline void block(const float* x, const W* panel, const float* scale, const floa
       if (offset != nullptr) {  // + o_g * sum of the group's x (from cache: x is small)
         const v16 o0 = load16(offset + g * kNR), o1 = load16(offset + g * kNR + 16);
         for (int i = 0; i < MR; ++i) {
-          float xs = 0.0f;
-          for (int64_t k = g0; k < g0 + G; ++k) xs += xr[i * K + k];
+          const float xs = xsum[(m0 + i) * (K / G) + g];
           acc[i][0] += xs * o0;
           acc[i][1] += xs * o1;
         }
@@ -236,6 +234,10 @@ struct Groups {
   const float* scale = nullptr;
   const float* offset = nullptr;
   int64_t G = 0;  // rows per group
+  // With offsets: each row of x's sum over each group of inputs, [M, K / G], computed once per
+  // product (the offset term is o_g * that sum; summing it per panel, a scalar chain of G
+  // adds, cost a one-row GGUF product more than its weights).
+  const float* xsum = nullptr;
 };
 
 // Rows from which a quantized panel is widened to floats once (scales and offsets applied)
@@ -245,8 +247,8 @@ constexpr int64_t kWidenRows = 12;
 
 // All M rows x one panel (its first column col0, ncols of them).
 template <typename W>
-void panel_rows(const float* x, const W* panel, const float* sc, const float* of, int64_t G,
-                float* y, int64_t M, int64_t K, int64_t N, int64_t col0, int64_t ncols,
+void panel_rows(const float* x, const W* panel, const float* sc, const float* of,
+                const float* xs, int64_t G, float* y, int64_t M, int64_t K, int64_t N, int64_t col0, int64_t ncols,
                 bool from_memory = true) {
   // The first block of rows reads the panel from memory (and prefetches ahead); the others
   // find it in cache.
@@ -255,24 +257,24 @@ void panel_rows(const float* x, const W* panel, const float* sc, const float* of
   int64_t m0 = 0;
   if (M >= mr && !from_memory) {
     for (; m0 + kMR <= M; m0 += kMR)
-      block<kMR, false>(x, panel, sc, of, G, y, m0, K, N, col0, ncols);
+      block<kMR, false>(x, panel, sc, of, xs, G, y, m0, K, N, col0, ncols);
   } else if (M >= mr) {
-    if (mr == 3) block<3, true>(x, panel, sc, of, G, y, 0, K, N, col0, ncols);
-    else block<kMR, true>(x, panel, sc, of, G, y, 0, K, N, col0, ncols);
+    if (mr == 3) block<3, true>(x, panel, sc, of, xs, G, y, 0, K, N, col0, ncols);
+    else block<kMR, true>(x, panel, sc, of, xs, G, y, 0, K, N, col0, ncols);
     m0 = mr;
     if (mr == 3) {
-      for (; m0 + 3 <= M; m0 += 3) block<3, false>(x, panel, sc, of, G, y, m0, K, N, col0, ncols);
+      for (; m0 + 3 <= M; m0 += 3) block<3, false>(x, panel, sc, of, xs, G, y, m0, K, N, col0, ncols);
     } else {
       for (; m0 + kMR <= M; m0 += kMR)
-        block<kMR, false>(x, panel, sc, of, G, y, m0, K, N, col0, ncols);
+        block<kMR, false>(x, panel, sc, of, xs, G, y, m0, K, N, col0, ncols);
     }
   }
   const bool stream = m0 == 0 && from_memory;
   switch (M - m0) {
 #define JAXINFER_REST(R)                                                           \
   case R:                                                                          \
-    if (stream) block<R, true>(x, panel, sc, of, G, y, m0, K, N, col0, ncols);   \
-    else block<R, false>(x, panel, sc, of, G, y, m0, K, N, col0, ncols);         \
+    if (stream) block<R, true>(x, panel, sc, of, xs, G, y, m0, K, N, col0, ncols);   \
+    else block<R, false>(x, panel, sc, of, xs, G, y, m0, K, N, col0, ncols);         \
     break;
     JAXINFER_REST(1)
     JAXINFER_REST(2)
@@ -326,11 +328,11 @@ void panel_product(const float* x, const W* w, const Groups& gr, float* y, int64
           store16(buf.data() + k * kNR + 16, w1);
         }
       }
-      panel_rows<float>(x, buf.data(), nullptr, nullptr, 0, y, M, K, N, col0, ncols, false);
+      panel_rows<float>(x, buf.data(), nullptr, nullptr, nullptr, 0, y, M, K, N, col0, ncols, false);
       return;
     }
   }
-  panel_rows(x, panel, sc, of, gr.G, y, M, K, N, col0, ncols);
+  panel_rows(x, panel, sc, of, gr.xsum, gr.G, y, M, K, N, col0, ncols);
 }
 
 template <typename W>
@@ -338,6 +340,7 @@ struct Shared {
   const float* x;
   const W* w;
   Groups groups;  // quantized weights' scales (else scale == nullptr)
+  std::vector<float> xsum;  // (groups.xsum's storage)
   float* y;
   int64_t M, K, N, panels, per_task;
   std::atomic<int64_t> next{0};
@@ -374,6 +377,17 @@ ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const
   sh->N = yd[1];
   sh->panels = wd[0];
   if (sh->M == 0 || sh->N == 0) return ffi::Error::Success();
+  if (groups.offset != nullptr) {
+    const int64_t K = sh->K, G = groups.G, KG = K / G;
+    sh->xsum.resize(static_cast<size_t>(sh->M * KG));
+    for (int64_t m = 0; m < sh->M; ++m)
+      for (int64_t g = 0; g < KG; ++g) {
+        float t = 0.0f;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) t += x[m * K + k];
+        sh->xsum[m * KG + g] = t;
+      }
+    sh->groups.xsum = sh->xsum.data();
+  }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // A few chunks per thread: balance without much contention on the counter.
   sh->per_task = std::max<int64_t>(1, sh->panels / (4 * (threads + 1)));
