@@ -161,10 +161,11 @@ def test_build_is_cached_and_keyed_by_source():
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (7, 64, 33), (32, 1536, 576), (50, 40, 31),
-                                   (130, 96, 64), (0, 16, 32)])
+                                   (130, 96, 64), (0, 16, 32), (13, 64, 100), (12, 32, 96),
+                                   (17, 48, 2048)])
 def test_packed_matmul_matches_numpy(m, k, n):
     """Every row-block remainder (1..5 of 6), a partial last panel (n % 32), one panel,
-    zero rows."""
+    zero rows; from 12 rows full panels in pairs (an odd one and a partial one left alone)."""
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
