@@ -184,14 +184,6 @@ def pack(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(k, panels, PANEL).transpose(1, 0, 2))
 
 
-def pack_jnp(w):
-    """`pack` on device (jnp): [K, N] -> [ceil(N/32), K, 32]."""
-    k, n = w.shape
-    panels = -(-n // PANEL)
-    w = jax.numpy.pad(w, ((0, 0), (0, panels * PANEL - n)))
-    return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
-
-
 def matmul(x, w_packed, out_features: int, scale=None, offset=None):
     """x [..., K] float32 @ the packed weight [P, K, 32] -> [..., out_features]. Quantized
     (int8 / fp8 e4m3 panels): scale float32 [P, K / G, 32] (packed as the weight: `pack` of
