@@ -437,7 +437,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const
   sh->N = yd[1];
   sh->panels = wd[0];
   if (sh->M == 0 || sh->N == 0) return ffi::Error::Success();
-  if (groups.offset != nullptr) {
+  if (groups.offset != nullptr && sh->M < kWidenRows) {  // (widened panels add offsets)
     const int64_t K = sh->K, G = groups.G, KG = K / G;
     sh->xsum.resize(static_cast<size_t>(sh->M * KG));
     for (int64_t m = 0; m < sh->M; ++m)
