@@ -101,6 +101,10 @@ def main():
                                "--xla_cpu_experimental_xnn_fusion_type=dot"]
     flops = {m: 2 * m * LAYERS * sum(k * n for k, n in SHAPES) for m in rows}
     chosen = args.variants.split(",")
+    unknown = sorted(set(chosen) - {"xla", "packed", "packed-int8"})
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(unknown)} (choose from xla, packed, "
+                 "packed-int8)")
     variants = ([("xla dot", "xla", f) for f in flags] if "xla" in chosen else []) + [
         (name, kind, "") for name, kind in [("packed kernel", "packed"),
                                              ("packed int8", "packed-int8")] if kind in chosen]
