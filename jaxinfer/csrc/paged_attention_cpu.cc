@@ -39,6 +39,7 @@ constexpr float kMaskValue = -1e30f;
 constexpr int64_t kC = 16;  // keys per transposed chunk (blocked scores; a multiple of 16)
 constexpr int64_t kRB = 6;  // query rows per register block (blocked scores)
 constexpr int64_t kBlockedMinRows = 8;  // items with fewer rows (decode) take per-row dots
+constexpr int64_t kAheadKeys = 8;  // how far ahead decode items prefetch their keys
 
 inline float bf16_to_float(uint16_t x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -361,6 +362,33 @@ inline float hsum(v16 v) {
   return t;
 }
 
+// Lane t of sum16(p) = the sum of p[kBitReversed[t]]'s lanes: four levels, each adding two
+// vectors' halves (two shuffles and an add per pair), the last leaving the 16 sums in bit-
+// reversed order; storing key t's partial products at kBitReversed[t] puts them in order.
+constexpr int kBitReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+inline v16 sum16(v16 (&p)[16]) {
+  for (int i = 0; i < 8; ++i)
+    p[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    p[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10,
+                                   11, 24, 25, 26, 27) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13,
+                                   14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    p[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24,
+                                   25, 12, 13, 28, 29) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11,
+                                   26, 27, 14, 15, 30, 31);
+  return __builtin_shufflevector(p[0], p[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
+                                 14, 30) +
+         __builtin_shufflevector(p[0], p[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
+                                 15, 31);
+}
+
 // Decode-shaped items (a few query tokens of one sequence, every KV head; f32 cache, D a
 // multiple of 16): each page is read key by key, a key's K (then V) rows of all heads being one
 // contiguous run, so each page streams through the hardware prefetcher instead of arriving as
@@ -407,8 +435,10 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
     const int64_t first = (blk * BS + (j0 - page * BS)) * row_len;
     const KV* kb = kc + first;
     const KV* vb = vc + first;
-    // The next page is fetched while this one is computed, a key's rows per key here (the
-    // hardware prefetcher cannot know where it is): K during the scores, V during P.V.
+    // Keys are fetched kAheadKeys ahead of the one being read, into the next page near this
+    // one's end (the hardware prefetcher cannot know where it is): K during the scores, V
+    // during P.V. (Fetching only the next page, spread over this one, left every sequence's
+    // first page to the hardware prefetcher: decode 32 x 256 read 14 GB/s, now ~18.5.)
     const KV* next_k = nullptr;
     const KV* next_v = nullptr;
     if ((page + 1) * BS < hi) {
@@ -418,13 +448,38 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
         next_v = vc + nb * BS * row_len;
       }
     }
-    const int64_t per_key = (BS + n - 1) / n;  // next-page keys to fetch per key of this one
-    // Scores, key by key.
-    for (int64_t j = 0; j < n; ++j) {
-      if (next_k != nullptr)
-        for (int64_t x = j * per_key; x < std::min(BS, (j + 1) * per_key); ++x)
-          for (int64_t b = 0; b < row_len; b += kLine)
-            jaxinfer_cpu::prefetch(next_k + x * row_len + b);
+    // Key t of this page (or, past its end, of the next) into L1: every line of its row.
+    auto prefetch_key = [&](const KV* here, const KV* next, int64_t t, int64_t n_here) {
+      const KV* r = t < n_here ? here + t * row_len
+                               : (next != nullptr && t - n_here < BS ? next + (t - n_here) * row_len
+                                                                    : nullptr);
+      if (r != nullptr)
+        for (int64_t b = 0; b < row_len; b += kLine) jaxinfer_cpu::prefetch(r + b);
+    };
+    // Scores, 16 keys at a time: per row, 16 partial dot products reduced together into
+    // the 16 scores (sum16), not each summed across its lanes on its own.
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      for (int64_t t = 0; t < 16; ++t) prefetch_key(kb, next_k, j + t + kAheadKeys, n);
+      const KV* kr = kb + j * row_len;
+      for (int64_t qh = 0; qh < Hq; ++qh) {
+        const KV* kh = kr + (qh / G) * D;  // (once per 16 keys)
+        for (int64_t row = qh; row < nr; row += Hq) {
+          const float* qr = qf + row * D;
+          v16 part[16];
+          const v16 q0 = load16(qr);
+          for (int t = 0; t < 16; ++t) part[kBitReversed[t]] = q0 * kv16(kh + t * row_len);
+          for (int64_t d = 16; d < D; d += 16) {
+            const v16 qd = load16(qr + d);
+            for (int t = 0; t < 16; ++t) part[kBitReversed[t]] += qd * kv16(kh + t * row_len + d);
+          }
+          store16(s + row * BS + j, sum16(part));
+        }
+      }
+    }
+    // The page's last keys (fewer than 16), one by one.
+    for (; j < n; ++j) {
+      prefetch_key(kb, next_k, j + kAheadKeys, n);
       const KV* kr = kb + j * row_len;
       for (int64_t qh = 0; qh < Hq; ++qh) {
         const KV* kh = kr + (qh / G) * D;
@@ -464,16 +519,17 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
     }
     // P.V, key by key.
     for (int64_t j = 0; j < n; ++j) {
-      if (next_v != nullptr)
-        for (int64_t x = j * per_key; x < std::min(BS, (j + 1) * per_key); ++x)
-          for (int64_t b = 0; b < row_len; b += kLine)
-            jaxinfer_cpu::prefetch(next_v + x * row_len + b);
+      prefetch_key(vb, next_v, j + kAheadKeys, n);
       const KV* vr = vb + j * row_len;
-      for (int64_t row = 0; row < nr; ++row) {
-        const float e = s[row * BS + j];
-        const KV* vh = vr + ((row % Hq) / G) * D;
-        float* ar = acc + row * D;
-        for (int64_t d = 0; d < D; d += 16) store16(ar + d, load16(ar + d) + e * kv16(vh + d));
+      for (int64_t h = 0; h < p.Hkv; ++h) {  // (no division per row: this loop is hot)
+        const KV* vh = vr + h * D;
+        for (int64_t qh = h * G; qh < (h + 1) * G; ++qh)
+          for (int64_t row = qh; row < nr; row += Hq) {
+            const float e = s[row * BS + j];
+            float* ar = acc + row * D;
+            for (int64_t d = 0; d < D; d += 16)
+              store16(ar + d, load16(ar + d) + e * kv16(vh + d));
+          }
       }
     }
   }
