@@ -141,6 +141,10 @@ inline void prefetch(const void* p) {
 #endif
 }
 
+// Into L2 (prefetcht1): lines needed a while later, kept out of L1. The builtin, not asm:
+// for use in loops with other work (an asm memory operand there made GCC store every
+// accumulator to the stack before it, since it might read them).
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 // CPUs this process may run on (its affinity mask), at least 1.
 inline int64_t usable_cpus() {
   static const int64_t n = [] {

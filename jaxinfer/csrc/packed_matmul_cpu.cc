@@ -338,13 +338,22 @@ void panel_product(const float* x, const W* w, const Groups& gr, float* y, int64
 // Float panels p and p + 1 (both full) x rows [m0, m0 + MR): 4 vectors of columns per row
 // (MR x 4 accumulators), so each broadcast of an x value feeds 4 FMAs instead of 2 (prefill-
 // sized products 5-13% faster than one panel at a time: benchmarks/cpu_matmul.py).
-template <int MR>
+// Fetch (pf set): the passes after a pair's first find it in cache and are compute-bound;
+// they bring the next pair's lines into L2 meanwhile (PF lines per k row for the first
+// pf_rows rows), so its first pass does not wait on memory (at 32 rows the first pass took
+// as long as the four after it).
+template <int MR, int PF = 0>
 inline void block_pair(const float* x, const float* pa, const float* pb, float* y, int64_t m0,
-                       int64_t K, int64_t N, int64_t col0) {
+                       int64_t K, int64_t N, int64_t col0, const float* pf = nullptr,
+                       int64_t pf_rows = 0) {
   v16 acc[MR][4];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = v16{};
   const float* xr = x + m0 * K;
   for (int64_t k = 0; k < K; ++k) {
+    if constexpr (PF > 0) {  // (no branch: one in this loop made GCC spill the accumulators)
+      const float* f = pf + std::min(k, pf_rows - 1) * (PF * 16);
+      for (int l = 0; l < PF; ++l) jaxinfer_cpu::prefetch_l2(f + l * 16);
+    }
     const v16 b0 = load16(pa + k * kNR), b1 = load16(pa + k * kNR + 16);
     const v16 b2 = load16(pb + k * kNR), b3 = load16(pb + k * kNR + 16);
     for (int i = 0; i < MR; ++i) {
@@ -396,18 +405,41 @@ struct Shared {
 
 template <typename W>
 void work(Shared<W>& sh) {
-  for (;;) {
-    const int64_t first = sh.next.fetch_add(sh.per_task, std::memory_order_relaxed);
-    if (first >= sh.panels) return;
+  // Paired panels claim their chunks one ahead, so the pairs' cached passes can fetch the next
+  // one's first pair; the others claim a chunk when they start it (no chunk held idle).
+  auto claim = [&] { return sh.next.fetch_add(sh.per_task, std::memory_order_relaxed); };
+  const bool ahead = std::is_same_v<W, float> && sh.M >= kPairRows;
+  int64_t first = claim();
+  while (first < sh.panels) {
+    const int64_t after = ahead ? claim() : sh.panels;
     const int64_t last = std::min(sh.panels, first + sh.per_task);
     int64_t p = first;
     if constexpr (std::is_same_v<W, float>) {
       if (sh.M >= kPairRows) {  // pairs of full panels
+        const int64_t panel = sh.K * kNR, lines = 2 * panel / 16;  // a pair's cache lines
+        const int64_t cached_passes = sh.M / kMR - 1;
+        const int64_t per_k = cached_passes >= 4 ? 1 : cached_passes >= 2 ? 2 : 4;  // (4 K)
         for (; p + 1 < last && (p + 2) * kNR <= sh.N; p += 2) {
-          const float* pa = sh.w + p * sh.K * kNR;
+          const float* pa = sh.w + p * panel;
+          const int64_t q = p + 2 < last ? p + 2 : after;  // the pair to fetch
+          const float* pf = q < sh.panels ? sh.w + q * panel : nullptr;
+          const int64_t pf_lines = std::min(lines, (sh.panels - q) * panel / 16);
           int64_t m0 = 0;
-          for (; m0 + kMR <= sh.M; m0 += kMR)
-            block_pair<kMR>(sh.x, pa, pa + sh.K * kNR, sh.y, m0, sh.K, sh.N, p * kNR);
+          for (int64_t pass = 0; m0 + kMR <= sh.M; m0 += kMR, ++pass) {
+            const int64_t done = pass == 0 ? pf_lines : (pass - 1) * sh.K * per_k;
+            const int64_t rows = (pf_lines - done + per_k - 1) / per_k;  // k rows fetching
+            if (pf == nullptr || done >= pf_lines)
+              block_pair<kMR>(sh.x, pa, pa + panel, sh.y, m0, sh.K, sh.N, p * kNR);
+            else if (per_k == 1)
+              block_pair<kMR, 1>(sh.x, pa, pa + panel, sh.y, m0, sh.K, sh.N, p * kNR,
+                                 pf + done * 16, rows);
+            else if (per_k == 2)
+              block_pair<kMR, 2>(sh.x, pa, pa + panel, sh.y, m0, sh.K, sh.N, p * kNR,
+                                 pf + done * 16, rows);
+            else
+              block_pair<kMR, 4>(sh.x, pa, pa + panel, sh.y, m0, sh.K, sh.N, p * kNR,
+                                 pf + done * 16, rows);
+          }
           for (int64_t q = p; q < p + 2 && m0 < sh.M; ++q)  // the last rows: a panel at a time
             tail_rows(sh.x, sh.w + q * sh.K * kNR, sh.y, m0, sh.M - m0, sh.K, sh.N, q * kNR);
         }
@@ -416,6 +448,7 @@ void work(Shared<W>& sh) {
     for (; p < last; ++p)
       panel_product(sh.x, sh.w, sh.groups, sh.y, sh.M, sh.K, sh.N, p);
     sh.done.fetch_add(last - first, std::memory_order_release);
+    first = ahead ? after : claim();
   }
 }
 
