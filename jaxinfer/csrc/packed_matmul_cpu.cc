@@ -370,26 +370,30 @@ inline void block_pair(const float* x, const float* pa, const float* pb, float* 
   }
 }
 
-// Rows [m0, m0 + R) (R < kMR) of a full float panel, from cache.
-inline void tail_rows(const float* x, const float* panel, float* y, int64_t m0, int64_t R,
-                      int64_t K, int64_t N, int64_t col0) {
-  switch (R) {
-#define JAXINFER_TAIL(R)                                                                 \
-  case R:                                                                                \
-    block<R, false>(x, panel, nullptr, nullptr, nullptr, 0, y, m0, K, N, col0, kNR);     \
-    break;
-    JAXINFER_TAIL(1)
-    JAXINFER_TAIL(2)
-    JAXINFER_TAIL(3)
-    JAXINFER_TAIL(4)
-    JAXINFER_TAIL(5)
-#undef JAXINFER_TAIL
-    default: break;
-  }
-}
-
 // Rows from which float panels are multiplied in pairs (block_pair).
 constexpr int64_t kPairRows = 12;
+
+// block_pair<MR, PF> for MR rows (4 to 6) and PF fetched lines per k row (0, 1, 2 or 4).
+inline void pair_pass(int mr, int pf_kind, const float* x, const float* pa, const float* pb,
+                      float* y, int64_t m0, int64_t K, int64_t N, int64_t col0, const float* pf,
+                      int64_t pf_rows) {
+#define JAXINFER_PASS(MR)                                                          \
+  case MR:                                                                         \
+    switch (pf_kind) {                                                             \
+      case 0: block_pair<MR>(x, pa, pb, y, m0, K, N, col0); break;                 \
+      case 1: block_pair<MR, 1>(x, pa, pb, y, m0, K, N, col0, pf, pf_rows); break; \
+      case 2: block_pair<MR, 2>(x, pa, pb, y, m0, K, N, col0, pf, pf_rows); break; \
+      default: block_pair<MR, 4>(x, pa, pb, y, m0, K, N, col0, pf, pf_rows); break; \
+    }                                                                              \
+    break;
+  switch (mr) {
+    JAXINFER_PASS(4)
+    JAXINFER_PASS(5)
+    JAXINFER_PASS(6)
+    default: break;
+  }
+#undef JAXINFER_PASS
+}
 
 template <typename W>
 struct Shared {
@@ -417,7 +421,9 @@ void work(Shared<W>& sh) {
     if constexpr (std::is_same_v<W, float>) {
       if (sh.M >= kPairRows) {  // pairs of full panels
         const int64_t panel = sh.K * kNR, lines = 2 * panel / 16;  // a pair's cache lines
-        const int64_t cached_passes = sh.M / kMR - 1;
+        // ceil(M / 6) passes of 4 to 6 rows, the rows shared out evenly (a pass of 6 and a
+        // 2-row tail per panel left FMAs waiting on their 4 accumulators' latency).
+        const int64_t passes = (sh.M + kMR - 1) / kMR, cached_passes = passes - 1;
         const int64_t per_k = cached_passes >= 4 ? 1 : cached_passes >= 2 ? 2 : 4;  // (4 K)
         for (; p + 1 < last && (p + 2) * kNR <= sh.N; p += 2) {
           const float* pa = sh.w + p * panel;
@@ -425,23 +431,15 @@ void work(Shared<W>& sh) {
           const float* pf = q < sh.panels ? sh.w + q * panel : nullptr;
           const int64_t pf_lines = std::min(lines, (sh.panels - q) * panel / 16);
           int64_t m0 = 0;
-          for (int64_t pass = 0; m0 + kMR <= sh.M; m0 += kMR, ++pass) {
+          for (int64_t pass = 0; pass < passes; ++pass) {
+            const int64_t mr = (sh.M * (pass + 1)) / passes - m0;  // (4 to 6 from M = 12)
             const int64_t done = pass == 0 ? pf_lines : (pass - 1) * sh.K * per_k;
             const int64_t rows = (pf_lines - done + per_k - 1) / per_k;  // k rows fetching
-            if (pf == nullptr || done >= pf_lines)
-              block_pair<kMR>(sh.x, pa, pa + panel, sh.y, m0, sh.K, sh.N, p * kNR);
-            else if (per_k == 1)
-              block_pair<kMR, 1>(sh.x, pa, pa + panel, sh.y, m0, sh.K, sh.N, p * kNR,
-                                 pf + done * 16, rows);
-            else if (per_k == 2)
-              block_pair<kMR, 2>(sh.x, pa, pa + panel, sh.y, m0, sh.K, sh.N, p * kNR,
-                                 pf + done * 16, rows);
-            else
-              block_pair<kMR, 4>(sh.x, pa, pa + panel, sh.y, m0, sh.K, sh.N, p * kNR,
-                                 pf + done * 16, rows);
+            const int pf_kind = pf == nullptr || done >= pf_lines ? 0 : static_cast<int>(per_k);
+            pair_pass(static_cast<int>(mr), pf_kind, sh.x, pa, pa + panel, sh.y, m0, sh.K, sh.N,
+                      p * kNR, pf == nullptr ? nullptr : pf + done * 16, rows);
+            m0 += mr;
           }
-          for (int64_t q = p; q < p + 2 && m0 < sh.M; ++q)  // the last rows: a panel at a time
-            tail_rows(sh.x, sh.w + q * sh.K * kNR, sh.y, m0, sh.M - m0, sh.K, sh.N, q * kNR);
         }
       }
     }
