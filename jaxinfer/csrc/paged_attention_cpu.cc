@@ -36,9 +36,8 @@ constexpr int64_t kTile = 16;  // query tokens per work item
 // The running max's start: finite (the kernel is built with -ffast-math, which assumes no
 // infinities), and exp(it - any real score) is exactly 0.
 constexpr float kMaskValue = -1e30f;
-constexpr int64_t kC = 16;  // keys per transposed chunk (blocked scores; a multiple of 16)
-constexpr int64_t kRB = 6;  // query rows per register block (blocked scores)
-constexpr int64_t kBlockedMinRows = 8;  // items with fewer rows (decode) take per-row dots
+constexpr int64_t kRB = 6;  // query rows per register block (blocked P.V)
+constexpr int64_t kBlockedMinRows = 8;  // items with fewer rows take per-row dots
 constexpr int64_t kAheadKeys = 8;  // how far ahead decode items prefetch their keys
 
 inline float bf16_to_float(uint16_t x) {
@@ -171,28 +170,239 @@ inline Span span_of(const Problem& p, const Item& it) {
   return sp;
 }
 
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// e^x for x <= 0, 16 lanes (relative error under 1.2e-7 down to -20, 3e-7 to -87): x = n ln2
+// + r, |r| <= ln2 / 2, e^r by its Taylor series to r^7, times 2^n built in the exponent bits.
+// Below -87 (results under float32's normal range) the result is ~1e-38, not 0: callers zero
+// masked entries themselves.
+inline v16 exp16(v16 x) {
+  x = x < -87.0f ? v16{} - 87.0f : x;
+  const v16 t = x * 1.44269504f;
+  const v16i n = __builtin_convertvector(t + (t < 0.0f ? v16{} - 0.5f : v16{} + 0.5f), v16i);
+  const v16 nf = __builtin_convertvector(n, v16);
+  const v16 r = (x - nf * 0.693145752f) - nf * 1.42860677e-6f;  // ln 2, in two parts
+  v16 e = 1.0f / 5040.0f + r * 0.0f;
+  e = e * r + 1.0f / 720.0f;
+  e = e * r + 1.0f / 120.0f;
+  e = e * r + 1.0f / 24.0f;
+  e = e * r + 1.0f / 6.0f;
+  e = e * r + 0.5f;
+  e = e * r + 1.0f;
+  e = e * r + 1.0f;
+  const v16i bits = (n + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return e * scale;
+}
+
+constexpr int64_t kKeys = 8;  // keys per register block of blocked scores
+
+// Scores of 16 * NV rows (query vectors qt [D, RP] from row 16 * rv0, transposed) x kKeys
+// keys (rows of the page, k[i] each): st[key, row] (transposed: softmax then runs along
+// rows, 16 at a time). Each d broadcasts one value of each key against NV vectors of rows.
+template <int NV>
+inline void scores_block(const float* qt, int64_t RP, const float* const* k, int64_t D,
+                         float* st) {
+  v16 acc[NV][kKeys];
+  for (int v = 0; v < NV; ++v)
+    for (int j = 0; j < kKeys; ++j) acc[v][j] = v16{};
+  for (int64_t d = 0; d < D; ++d) {
+    v16 q[NV];
+    for (int v = 0; v < NV; ++v) q[v] = load16(qt + d * RP + 16 * v);
+    for (int j = 0; j < kKeys; ++j) {
+      const float kd = k[j][d];
+      for (int v = 0; v < NV; ++v) acc[v][j] += q[v] * kd;
+    }
+  }
+  for (int j = 0; j < kKeys; ++j)
+    for (int v = 0; v < NV; ++v) store16(st + j * RP + 16 * v, acc[v][j]);
+}
+
+// acc rows [0, nr) (nr <= kRB; row stride D), 16 * NV columns, += the weights w [n keys,
+// stride RP] of kRB rows x V's n rows (stride vs): each V load feeds kRB rows' FMAs. Rows
+// past nr accumulate whatever w holds there and are not stored.
+template <int NV>
+inline void pv_block(const float* w, int64_t RP, const float* v, int64_t vs, int64_t n,
+                     float* acc, int64_t D, int64_t nr) {
+  v16 o[kRB][NV];
+  for (int64_t i = 0; i < kRB; ++i)
+    for (int c = 0; c < NV; ++c) o[i][c] = i < nr ? load16(acc + i * D + 16 * c) : v16{};
+  for (int64_t j = 0; j < n; ++j) {
+    v16 vj[NV];
+    for (int c = 0; c < NV; ++c) vj[c] = load16(v + j * vs + 16 * c);
+    for (int64_t i = 0; i < kRB; ++i) {
+      const float wi = w[j * RP + i];
+      for (int c = 0; c < NV; ++c) o[i][c] += wi * vj[c];
+    }
+  }
+  for (int64_t i = 0; i < nr; ++i)
+    for (int c = 0; c < NV; ++c) store16(acc + i * D + 16 * c, o[i][c]);
+}
+
+// Prefill-shaped items (kBlockedMinRows rows or more, D a multiple of 16): per page, the
+// scores of all the item's rows come out transposed, [key, row], kKeys keys x up to 48 rows
+// per register block, the queries transposed once per item (no per-page transpose of K); the
+// online softmax runs down the keys 16 rows at a time (vector exp, masks for causality and the
+// window), then P.V takes kRB rows x 64 output columns per register block over the page's V
+// rows. Returns false on an out-of-range block id.
+bool run_blocked_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
+  const int64_t D = p.D, G = p.group, BS = p.BS;
+  const Span sp = span_of(p, it);
+  const int64_t start = sp.start, ctx = sp.ctx, r0 = sp.r0, r1 = sp.r1, lo = sp.lo, hi = sp.hi;
+  const int64_t rows = (r1 - r0) * G;  // (query token, head in group) pairs
+  const int64_t RP = (rows + 15) / 16 * 16, RV = RP / 16;
+  const int64_t BSP = (BS + kKeys - 1) / kKeys * kKeys;
+  // scratch: qt [D, RP] | st [BSP + 1, RP] | acc [rows, D] | m, l, pos, first [RP] |
+  // k, v [BS, D] (st's extra row: P.V's last register block reads past the rows)
+  scratch.resize(static_cast<size_t>(D * RP + (BSP + 1) * RP + rows * D + 4 * RP + 2 * BS * D));
+  float* qt = scratch.data();
+  float* st = qt + D * RP;
+  float* acc = st + (BSP + 1) * RP;
+  float* m = acc + rows * D;
+  float* l = m + RP;
+  // Each row's position (its last visible key) and first visible key (the window). Padding
+  // rows (zero queries: finite scores, never stored) see every key.
+  float* pos = l + RP;
+  float* first = pos + RP;
+  float* kbuf = first + RP;
+  float* vbuf = kbuf + BS * D;
+  std::fill(qt, qt + D * RP, 0.0f);
+  for (int64_t row = 0; row < RP; ++row) {
+    const int64_t t = r0 + row / G;
+    pos[row] = row < rows ? static_cast<float>(ctx + t) : 3e38f;
+    first[row] = row < rows && p.window > 0 ? static_cast<float>(ctx + t - p.window + 1) : 0.0f;
+    m[row] = kMaskValue;
+    l[row] = 0.0f;
+    if (row >= rows) continue;
+    const int64_t src = ((start + t) * p.Hq + it.head * G + row % G) * D;
+    if (p.q_kind == Kind::kF32) {
+      const float* q = static_cast<const float*>(p.q) + src;
+      for (int64_t d = 0; d < D; ++d) qt[d * RP + row] = q[d] * p.scale;
+    } else {
+      for (int64_t d = 0; d < D; ++d) qt[d * RP + row] = load(p.q, src + d, p.q_kind) * p.scale;
+    }
+  }
+  std::fill(acc, acc + rows * D, 0.0f);
+  const int32_t* table = p.tables + it.seq * p.MB;
+  const bool f32_kv = p.kv_kind == Kind::kF32;
+  for (int64_t page = lo / BS; page * BS < hi; ++page) {
+    const int64_t blk = table[page];
+    if (blk < 0 || blk >= p.NB) return false;
+    const int64_t j0 = std::max(lo, page * BS), j1 = std::min(hi, (page + 1) * BS);
+    const int64_t n = j1 - j0;
+    // K and V rows of this page and head: contiguous D floats each, stride Hkv * D.
+    const int64_t base = ((blk * BS + (j0 - page * BS)) * p.Hkv + it.head) * D;
+    const int64_t stride = p.Hkv * D;
+    const float* kp;
+    const float* vp;
+    int64_t kstride;
+    if (f32_kv) {
+      kp = static_cast<const float*>(p.k) + base;
+      vp = static_cast<const float*>(p.v) + base;
+      kstride = stride;
+    } else {
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < D; ++d) {
+          kbuf[j * D + d] = load(p.k, base + j * stride + d, p.kv_kind);
+          vbuf[j * D + d] = load(p.v, base + j * stride + d, p.kv_kind);
+        }
+      kp = kbuf;
+      vp = vbuf;
+      kstride = D;
+    }
+    // Scores [n, RP] (keys past n repeat the last one; their scores are never read).
+    for (int64_t c = 0; c < n; c += kKeys) {
+      const float* k[kKeys];
+      for (int64_t j = 0; j < kKeys; ++j) k[j] = kp + std::min(c + j, n - 1) * kstride;
+      for (int64_t rv = 0; rv < RV; rv += 3) {
+        float* out = st + c * RP + 16 * rv;
+        switch (std::min<int64_t>(3, RV - rv)) {
+          case 1: scores_block<1>(qt + 16 * rv, RP, k, D, out); break;
+          case 2: scores_block<2>(qt + 16 * rv, RP, k, D, out); break;
+          default: scores_block<3>(qt + 16 * rv, RP, k, D, out); break;
+        }
+      }
+    }
+    // Online softmax, 16 rows at a time: probabilities (0 where a key is not visible to a
+    // row: causal, window) replace the scores; acc rows are rescaled. Pages every row sees
+    // whole (before the tile's first token, no window) need no masks.
+    const bool masked = p.window > 0 || j1 - 1 > ctx + r0;
+    for (int64_t rv = 0; rv < RV; ++rv) {
+      const v16 last = load16(pos + 16 * rv), from = load16(first + 16 * rv);
+      const v16 m_old = load16(m + 16 * rv);
+      v16 mx = m_old;
+      for (int64_t j = 0; j < n; ++j) {
+        float* sj = st + j * RP + 16 * rv;
+        v16 sc = load16(sj);
+        if (masked) {
+          const float key = static_cast<float>(j0 + j);
+          sc = (key <= last) & (key >= from) ? sc : v16{} + kMaskValue;
+          store16(sj, sc);
+        }
+        mx = mx > sc ? mx : sc;
+      }
+      v16 sum = v16{};
+      for (int64_t j = 0; j < n; ++j) {
+        float* sj = st + j * RP + 16 * rv;
+        const v16 sc = load16(sj);
+        const v16 e = masked ? (sc > kMaskValue ? exp16(sc - mx) : v16{}) : exp16(sc - mx);
+        store16(sj, e);
+        sum += e;
+      }
+      const v16 corr = exp16(m_old - mx);  // 1 while a row has seen no key (acc is 0)
+      store16(l + 16 * rv, load16(l + 16 * rv) * corr + sum);
+      store16(m + 16 * rv, mx);
+      for (int64_t i = 0; i < 16 && 16 * rv + i < rows; ++i) {
+        float* ar = acc + (16 * rv + i) * D;
+        for (int64_t d = 0; d < D; d += 16) store16(ar + d, load16(ar + d) * corr[i]);
+      }
+    }
+    // P.V: kRB rows x up to 64 output columns per register block, over the page's V rows.
+    for (int64_t r = 0; r < rows; r += kRB) {
+      const int64_t nr = std::min(kRB, rows - r);
+      for (int64_t d = 0; d < D; d += 64) {
+        float* a = acc + r * D + d;
+        switch (std::min<int64_t>(4, (D - d) / 16)) {
+          case 1: pv_block<1>(st + r, RP, vp + d, kstride, n, a, D, nr); break;
+          case 2: pv_block<2>(st + r, RP, vp + d, kstride, n, a, D, nr); break;
+          case 3: pv_block<3>(st + r, RP, vp + d, kstride, n, a, D, nr); break;
+          default: pv_block<4>(st + r, RP, vp + d, kstride, n, a, D, nr); break;
+        }
+      }
+    }
+  }
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t t = r0 + row / G;
+    const int64_t dst = ((start + t) * p.Hq + it.head * G + row % G) * D;
+    const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+    if (p.q_kind == Kind::kF32) {
+      float* out = static_cast<float*>(p.out) + dst;
+      for (int64_t d = 0; d < D; d += 16) store16(out + d, load16(acc + row * D + d) * inv);
+    } else {
+      for (int64_t d = 0; d < D; ++d) store(p.out, dst + d, acc[row * D + d] * inv, p.q_kind);
+    }
+  }
+  return true;
+}
+
 // Online-softmax attention of one item; returns false on an out-of-range block id.
 bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const int64_t D = p.D, G = p.group, BS = p.BS;
   const Span sp = span_of(p, it);
   const int64_t start = sp.start, ctx = sp.ctx, r0 = sp.r0, r1 = sp.r1, lo = sp.lo, hi = sp.hi;
   const int64_t rows = (r1 - r0) * G;  // (query token, head in group) pairs
-  // scratch: q [rows + kRB, D] (zero tail rows for the last register block) | acc [rows, D] |
-  // m, l [rows] | scores [rows, BS] | k, v page [BS, D] | keys^T [D, kC]
-  scratch.resize(static_cast<size_t>(2 * rows * D + kRB * D + 2 * rows + rows * BS +
-                                     2 * BS * D + D * kC));
+  if (rows >= kBlockedMinRows && D % 16 == 0) return run_blocked_item(p, it, scratch);
+  // A few rows (or D not a multiple of 16): a dot product per (row, key).
+  // scratch: q [rows, D] | acc [rows, D] | m, l [rows] | scores [rows, BS] | k, v page [BS, D]
+  scratch.resize(static_cast<size_t>(2 * rows * D + 2 * rows + rows * BS + 2 * BS * D));
   float* qf = scratch.data();
-  std::fill(qf + rows * D, qf + (rows + kRB) * D, 0.0f);
-  float* acc = qf + (rows + kRB) * D;
+  float* acc = qf + rows * D;
   float* m = acc + rows * D;
   float* l = m + rows;
   float* s = l + rows;
   float* kbuf = s + rows * BS;
   float* vbuf = kbuf + BS * D;
-  float* kt = vbuf + BS * D;
-  // Many rows (prefill tiles): every row's scores for a page at once, kRB rows x kC keys per
-  // register block over the page's keys transposed, instead of one dot product per pair.
-  const bool blocked = rows >= kBlockedMinRows && D % 16 == 0;
   const bool vec_d = D % 16 == 0;
   for (int64_t t = r0; t < r1; ++t) {
     for (int64_t g = 0; g < G; ++g) {
@@ -232,61 +442,22 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
       vp = vbuf;
       kstride = D;
     }
-    if (blocked) {
-      for (int64_t c = 0; c < n; c += kC) {
-        const int64_t nc = std::min(kC, n - c);
-        for (int64_t d = 0; d < D; ++d)
-          for (int64_t jj = 0; jj < kC; ++jj)
-            kt[d * kC + jj] = jj < nc ? kp[(c + jj) * kstride + d] : 0.0f;
-        for (int64_t r = 0; r < rows; r += kRB) {
-          v16 acc4[kRB][kC / 16];
-          for (int64_t i = 0; i < kRB; ++i)
-            for (int64_t h = 0; h < kC / 16; ++h) acc4[i][h] = v16{};
-          const float* q0 = qf + r * D;
-          for (int64_t d = 0; d < D; ++d) {
-            v16 kv[kC / 16];
-            for (int64_t h = 0; h < kC / 16; ++h) kv[h] = load16(kt + d * kC + 16 * h);
-            for (int64_t i = 0; i < kRB; ++i) {
-              const float qd = q0[i * D + d];
-              for (int64_t h = 0; h < kC / 16; ++h) acc4[i][h] += qd * kv[h];
-            }
-          }
-          for (int64_t i = 0; i < kRB && r + i < rows; ++i) {
-            float tmp[kC];
-            for (int64_t h = 0; h < kC / 16; ++h) store16(tmp + 16 * h, acc4[i][h]);
-            std::memcpy(s + (r + i) * BS + c, tmp, nc * sizeof(float));
-          }
-        }
-      }
-    }
-    // Blocked P.V (prefill tiles, D a multiple of 64): the softmax weights of every row
-    // first (zero outside the row's visible keys), then kRB rows x 64 output columns per
-    // register block over the page's V rows, so each V load feeds kRB rows' FMAs (per row,
-    // each V load fed one FMA).
-    const bool blocked_pv = blocked && D % 64 == 0;
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t pos = ctx + r0 + row / G;  // this query token's position
       // Positions [j0 + a, j0 + b) of this page are visible to this row (causal, window).
       const int64_t a = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0;
       const int64_t b = std::min<int64_t>(n, pos + 1 - j0);
+      if (a >= b) continue;
       float* sr = s + row * BS;
-      if (a >= b) {
-        if (blocked_pv) std::fill(sr, sr + n, 0.0f);
-        continue;
-      }
       const float* qr = qf + row * D;
       float mx = m[row];
-      if (blocked) {
-        for (int64_t j = a; j < b; ++j) mx = std::max(mx, sr[j]);
-      } else {
-        for (int64_t j = a; j < b; ++j) {
-          const float* kr = kp + j * kstride;
-          float dot = 0.0f;
+      for (int64_t j = a; j < b; ++j) {
+        const float* kr = kp + j * kstride;
+        float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
-          sr[j] = dot;
-          mx = std::max(mx, dot);
-        }
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+        sr[j] = dot;
+        mx = std::max(mx, dot);
       }
       const float corr = std::exp(m[row] - mx);  // 0 on the row's first page
       float sum = 0.0f;
@@ -296,11 +467,7 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
         sum += sr[j];
       }
       float* ar = acc + row * D;
-      if (blocked_pv) {  // rescale now; the weighted V rows are added below, blocked
-        std::fill(sr, sr + a, 0.0f);
-        std::fill(sr + b, sr + n, 0.0f);
-        for (int64_t d = 0; d < D; d += 16) store16(ar + d, load16(ar + d) * corr);
-      } else if (vec_d) {  // each 16-wide slice of the output stays in a register over keys
+      if (vec_d) {  // each 16-wide slice of the output stays in a register over keys
         for (int64_t d = 0; d < D; d += 16) {
           v16 av = load16(ar + d) * corr;
           for (int64_t j = a; j < b; ++j) av += sr[j] * load16(vp + j * kstride + d);
@@ -318,31 +485,6 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
       }
       l[row] = l[row] * corr + sum;
       m[row] = mx;
-    }
-    if (blocked_pv) {
-      for (int64_t r = 0; r < rows; r += kRB) {
-        const int64_t nr = std::min(kRB, rows - r);
-        for (int64_t d = 0; d < D; d += 64) {
-          v16 o[kRB][4];
-          for (int64_t i = 0; i < kRB; ++i)
-            for (int64_t c = 0; c < 4; ++c)
-              o[i][c] = i < nr ? load16(acc + (r + i) * D + d + 16 * c) : v16{};
-          for (int64_t j = 0; j < n; ++j) {
-            const float* vr = vp + j * kstride + d;
-            const v16 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32),
-                      v3 = load16(vr + 48);
-            for (int64_t i = 0; i < kRB; ++i) {
-              const float w = i < nr ? s[(r + i) * BS + j] : 0.0f;  // (past the tile: none)
-              o[i][0] += w * v0;
-              o[i][1] += w * v1;
-              o[i][2] += w * v2;
-              o[i][3] += w * v3;
-            }
-          }
-          for (int64_t i = 0; i < nr; ++i)
-            for (int64_t c = 0; c < 4; ++c) store16(acc + (r + i) * D + d + 16 * c, o[i][c]);
-        }
-      }
     }
   }
   for (int64_t t = r0; t < r1; ++t) {
