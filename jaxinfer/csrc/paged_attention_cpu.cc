@@ -170,6 +170,27 @@ inline Span span_of(const Problem& p, const Item& it) {
   return sp;
 }
 
+// The K and V rows of n keys of one KV head from cache slot `slot` on (one page): in place
+// for float32 caches (D floats each, stride Hkv * D), else converted into kbuf / vbuf [n, D].
+struct PageRows {
+  const float* k;
+  const float* v;
+  int64_t stride;
+};
+
+inline PageRows page_rows(const Problem& p, int64_t head, int64_t slot, int64_t n, float* kbuf,
+                          float* vbuf) {
+  const int64_t D = p.D, stride = p.Hkv * D, base = (slot * p.Hkv + head) * D;
+  if (p.kv_kind == Kind::kF32)
+    return {static_cast<const float*>(p.k) + base, static_cast<const float*>(p.v) + base, stride};
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) {
+      kbuf[j * D + d] = load(p.k, base + j * stride + d, p.kv_kind);
+      vbuf[j * D + d] = load(p.v, base + j * stride + d, p.kv_kind);
+    }
+  return {kbuf, vbuf, D};
+}
+
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 // e^x for x <= 0, 16 lanes (relative error under 1.2e-7 down to -20, 3e-7 to -87): x = n ln2
@@ -285,32 +306,15 @@ bool run_blocked_item(const Problem& p, const Item& it, std::vector<float>& scra
   }
   std::fill(acc, acc + rows * D, 0.0f);
   const int32_t* table = p.tables + it.seq * p.MB;
-  const bool f32_kv = p.kv_kind == Kind::kF32;
   for (int64_t page = lo / BS; page * BS < hi; ++page) {
     const int64_t blk = table[page];
     if (blk < 0 || blk >= p.NB) return false;
     const int64_t j0 = std::max(lo, page * BS), j1 = std::min(hi, (page + 1) * BS);
     const int64_t n = j1 - j0;
-    // K and V rows of this page and head: contiguous D floats each, stride Hkv * D.
-    const int64_t base = ((blk * BS + (j0 - page * BS)) * p.Hkv + it.head) * D;
-    const int64_t stride = p.Hkv * D;
-    const float* kp;
-    const float* vp;
-    int64_t kstride;
-    if (f32_kv) {
-      kp = static_cast<const float*>(p.k) + base;
-      vp = static_cast<const float*>(p.v) + base;
-      kstride = stride;
-    } else {
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < D; ++d) {
-          kbuf[j * D + d] = load(p.k, base + j * stride + d, p.kv_kind);
-          vbuf[j * D + d] = load(p.v, base + j * stride + d, p.kv_kind);
-        }
-      kp = kbuf;
-      vp = vbuf;
-      kstride = D;
-    }
+    const PageRows pr = page_rows(p, it.head, blk * BS + (j0 - page * BS), n, kbuf, vbuf);
+    const float* kp = pr.k;
+    const float* vp = pr.v;
+    const int64_t kstride = pr.stride;
     // Scores [n, RP] (keys past n repeat the last one; their scores are never read).
     for (int64_t c = 0; c < n; c += kKeys) {
       const float* k[kKeys];
@@ -416,32 +420,15 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
   std::fill(l, l + rows, 0.0f);
   // KV positions this tile sees: [lo, hi)
   const int32_t* table = p.tables + it.seq * p.MB;
-  const bool f32_kv = p.kv_kind == Kind::kF32;
   for (int64_t page = lo / BS; page * BS < hi; ++page) {
     const int64_t blk = table[page];
     if (blk < 0 || blk >= p.NB) return false;
     const int64_t j0 = std::max(lo, page * BS), j1 = std::min(hi, (page + 1) * BS);
     const int64_t n = j1 - j0;
-    // K and V rows of this page and head: contiguous D floats each, stride Hkv * D.
-    const int64_t base = ((blk * BS + (j0 - page * BS)) * p.Hkv + it.head) * D;
-    const int64_t stride = p.Hkv * D;
-    const float* kp;
-    const float* vp;
-    int64_t kstride;
-    if (f32_kv) {
-      kp = static_cast<const float*>(p.k) + base;
-      vp = static_cast<const float*>(p.v) + base;
-      kstride = stride;
-    } else {
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < D; ++d) {
-          kbuf[j * D + d] = load(p.k, base + j * stride + d, p.kv_kind);
-          vbuf[j * D + d] = load(p.v, base + j * stride + d, p.kv_kind);
-        }
-      kp = kbuf;
-      vp = vbuf;
-      kstride = D;
-    }
+    const PageRows pr = page_rows(p, it.head, blk * BS + (j0 - page * BS), n, kbuf, vbuf);
+    const float* kp = pr.k;
+    const float* vp = pr.v;
+    const int64_t kstride = pr.stride;
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t pos = ctx + r0 + row / G;  // this query token's position
       // Positions [j0 + a, j0 + b) of this page are visible to this row (causal, window).
