@@ -18,10 +18,10 @@ So compiling a bucket costs one run + the tail whatever the depth (SmolLM2: ~1.4
 is L / group + 2 dispatches per step instead of one, each asynchronous; with group 3 the
 steady-state throughput measured within noise of whole steps on this CPU when it was chosen
 (benchmarks/results/layerwise_steady_state_cpu.json; with the faster kernels of 2026-11-26
-whole steps lead by 5-15%: README, Measured, with what is known of why; one layer per program measured ~5%
-slower per step, a 30-layer program ~3x the compile time; groups of 5 and 10 measured 3-4%
-above 3 in steady state with the same cold start, results/layers_per_program_cpu.json, so 5 is
-the default). The host keeps the per-layer
+whole steps lead by 5-15%: README, Measured, with what is known of why; one layer per
+program measured ~5% slower per step, a 30-layer program ~3x the compile time; groups of 5
+and 10 measured 3-4% above 3 in steady state with the same cold start,
+results/layers_per_program_cpu.json, so 5 is the default). The host keeps the per-layer
 weights and KV caches it always had: loading, tensor-parallel shardings and the KV connectors
 are unchanged. Under tensor parallelism the residual stream between runs is pinned replicated
 so every executable sees the sharding it was compiled for.
