@@ -199,7 +199,8 @@ def main():
     dtype = jnp.dtype(args.dtype)
     bw = measure_bandwidth(1 << 24 if args.smoke else 1 << 30)
     peak = measure_matmul_rate(dtype, 256 if args.smoke else 8192)
-    device = jax.devices()[0]
+    device = jax.devices()[0].device_kind
+    platform_name = jax.devices()[0].platform
     cases = []
     for mode, q_len in (("decode", 1), ("prefill", args.prefill_len)):
         for b in batches:
@@ -229,7 +230,16 @@ def main():
                      "reference_s": t_ref, "hbm_floor_s": floor, "flop_floor_s": flops / peak,
                      "fraction_of_hbm_bw": floor / t_pallas,
                      "fraction_of_roofline": roof / t_pallas})
-    if not args.no_torch and device.platform == "gpu":
+        r = rows[-1]
+        print(f"{r['mode']:8} {r['batch']:>5} {r['ctx']:>6} pallas {_ms(t_pallas)} ms  "
+              f"ref {_ms(t_ref)} ms  HBM floor {_ms(floor)} ms  "
+              f"{100 * r['fraction_of_hbm_bw']:.1f}% of HBM bw", flush=True)
+        if args.output_json:  # each row saved as it comes (a run cut off keeps them)
+            write_result(args.output_json, {"benchmark": "kernels", "partial": True,
+                                            "device": device, "rows": rows,
+                                            "copy_bandwidth_bytes_per_s": bw,
+                                            "matmul_flops_per_s": peak})
+    if not args.no_torch and platform_name == "gpu":
         res = subprocess.run([sys.executable, __file__, "--torch-worker", json.dumps(cases)],
                              capture_output=True, text=True,
                              env={**os.environ, "CUDA_VISIBLE_DEVICES":
@@ -239,23 +249,31 @@ def main():
                 row["torch_sdpa_s"] = t["torch_sdpa_s"]
         else:
             print("torch baseline failed:", res.stderr[-2000:], file=sys.stderr)
-    sweep = None
+    result = {"benchmark": "kernels", "device": device, "jax": jax.__version__,
+              "interpret": args.interpret, "copy_bandwidth_bytes_per_s": bw,
+              "matmul_flops_per_s": peak, "sweep": None,
+              "command": " ".join(sys.argv), "python": platform.python_version(), "rows": rows}
+    report(result)
+    write_result(args.output_json, result)  # the rows first: a sweep cut off keeps them
     if args.sweep:
-        sweep = run_sweep(args, hq=hq, hkv=hkv, d=d, bs=bs, dtype=dtype, scale=scale)
-    print(f"device: {device.device_kind}  jax {jax.__version__}  measured copy bandwidth "
-          f"{bw / 1e9:.0f} GB/s  matmul {peak / 1e12:.0f} TFLOP/s ({dtype.name})")
+        result["sweep"] = run_sweep(args, hq=hq, hkv=hkv, d=d, bs=bs, dtype=dtype, scale=scale)
+    return write_result(args.output_json, result)
+
+
+def report(result: dict) -> None:
+    device, bw, peak = result["device"], result["copy_bandwidth_bytes_per_s"], \
+        result["matmul_flops_per_s"]
+    dtype_name = result["rows"][0]["dtype"] if result["rows"] else "-"
+    print(f"device: {device}  jax {result['jax']}  measured copy bandwidth "
+          f"{bw / 1e9:.0f} GB/s  matmul {peak / 1e12:.0f} TFLOP/s ({dtype_name})", flush=True)
     print(f"{'mode':8} {'batch':>5} {'ctx':>6} {'pallas ms':>10} {'ref ms':>9} {'sdpa ms':>8} "
           f"{'HBM ms':>8} {'FLOP ms':>8} {'% HBM':>6} {'% roof':>6}")
-    for r in rows:
+    for r in result["rows"]:
         print(f"{r['mode']:8} {r['batch']:>5} {r['ctx']:>6} {_ms(r['pallas_s']):>10} "
               f"{_ms(r['reference_s']):>9} {_ms(r.get('torch_sdpa_s')):>8} "
               f"{_ms(r['hbm_floor_s']):>8} {_ms(r['flop_floor_s']):>8} "
-              f"{100 * r['fraction_of_hbm_bw']:>5.1f} {100 * r['fraction_of_roofline']:>6.1f}")
-    result = {"benchmark": "kernels", "device": device.device_kind, "jax": jax.__version__,
-              "interpret": args.interpret, "copy_bandwidth_bytes_per_s": bw,
-              "matmul_flops_per_s": peak, "sweep": sweep,
-              "command": " ".join(sys.argv), "python": platform.python_version(), "rows": rows}
-    return write_result(args.output_json, result)
+              f"{100 * r['fraction_of_hbm_bw']:>5.1f} {100 * r['fraction_of_roofline']:>6.1f}",
+              flush=True)
 
 
 if __name__ == "__main__":

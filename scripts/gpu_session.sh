@@ -9,21 +9,54 @@
 #                                         # latency at batch 1/8/32 (128 in, 128 out)
 #   bash scripts/gpu_session.sh throughput  # the same model on the nano-vllm workload
 #   bash scripts/gpu_session.sh hf        # HF transformers (continuous batching), same workload
+#   bash scripts/gpu_session.sh all       # one call of under 9 minutes, most valuable first:
+#                                         # native tests + engine parity, kernels (+ sweep),
+#                                         # 8B-shaped latency at batch 32 and 1 (whole steps)
 #
 # Then commit the JSON + logs under benchmarks/results/ and copy the sweep's best tunings into
 # pallas_kernels/tuning.py. SMOKE=1 runs every phase at toy sizes on a CPU (a check of this
 # script, not a measurement).
 set -uo pipefail
-phase=${1:?usage: gpu_session.sh tests|kernels|latency|throughput|hf}
+phase=${1:?usage: gpu_session.sh all|tests|kernels|latency|throughput|hf}
 OUT=${OUT:-/tmp/jaxinfer-gpu}
 mkdir -p "$OUT"
-export PYTHONPATH=.
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 SMOKE=${SMOKE:-0}
 PY=${PYTHON:-python3}
 dev=$($PY -c "import jax; print(jax.devices()[0].device_kind.replace(' ', '_').lower())")
 echo "device: $dev  jax: $($PY -c 'import jax; print(jax.__version__)')  phase: $phase"
 
 case "$phase" in
+all)
+    # Each part has its own time cap and writes its results as soon as it ends, so a cut-off
+    # run still brings the earlier parts back. Caps sum to ~510 s.
+    nvidia-smi -L 2>&1 | tee "$OUT/all_$dev.log"
+    sel=(-m gpu tests/kernels tests/engine/test_gpu_pallas_engine.py)
+    [ "$SMOKE" = 1 ] && sel=(tests/kernels/test_tuning.py -k lookup)
+    timeout 150 $PY -m pytest -q -p no:cacheprovider "${sel[@]}" 2>&1 \
+        | tee "$OUT/gpu_tests_$dev.log"
+    kargs=(--sweep --batches 1,8,32,128 --contexts 512,4096,32768
+           --output-json "$OUT/kernels_$dev.json")
+    [ "$SMOKE" = 1 ] && kargs+=(--smoke --interpret --no-torch)
+    timeout 150 $PY benchmarks/kernels.py "${kargs[@]}" 2>&1 | tee "$OUT/kernels_$dev.log"
+    model=benchmarks/configs/llama-3.1-8b
+    common=(--load-format dummy --dtype bfloat16 --skip-tokenizer-init --attention-backend pallas
+            --step-compilation whole --warmup-buckets start --max-num-seqs 32)
+    lat=(--input-len 128 --output-len 128 --num-iters-warmup 1 --num-iters 2)
+    if [ "$SMOKE" = 1 ]; then
+        model=benchmarks/configs/tiny-llama
+        common=(--load-format dummy --dtype float32 --skip-tokenizer-init --max-num-seqs 4
+                --num-kv-blocks 64 --no-warmup)
+        lat=(--input-len 8 --output-len 4 --num-iters 1)
+    fi
+    for bs in 32 1; do
+        [ "$SMOKE" = 1 ] && [ "$bs" = 32 ] && bs=4
+        timeout $([ "$bs" = 1 ] && echo 90 || echo 120) $PY -m jaxinfer.entrypoints.cli bench \
+            latency --model "$model" "${common[@]}" "${lat[@]}" --batch-size "$bs" \
+            --output-json "$OUT/latency_llama8b_bs${bs}_$dev.json" 2>&1 \
+            | tee -a "$OUT/all_$dev.log"
+    done
+    ;;
 tests)
     if [ "$SMOKE" = 1 ]; then sel=(tests/kernels/test_tuning.py -k lookup); else
         sel=(-m gpu tests/kernels); fi
