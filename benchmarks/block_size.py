@@ -45,12 +45,10 @@ def make_step(bs: int, seqs: int, ctx: int, layout: str, step_compilation: str,
     batch = empty_step_batch(t, r, runner.max_blocks, runner.max_num_seqs)
     fill_step_inputs(batch, tokens, table, np.arange(seqs, dtype=np.int32), computed, q_lens, bs)
     compiled = runner.compiled.get(t, r, PLAIN)
-    dbatch = runner._to_device(batch)
+    dbatch = runner.program.place(batch)
 
     def step():
-        out, kv, runner.sampler_state = compiled(runner._params(), runner._kv(),
-                                                 runner.sampler_state, dbatch)
-        runner._set_kv(kv)
+        out, runner.state = compiled(runner.state, dbatch)
         out["token_ids"].block_until_ready()
     return llm, step
 

@@ -52,9 +52,7 @@ def time_case(runner, seqs, iters: int) -> float:
     times = []
     for i in range(iters + 1):
         t0 = time.perf_counter()
-        out, kv, runner.sampler_state = compiled(
-            runner._params(), runner._kv(), runner.sampler_state, runner._to_device(batch))
-        runner._set_kv(kv)
+        out, runner.state = compiled(runner.state, runner.program.place(batch))
         out["token_ids"].block_until_ready()
         if i:
             times.append(time.perf_counter() - t0)

@@ -17,8 +17,8 @@ a batch while it is in another one in flight.
 
 Multi-host (jax.distributed): each stage sits within one process, which alone holds its
 weights and caches (the others keep shapes only); between stages of different processes the
-residual stream moves by a collective over the global ('pp', 'tp') mesh (model_runner's
-_PipelinePlan), and so do the sampled outputs back to process 0, which schedules.
+residual stream moves by a collective over the global ('pp', 'tp') mesh
+(runner/pipeline_step.py's PipelinePlan), and so do the sampled outputs back to process 0, which schedules.
 """
 
 from __future__ import annotations

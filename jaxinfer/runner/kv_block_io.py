@@ -36,7 +36,11 @@ class KVBlockIO:
         self.num_layers = cfg.num_hidden_layers
         self.dtype = k0.dtype
         self.mesh = runner.mesh
-        self._replicated = runner._replicated
+        self._replicated = None
+        if runner.mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec as P
+
+            self._replicated = NamedSharding(runner.mesh, P())
         self._gather = jax.jit(_gather, out_shardings=self._replicated)
         self._scatter = jax.jit(_scatter, donate_argnums=(0,))
         self.bytes_moved = 0

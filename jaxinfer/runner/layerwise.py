@@ -38,8 +38,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.layers import module_list
-from jaxinfer.runner.step_fn import _sample, step_input_ids, step_tail
+from jaxinfer.runner.kv_cache import allocate_kv_caches
+from jaxinfer.runner.spec_step import InStepDrafter
+from jaxinfer.runner.step_fn import step_input_ids, step_tail
 from jaxinfer.runner.step_inputs import StepBatch, StepFeatures
+from jaxinfer.runner.step_state import SamplerState, StepState, place_replicated
 
 
 def layer_runs(num_layers: int, group: int, cuts=()) -> list[tuple[int, int]]:
@@ -148,38 +151,52 @@ def _bind_runs(lm: LayerwiseModel, compiled: list) -> list:
     return [(compiled[k], a, b) for (a, b), k in zip(lm.runs, lm.run_kind)]
 
 
-def _tail(shell_graphdef, draft_graphdef, shell_state, draft_state, draft_kv, sampler_state,
-          batch: StepBatch, x, input_ids, aux, *, features: StepFeatures, draft_kind: str,
-          max_model_len: int):
+def _tail(shell_graphdef, drafter, shell_state, draft_params, draft_kv, sampler, batch, x,
+          input_ids, aux, *, features: StepFeatures, max_model_len: int):
     model = nnx.merge(shell_graphdef, shell_state)
-    draft = None if draft_graphdef is None else nnx.merge(draft_graphdef, draft_state)
+    draft = None if drafter is None else drafter.merge(draft_params)
     hidden = model.model.norm(x)
-    target_hidden = jnp.concatenate(aux, axis=-1) if aux else hidden
-    return step_tail(model, hidden, target_hidden, input_ids, sampler_state, batch,
-                     features=features, draft=draft, draft_kind=draft_kind, draft_kv=draft_kv,
-                     max_model_len=max_model_len)
+    return step_tail(model, hidden, input_ids, sampler, batch, features=features,
+                     target_hidden=jnp.concatenate(aux, axis=-1) if aux else None,
+                     draft=draft, draft_kind=drafter.kind if drafter is not None else "",
+                     draft_kv=draft_kv, max_model_len=max_model_len)
 
 
-class LayerwiseSteps:
-    """The runner's side of layer-wise steps: lowering a bucket and variant (head and layer
-    executables are shared by every variant of a bucket), and the parameter layout the
-    compiled step takes: (shell state, per-layer leaves[, draft state])."""
+class LayerwiseProgram:
+    """Layer-wise steps of one model (step_program.py's interface): its params in the state
+    are (shell state, per-layer leaves); the head and layer executables of a bucket are
+    compiled once and shared by every variant of it (only the tail differs)."""
 
-    def __init__(self, model, *, draft_graphdef=None, draft_kind: str = "",
-                 aux_layers: tuple[int, ...] = (), max_model_len: int = 0, group: int = 1):
-        self.lm = LayerwiseModel(model, group, aux_layers)
-        self.draft_graphdef = draft_graphdef
-        self.draft_kind = draft_kind
-        self.aux_layers = tuple(aux_layers)
+    kind = "layerwise"
+
+    def __init__(self, model, *, group: int = 5, max_model_len: int = 0, draft_model=None,
+                 eagle_head=None):
+        self.drafter = InStepDrafter.of(draft_model, eagle_head)
+        self.aux_layers = self.drafter.aux_layers if self.drafter is not None else ()
+        self.model_config = model.config
+        self.mesh = model.mesh
+        self.lm = LayerwiseModel(model, group, self.aux_layers)
         self.max_model_len = max_model_len
         self._lock = threading.Lock()
         # (T, R) -> compiled head / [compiled layer per kind]; built once per bucket.
         self._shared: dict[tuple[int, int], tuple] = {}
         self._shared_locks: dict[tuple[int, int], threading.Lock] = {}
 
-    def params(self, draft_state=None):
-        base = (self.lm.shell_state, self.lm.layer_leaves)
-        return base if self.draft_graphdef is None else base + (draft_state,)
+    def init_state(self, num_blocks: int, block_size: int, kv_dtype,
+                   num_slots: int) -> StepState:
+        replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
+        d = self.drafter
+        return StepState(
+            params=(self.lm.shell_state, self.lm.layer_leaves),
+            kv=allocate_kv_caches(self.model_config, num_blocks, block_size, kv_dtype,
+                                  self.mesh),
+            sampler=SamplerState.zeros(num_slots, self.model_config.vocab_size, replicated),
+            draft_params=d.params if d is not None else None,
+            draft_kv=d.allocate_kv(num_blocks, block_size, kv_dtype, self.mesh)
+            if d is not None else None)
+
+    def place(self, batch: StepBatch):
+        return place_replicated(self.mesh, batch)
 
     def _shared_for(self, t: int, r: int, args) -> tuple:
         """The head and per-kind layer executables of bucket (T, R), compiled once (by
@@ -196,65 +213,57 @@ class LayerwiseSteps:
                 got = self._shared[(t, r)] = (head, layers)
             return got
 
-    def lower(self, t: int, r: int, features: StepFeatures, params, kv, sampler_state,
+    def lower(self, t: int, r: int, features: StepFeatures, state: StepState,
               example: StepBatch) -> "LayerwiseLowered":
         """Lower the bucket's tail for this variant; the head and layers are lowered and
         compiled at compile() unless an earlier variant of the bucket already did."""
         lm = self.lm
-        kv_caches, draft_kv = (kv, None) if self.draft_graphdef is None else kv
-        draft_state = params[2] if self.draft_graphdef is not None else None
-        head_args = (lm.shell_state, sampler_state[2], example.input_ids,
+        head_args = (lm.shell_state, state.sampler.last_sampled, example.input_ids,
                      example.from_last_sampled, example.token_slots, example.positions)
         sharding = None if lm.mesh is None else NamedSharding(lm.mesh, P())
         ids, x, cos, sin = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
                             for a in jax.eval_shape(partial(_head, lm.shell_graphdef),
                                                     *head_args))
-        layer_args = (x, cos, sin, kv_caches, example.attn)
-        tail = jax.jit(partial(_tail, lm.shell_graphdef, self.draft_graphdef,
-                               features=features, draft_kind=self.draft_kind,
+        layer_args = (x, cos, sin, state.kv, example.attn)
+        tail = jax.jit(partial(_tail, lm.shell_graphdef, self.drafter, features=features,
                                max_model_len=self.max_model_len),
                        donate_argnums=(2, 3))
-        lowered = tail.lower(lm.shell_state, draft_state, draft_kv, sampler_state, example, x,
-                             ids, tuple(x for _ in self.aux_layers))
+        lowered = tail.lower(lm.shell_state, state.draft_params, state.draft_kv, state.sampler,
+                             example, x, ids, tuple(x for _ in self.aux_layers))
         return LayerwiseLowered(self, (t, r), (head_args, layer_args), lowered)
 
 
 class LayerwiseLowered:
-    def __init__(self, steps: LayerwiseSteps, bucket, shared_args, tail_lowered):
-        self.steps, self.bucket, self.shared_args = steps, bucket, shared_args
+    def __init__(self, program: LayerwiseProgram, bucket, shared_args, tail_lowered):
+        self.program, self.bucket, self.shared_args = program, bucket, shared_args
         self.tail_lowered = tail_lowered
 
-    def compile(self) -> "LayerwiseCompiled":
-        head, layers = self.steps._shared_for(*self.bucket, self.shared_args)
-        return LayerwiseCompiled(self.steps, head, layers, self.tail_lowered.compile())
+    def compile(self) -> "LayerwiseStep":
+        head, layers = self.program._shared_for(*self.bucket, self.shared_args)
+        return LayerwiseStep(self.program, head, layers, self.tail_lowered.compile())
 
 
-class LayerwiseCompiled:
-    """One bucket and variant's layer-wise step, called like a whole step's executable:
-    (params, kv, sampler_state, batch) -> (outputs, kv, sampler_state)."""
+class LayerwiseStep:
+    """One bucket and variant's compiled layer-wise step: (state, batch) -> (outputs,
+    state), dispatching the head, every run of layers and the tail in turn."""
 
-    def __init__(self, steps: LayerwiseSteps, head, layers, tail):
+    def __init__(self, program: LayerwiseProgram, head, layers, tail):
         self.head, self.layers, self.tail = head, layers, tail
-        lm = steps.lm
-        # Per run: its executable, its layers' leaves' indices.
-        self.runs = _bind_runs(lm, layers)
-        self.aux_layers = steps.aux_layers
-        self.has_draft = steps.draft_graphdef is not None
+        self.runs = _bind_runs(program.lm, layers)  # per run: its executable, its layers
+        self.aux_layers = program.aux_layers
 
-    def __call__(self, params, kv, sampler_state, batch: StepBatch):
-        shell_state, layer_leaves = params[0], params[1]
-        draft_state = params[2] if self.has_draft else None
-        kv_caches, draft_kv = kv if self.has_draft else (kv, None)
-        ids, x, cos, sin = self.head(shell_state, sampler_state[2], batch.input_ids,
+    def __call__(self, state: StepState, batch: StepBatch):
+        shell_state, layer_leaves = state.params
+        ids, x, cos, sin = self.head(shell_state, state.sampler.last_sampled, batch.input_ids,
                                      batch.from_last_sampled, batch.token_slots,
                                      batch.positions)
         aux = {}  # (EAGLE-3: the residual stream entering each aux layer)
-        x, new_kv = _run_all(self.runs, layer_leaves, x, cos, sin, kv_caches, batch.attn,
+        x, new_kv = _run_all(self.runs, layer_leaves, x, cos, sin, state.kv, batch.attn,
                              self.aux_layers, aux)
-        out, draft_kv, sampler_state = self.tail(shell_state, draft_state, draft_kv,
-                                                 sampler_state, batch, x, ids,
-                                                 tuple(aux[i] for i in self.aux_layers))
-        return out, (new_kv if not self.has_draft else (new_kv, draft_kv)), sampler_state
+        out, draft_kv, sampler = self.tail(shell_state, state.draft_params, state.draft_kv,
+                                           state.sampler, batch, x, ids,
+                                           tuple(aux[i] for i in self.aux_layers))
+        return out, state.with_carry((new_kv, draft_kv, sampler))
 
 
 # -- pipeline parallelism: each stage layer-wise ------------------------------------------------
@@ -269,16 +278,18 @@ def _stage_head(shell_graphdef, shell_state, first, positions):
     return _replicated(mesh, x), _replicated(mesh, cos), _replicated(mesh, sin)
 
 
-def _stage_tail(shell_graphdef, shell_state, sampler_state, batch: StepBatch, x, *,
+def _stage_tail(shell_graphdef, shell_state, sampler, batch: StepBatch, x, *,
                 features: StepFeatures):
     stage = nnx.merge(shell_graphdef, shell_state)
-    return _sample(stage, stage.norm(x), batch.input_ids, sampler_state, batch, features)
+    out, _, sampler = step_tail(stage, stage.norm(x), batch.input_ids, sampler, batch,
+                                features=features)
+    return out, sampler
 
 
 class PipelineStageSteps:
     """One pipeline stage (this process's) compiled layer-wise: a head, its runs of layers and,
     on the last stage, the tail. Its compiled step is called as the whole stage function is
-    (pipeline_plan.PipelineCompiled); the weights are the stage's own, held here."""
+    (pipeline_step.PipelineCompiled); the weights are the stage's own, held here."""
 
     def __init__(self, stage, group: int, first: bool, last: bool):
         self.lm = LayerwiseModel(stage, group, container=stage)
@@ -317,7 +328,7 @@ class _StageLowered:
 
 
 class _StageCompiled:
-    """Called as pipeline_plan calls a whole stage: (params, kv, batch[, x]) -> (x, kv), the
+    """Called as pipeline_step calls a whole stage: (params, kv, batch[, x]) -> (x, kv), the
     last stage (params, kv, sampler_state, batch, x) -> (out, kv, sampler_state). `params`
     are the stage's weights, the same arrays as the leaves held here."""
 

@@ -4,11 +4,46 @@ row with the sampled tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxinfer.layers.attention import AttentionMetadata
+from jaxinfer.runner.kv_cache import allocate_kv_caches
 from jaxinfer.runner.step_inputs import StepBatch
+
+
+class InStepDrafter:
+    """A draft model ("model") or an EAGLE head ("eagle") taken apart for the step programs:
+    its graph (static), its weights (StepState.draft_params) and the config of its own paged
+    KV cache (as many blocks as the target's, the same block ids)."""
+
+    def __init__(self, module, kind: str):
+        self.kind = kind
+        self.graphdef, self.params = nnx.split(module)
+        cfg = module.config
+        if kind == "eagle":
+            cfg = dataclasses.replace(cfg, num_hidden_layers=module.num_kv_layers)
+        self.kv_config = cfg
+        # EAGLE-3 reads the residual stream entering these target layers
+        self.aux_layers = tuple(getattr(module, "aux_layers", ()) or ()) if kind == "eagle" \
+            else ()
+
+    @staticmethod
+    def of(draft_model=None, eagle_head=None) -> "InStepDrafter | None":
+        if draft_model is not None:
+            return InStepDrafter(draft_model, "model")
+        if eagle_head is not None:
+            return InStepDrafter(eagle_head, "eagle")
+        return None
+
+    def allocate_kv(self, num_blocks: int, block_size: int, dtype, mesh=None):
+        return allocate_kv_caches(self.kv_config, num_blocks, block_size, dtype, mesh)
+
+    def merge(self, params):
+        return nnx.merge(self.graphdef, params)
 
 
 def draft_propose(draft, draft_kv, input_ids, batch: StepBatch, last, num_emitted, k: int,

@@ -19,6 +19,7 @@ from jaxinfer.config import ResolvedConfig
 from jaxinfer.runner.buckets import BucketTable
 from jaxinfer.runner.kv_cache import kv_cache_bytes_per_block
 from jaxinfer.runner.model_runner import ModelRunner
+from jaxinfer.runner.step_program import make_step_program
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +292,7 @@ class Worker:
         t1 = time.perf_counter()
         self.runner = self._make_runner()
         self.timings["allocate_kv_cache_s"] = time.perf_counter() - t1
-        self.memory = {"weight_bytes_per_device": _bytes_per_device(self.runner.state),
+        self.memory = {"weight_bytes_per_device": _bytes_per_device(self.runner.params),
                        "kv_cache_bytes_per_device": _bytes_per_device(self.runner.kv_caches)}
         q = mcfg.quantization
         kinds = None if q is None else "GGUF blocks" if q.method == "gguf" else q.weight_dtype
@@ -322,16 +323,18 @@ class Worker:
         cfg = rc.engine
         buckets = BucketTable.build(sched.max_num_batched_tokens, sched.max_num_seqs,
                                     min_tokens=cfg.min_token_bucket, growth=cfg.bucket_growth)
-        return ModelRunner(self.model, num_kv_blocks=self.num_kv_blocks,
+        program = make_step_program(self.model, kind=self.step_compilation,
+                                    layers_per_program=cfg.layers_per_program,
+                                    max_model_len=rc.max_model_len,
+                                    draft_model=self.draft_model, eagle_head=self.eagle_head,
+                                    stage_devices=self.stage_groups)
+        return ModelRunner(program, num_kv_blocks=self.num_kv_blocks,
                            block_size=self.block_size, max_model_len=rc.max_model_len,
                            max_num_seqs=sched.max_num_seqs,
                            max_num_batched_tokens=sched.max_num_batched_tokens,
                            kv_dtype=self.kv_dtype, buckets=buckets,
                            speculative_config=cfg.speculative_config,
-                           draft_model=self.draft_model, eagle_head=self.eagle_head,
-                           stage_devices=self.stage_groups,
-                           step_compilation=self.step_compilation,
-                           layers_per_program=rc.engine.layers_per_program)
+                           pipeline_depth=len(self.model) if isinstance(self.model, list) else 1)
 
     @property
     def step_compilation(self) -> str:

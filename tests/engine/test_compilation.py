@@ -85,10 +85,10 @@ def test_donated_step_never_copies_the_kv_cache(tmp_path, smollm2_dir):
         runner = llm.llm_engine.runner
         assert runner.step_compilation == mode
         step = runner.compiled.compile(16, 2, StepFeatures(penalties=True))
-        num_sampler = len(jax.tree.leaves(runner.sampler_state))
+        num_sampler = len(jax.tree.leaves(runner.state.sampler))
         if mode == "whole":
             hlo = step.as_text()
-            num_params = len(jax.tree.leaves(runner.state))
+            num_params = len(jax.tree.leaves(runner.state.params))
             donated = len(jax.tree.leaves(runner.kv_caches)) + num_sampler
             assert _aliased_params(hlo) == set(range(num_params, num_params + donated))
             assert _kv_copies(hlo, kv_shape) == []
@@ -96,13 +96,13 @@ def test_donated_step_never_copies_the_kv_cache(tmp_path, smollm2_dir):
             continue
         (layer,) = step.layers  # (the model's two layers: one run, one executable)
         hlo = layer.as_text()
-        n = sum(len(lv) for lv in runner.layerwise.lm.layer_leaves)
+        n = sum(len(lv) for lv in runner.program.lm.layer_leaves)
         # (leaves, x, cos, sin, [(k, v), (k, v)], md): the four caches follow x, cos, sin
         assert _aliased_params(hlo) == set(range(n + 3, n + 7))
         assert _kv_copies(hlo, kv_shape) == []
         tail = step.tail.as_text()  # (shell state, no draft, sampler state, ...)
         # (the sampler state follows the shell's leaves, all read by the tail: the tied
         # embedding is held once, as the packed LM head)
-        used = len(jax.tree.leaves(runner.layerwise.lm.shell_state))
+        used = len(jax.tree.leaves(runner.program.lm.shell_state))
         assert _aliased_params(tail) == set(range(used, used + num_sampler))
         llm.shutdown()

@@ -90,8 +90,8 @@ def test_compile_cost_does_not_grow_with_depth(tmp_path, smollm2_dir):
             runner = llm.llm_engine.runner
             sizes[mode, layers] = _hlo_size(runner.compiled.compile(16, 2, PLAIN))
             if mode == "layerwise":  # one executable, run by every run of 3 layers
-                assert runner.layerwise.lm.runs == [(a, a + 3) for a in range(0, layers, 3)]
-                assert len(runner.layerwise.lm.kinds) == 1
+                assert runner.program.lm.runs == [(a, a + 3) for a in range(0, layers, 3)]
+                assert len(runner.program.lm.kinds) == 1
             llm.shutdown()
     assert sizes["layerwise", 3] == sizes["layerwise", 9]
     assert sizes["whole", 9] > sizes["whole", 3] * 1.3

@@ -84,12 +84,12 @@ def main():
         "step_compilation": core.runner.step_compilation,
         "max_in_flight": core.max_batches_in_flight,
         "overlap": any(seen_overlap),
-        "stage_devices": [_devices(jax.tree.leaves(st)[0]) for st in runner.state]
+        "stage_devices": [_devices(jax.tree.leaves(st)[0]) for st in runner.params]
         if pp > 1 else [],
         "kv_devices": [_devices(kv_s[0][0]) for kv_s in runner.kv_caches] if pp > 1 else [],
         "stage_has": ([sorted(k for k in ("embed_tokens", "norm", "lm_head", "tied_embed")
                               if st.get(k) is not None and len(jax.tree.leaves(st[k])))
-                       for st in runner.state] if pp > 1 else []),
+                       for st in runner.params] if pp > 1 else []),
     }
     llm.shutdown()
     print(json.dumps(res))

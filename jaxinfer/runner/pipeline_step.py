@@ -1,16 +1,94 @@
-"""Pipeline parallelism in the runner: where the stages run and how the residual stream moves
-between them (PipelinePlan), the lowering of one bucket's stage functions (lower_pipeline)
-and the compiled pipelined step (PipelineCompiled)."""
+"""Pipelined steps (step_program.py's interface): one program per stage and bucket (each
+stage whole, or layer-wise: layerwise.PipelineStageSteps), where the stages run and how the
+residual stream moves between them (PipelinePlan), the lowering of one bucket's stage
+functions (lower_pipeline) and the compiled pipelined step (PipelineCompiled)."""
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxinfer.runner.step_fn import pp_last, pp_stage
+from jaxinfer.runner.kv_cache import allocate_kv_caches
+from jaxinfer.runner.step_fn import step_tail
+from jaxinfer.runner.step_inputs import StepBatch, StepFeatures
+from jaxinfer.runner.step_state import SamplerState, StepState
+
+
+def pp_stage(graphdef, state, kv_caches, batch: StepBatch, x=None):
+    """Stage s < P - 1 of a pipelined step: its layers over the residual stream (stage 0:
+    from the token ids). Returns (residual stream [T, H], its KV caches)."""
+    stage = nnx.merge(graphdef, state)
+    return stage(batch.input_ids if x is None else x, batch.positions, kv_caches, batch.attn)
+
+
+def pp_last(graphdef, state, kv_caches, sampler: SamplerState, batch: StepBatch, x, *,
+            features: StepFeatures):
+    """The last stage: its layers, the final norm, then the step's tail."""
+    stage = nnx.merge(graphdef, state)
+    hidden, kv_caches = stage(x, batch.positions, kv_caches, batch.attn)
+    out, _, sampler = step_tail(stage, hidden, batch.input_ids, sampler, batch,
+                                features=features)
+    return out, kv_caches, sampler
+
+
+class PipelineProgram:
+    """The stages of a pipeline-parallel model, stage s on its own devices (its weights and
+    KV caches there; another process's stage: shapes only). The state's params, kv and batch
+    are lists with one entry per stage; the sampler state lives with the last stage."""
+
+    def __init__(self, stages: list, groups: list, *, kind: str = "whole",
+                 layers_per_program: int = 5):
+        self.kind = kind
+        self.stages = stages
+        self.model_config = stages[-1].config
+        self.mesh = stages[-1].mesh
+        self.targets = [NamedSharding(st.mesh, P()) if st.mesh is not None else groups[i][0]
+                        for i, st in enumerate(stages)]
+        self.plan = PipelinePlan(stages, groups, self.targets)
+        split = [nnx.split(st) for st in stages]
+        self.graphdefs = [g for g, _ in split]
+        self.params = [st for _, st in split]
+        self.layerwise = None
+        if kind == "layerwise":
+            from jaxinfer.runner.layerwise import PipelineStageSteps
+
+            last = len(stages) - 1
+            self.layerwise = [PipelineStageSteps(st, layers_per_program, s == 0, s == last)
+                              if self.plan.local[s] else None for s, st in enumerate(stages)]
+
+    def init_state(self, num_blocks: int, block_size: int, kv_dtype,
+                   num_slots: int) -> StepState:
+        kv = []
+        cfg = self.model_config
+        for i, st in enumerate(self.stages):
+            scfg = dataclasses.replace(cfg, num_hidden_layers=len(st.layers))
+            if self.plan.local[i]:
+                kv.append(allocate_kv_caches(scfg, num_blocks, block_size, kv_dtype, st.mesh,
+                                             device=self.targets[i]))
+            else:  # another process's stage: shapes
+                shape = (num_blocks, block_size, scfg.num_key_value_heads, scfg.head_dim)
+                a = jax.ShapeDtypeStruct(shape, kv_dtype)
+                kv.append([(a, a)] * scfg.num_hidden_layers)
+        if self.plan.local[-1]:
+            sampler = SamplerState.zeros(num_slots, cfg.vocab_size, self.targets[-1])
+        else:
+            sampler = SamplerState.shapes(num_slots, cfg.vocab_size)
+        return StepState(params=self.params, kv=kv, sampler=sampler)
+
+    def place(self, batch: StepBatch) -> list:
+        """One copy of the batch per stage, on its devices (another process's stage: the host
+        copy, for shapes)."""
+        return [jax.device_put(batch, target) if local else batch
+                for target, local in zip(self.targets, self.plan.local)]
+
+    def lower(self, t: int, r: int, features: StepFeatures, state: StepState, example: list):
+        return lower_pipeline(self.graphdefs, state.params, state.kv, state.sampler,
+                              self.plan, self.targets, example, features, self.layerwise)
 
 
 class PipelineLowered:
@@ -112,7 +190,11 @@ class PipelineCompiled:
     def __init__(self, stages: list, plan: PipelinePlan, shapes: dict):
         self.stages, self.plan, self.shapes = stages, plan, shapes
 
-    def __call__(self, params: list, kv: list, sampler_state, batches: list):
+    def __call__(self, state: StepState, batches: list):
+        out, kv, sampler = self._run(state.params, state.kv, state.sampler, batches)
+        return out, state.with_carry((kv, None, sampler))
+
+    def _run(self, params: list, kv: list, sampler_state, batches: list):
         plan = self.plan
         x, new_kv, out = None, [], None
         last = len(self.stages) - 1

@@ -1,0 +1,95 @@
+"""Whole steps: one XLA program per bucket and variant, every decoder layer unrolled in it,
+then the tail (step_fn.step_tail). One launch per step: what GPUs want (as CUDA graphs would
+give), at a compile cost that grows with depth (layerwise.py trades it away)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxinfer.runner.kv_cache import allocate_kv_caches
+from jaxinfer.runner.spec_step import InStepDrafter
+from jaxinfer.runner.step_fn import step_input_ids, step_tail
+from jaxinfer.runner.step_inputs import StepBatch, StepFeatures
+from jaxinfer.runner.step_state import SamplerState, StepState, place_replicated
+
+
+def whole_step(graphdef, drafter: InStepDrafter | None, weights, carry, batch: StepBatch, *,
+               features: StepFeatures, max_model_len: int):
+    """One step: the forward over every layer, then the tail. weights = (params,
+    draft_params); carry = (kv, draft_kv, sampler), donated. Returns (outputs, carry)."""
+    params, draft_params = weights
+    kv, draft_kv, sampler = carry
+    model = nnx.merge(graphdef, params)
+    draft = drafter.merge(draft_params) if drafter is not None else None
+    input_ids = step_input_ids(sampler.last_sampled, batch.input_ids, batch.from_last_sampled,
+                               batch.token_slots)
+    target_hidden = None
+    if drafter is not None and drafter.aux_layers:
+        hidden, kv, target_hidden = model(input_ids, batch.positions, kv, batch.attn,
+                                          aux_layers=drafter.aux_layers)
+    else:
+        hidden, kv = model(input_ids, batch.positions, kv, batch.attn)
+    out, draft_kv, sampler = step_tail(
+        model, hidden, input_ids, sampler, batch, features=features,
+        target_hidden=target_hidden, draft=draft,
+        draft_kind=drafter.kind if drafter is not None else "", draft_kv=draft_kv,
+        max_model_len=max_model_len)
+    return out, (kv, draft_kv, sampler)
+
+
+class WholeStepProgram:
+    kind = "whole"
+
+    def __init__(self, model, *, max_model_len: int = 0, draft_model=None, eagle_head=None):
+        self.model_config = model.config
+        self.mesh = model.mesh
+        self.graphdef, self.params = nnx.split(model)
+        self.drafter = InStepDrafter.of(draft_model, eagle_head)
+        self.max_model_len = max_model_len
+
+    def init_state(self, num_blocks: int, block_size: int, kv_dtype,
+                   num_slots: int) -> StepState:
+        replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
+        d = self.drafter
+        return StepState(
+            params=self.params,
+            kv=allocate_kv_caches(self.model_config, num_blocks, block_size, kv_dtype,
+                                  self.mesh),
+            sampler=SamplerState.zeros(num_slots, self.model_config.vocab_size, replicated),
+            draft_params=d.params if d is not None else None,
+            draft_kv=d.allocate_kv(num_blocks, block_size, kv_dtype, self.mesh)
+            if d is not None else None)
+
+    def place(self, batch: StepBatch):
+        return place_replicated(self.mesh, batch)
+
+    def lower(self, t: int, r: int, features: StepFeatures, state: StepState, example):
+        fn = jax.jit(partial(whole_step, self.graphdef, self.drafter, features=features,
+                             max_model_len=self.max_model_len), donate_argnums=(1,))
+        return _Lowered(fn.lower(state.weights, state.carry, example))
+
+
+class _Lowered:
+    def __init__(self, lowered):
+        self.lowered = lowered
+
+    def compile(self) -> "WholeStep":
+        return WholeStep(self.lowered.compile())
+
+
+class WholeStep:
+    """A compiled whole step: (state, batch) -> (outputs, state)."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, state: StepState, batch):
+        out, carry = self.compiled(state.weights, state.carry, batch)
+        return out, state.with_carry(carry)
+
+    def as_text(self) -> str:
+        return self.compiled.as_text()
