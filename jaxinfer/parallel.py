@@ -1,10 +1,11 @@
 """Tensor parallelism: the device mesh, parameter-name -> PartitionSpec rules, shardings.
 
-One mesh axis, "tp". Attention heads and MLP columns are split over it (column-parallel q/k/v
-and gate/up, row-parallel o_proj and down_proj, whose partial sums XLA all-reduces; in a
-mixture-of-experts block every expert split the same way, or with expert parallelism the
-experts themselves, E / tp per device: layers/moe.py), the
-embedding and LM head are vocab-parallel, the KV cache is split by KV head, and attention runs
+One mesh axis, "tp". Every parameter declares its logical axes where it is created
+(layers/params.py); `sharding_rules` maps them to the mesh: attention heads and MLP columns are
+split over it (column-parallel q/k/v and gate/up, row-parallel o_proj and down_proj, whose
+partial sums XLA all-reduces; in a mixture-of-experts block every expert split the same way,
+or with expert parallelism the experts themselves, E / tp per device: layers/moe.py), the
+embedding and LM head are vocab-parallel. The KV cache is split by KV head, and attention runs
 per device under jax.shard_map. When tp exceeds the KV heads, each KV head is replicated so
 every device holds one (as vLLM does).
 """
@@ -80,37 +81,31 @@ def replicate_kv_heads(w: np.ndarray, factor: int, head_dim: int) -> np.ndarray:
     return np.repeat(heads, factor, axis=0).reshape(-1, *w.shape[1:])
 
 
-def param_spec(name: str, shape: tuple[int, ...], tp: int, expert_parallel: bool = False) -> P:
-    """PartitionSpec of a parameter from its (HF-style) name; our Linear weights are [in, out].
-    expert_parallel: stacked expert weights split by expert instead of within each."""
+def sharding_rules(expert_parallel: bool = False) -> dict[str, str | None]:
+    """Logical axis (layers/params.py) -> mesh axis: attention heads, KV heads, MLP columns and
+    the vocabulary split over "tp"; stacked experts split within each expert, or (expert
+    parallelism) by expert. Any other axis stays whole."""
+    return {"heads": TP, "kv_heads": TP, "mlp": TP, "vocab": TP,
+            "experts": TP if expert_parallel else None,
+            "expert_mlp": None if expert_parallel else TP}
+
+
+def param_spec(var, tp: int, expert_parallel: bool = False) -> P:
+    """PartitionSpec of a parameter from its declared logical axes (a vocabulary that tp does
+    not divide stays whole)."""
     if tp == 1:
         return P()
-    if name.endswith((".weight_scale", ".weight_offset")):  # [KB, *out]: as its weight,
-        weight = param_spec(name.rsplit("_", 1)[0], shape, tp, expert_parallel)  # in whole
-        return P(None, *tuple(weight)[1:])
-    if name.endswith(("experts.gate_up_proj_scale", "experts.down_proj_scale")):
-        # [E, KB, *out]: as its experts, the input axis whole
-        weight = param_spec(name[: -len("_scale")], shape, tp, expert_parallel)
-        return P(*tuple(weight)[:1], None, *tuple(weight)[2:])
-    if expert_parallel and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-        return P(TP, *([None] * (len(shape) - 1)))
-    if name.endswith("qkv_proj.weight"):  # [in, Hkv, (G+2)*D]: by KV head with its group
-        return P(None, TP, None)
-    if name.endswith("qkv_proj.bias"):  # [Hkv, (G+2)*D]
-        return P(TP, None)
-    if name.endswith("gate_up_proj.weight"):  # [in, 2, I]
-        return P(None, None, TP)
-    if name.endswith("experts.gate_up_proj"):  # [E, in, 2, I]: each expert by columns
-        return P(None, None, None, TP)
-    if name.endswith("experts.down_proj"):  # [E, I, out]: each expert by rows
-        return P(None, TP, None)
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return P(TP, None)
-    if name.endswith("embed_tokens.weight"):
-        return P(TP, None) if shape[0] % tp == 0 else P()
-    if name.endswith("lm_head.weight"):
-        return P(None, TP) if shape[1] % tp == 0 else P()
-    return P()  # norms
+    from jaxinfer.layers.params import declared
+
+    axes, _ = declared(var)
+    rules = sharding_rules(expert_parallel)
+    spec = []
+    for axis, size in zip(axes, var.shape):
+        mesh_axis = rules.get(axis)
+        if mesh_axis is not None and axis == "vocab" and size % tp:
+            mesh_axis = None
+        spec.append(mesh_axis)
+    return P(*spec)
 
 
 def sequence_shard(x, mesh: Mesh | None):

@@ -30,7 +30,6 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.config.parallel import stage_bounds
 from jaxinfer.layers import module_list
-from jaxinfer.models.llama import model_rope, softcap_logits
 
 
 def stage_devices(pp: int, tp: int, devices=None) -> list[list]:
@@ -46,8 +45,10 @@ class PipelineStage(nnx.Module):
     """One stage: [embedding] + a contiguous run of decoder layers [+ final norm, LM head]."""
 
     def __init__(self, cfg: ModelConfig, layers, *, embed=None, norm=None, lm_head=None,
-                 tied_embed=None, mesh=None):
+                 tied_embed=None, mesh=None, family=None):
+        """family: the whole model's class (its rope tables and logit finishing)."""
         self.config = cfg
+        self.family = family
         self.mesh = mesh
         self.embed_tokens = embed
         self.layers = module_list(layers)
@@ -75,8 +76,8 @@ class PipelineStage(nnx.Module):
 
     def rope(self, positions):
         """positions int32 [T] -> the rotary cos, sin of this stage's layers (the whole
-        model's: models/llama.py model_rope)."""
-        return model_rope(self.config, positions)
+        model's: its family's rope_tables)."""
+        return self.family.rope_tables(self.config, positions)
 
     def compute_logits(self, hidden):
         import jax.numpy as jnp
@@ -90,26 +91,26 @@ class PipelineStage(nnx.Module):
 
             logits = jax.lax.with_sharding_constraint(
                 logits, NamedSharding(self.mesh, PartitionSpec()))
-        return softcap_logits(self.config, logits.astype(jnp.float32))
+        return self.family.final_logits(self.config, logits.astype(jnp.float32))
 
 
 def _placed(module, mesh, device, expert_parallel: bool = False):
-    """`module` with every parameter on the stage's devices (TP-sharded by name), from host
-    memory straight to each device's part."""
+    """`module` with every parameter on the stage's devices (TP-sharded by its declared axes),
+    from host memory straight to each device's part."""
     from jaxinfer.parallel import param_spec, sharding
 
     tp = 1 if mesh is None else mesh.size
     graphdef, state = nnx.split(module)
 
-    def put(path, x):
-        name = ".".join(str(getattr(k, "key", getattr(k, "idx", ""))) for k in path
-                        if not isinstance(k, jax.tree_util.GetAttrKey))
+    def put(var):  # (a new Variable: a tied embedding's arrays are shared between stages)
+        x = var.get_value()
         if mesh is None:
-            return jax.device_put(x, device)
-        spec = sharding(mesh, param_spec(name, x.shape, tp, expert_parallel))
-        return jax.make_array_from_callback(x.shape, spec, lambda idx: x[idx])
+            return var.replace(jax.device_put(x, device))
+        spec = sharding(mesh, param_spec(var, tp, expert_parallel))
+        return var.replace(jax.make_array_from_callback(x.shape, spec, lambda idx: x[idx]))
 
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(put, state))
+    return nnx.merge(graphdef, jax.tree.map(put, state,
+                                            is_leaf=lambda v: isinstance(v, nnx.Variable)))
 
 
 def split_model(model, parts: list[int], groups: list[list], meshes: list) -> list[PipelineStage]:
@@ -135,7 +136,7 @@ def split_model(model, parts: list[int], groups: list[list], meshes: list) -> li
         stage = PipelineStage(cfg, layers, embed=model.model.embed_tokens if s == 0 else None,
                               norm=model.model.norm if s == last else None,
                               lm_head=model.lm_head if s == last else None,
-                              tied_embed=tied, mesh=mesh)
+                              tied_embed=tied, mesh=mesh, family=type(model))
         if is_local(groups[s]):
             stage = _placed(stage, mesh, device, cfg.expert_parallel)
         else:  # another process's stage: only its shapes are kept here

@@ -69,12 +69,11 @@ class QuantConfig:
                              f"quantization_config.quant_method={method!r}")
         return q
 
-    def for_module(self, module: str) -> "QuantConfig | None":
+    def for_module(self, module: str, sources: tuple[str, ...] = ()) -> "QuantConfig | None":
         """This config if our linear module `module` (e.g. model.layers.0.self_attn.qkv_proj)
         is held quantized, else None: decoder projections are, unless the checkpoint's ignore
-        list names them (for a fused module: all of its checkpoint modules, or none)."""
-        from jaxinfer.models.fused import FUSED
-
+        list names them (a fused module, made of the checkpoint's modules `sources` beside it,
+        e.g. q_proj, k_proj, v_proj: all of them, or none)."""
         head, _, leaf = module.rpartition(".")
         if leaf == "experts":  # routed experts, stacked: all quantized unless ignored
             probe = [module] + [f"{module}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj",
@@ -85,7 +84,7 @@ class QuantConfig:
             return None if any(_ignored(module, p) for p in self.ignored) else self
         if leaf not in QUANTIZED_MODULES or ".experts." in module + ".":
             return None
-        sources = [f"{head}.{src}" for src in FUSED.get(leaf, (leaf,))]
+        sources = [f"{head}.{src}" for src in (sources or (leaf,))]
         ignored = [any(_ignored(src, pat) for pat in self.ignored) for src in sources]
         if all(ignored):
             return None

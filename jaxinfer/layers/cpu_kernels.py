@@ -19,8 +19,6 @@ default backend on CPU stays `xla` (unpacked weights, XLA's dots).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import ctypes
 import functools
 import hashlib
@@ -218,22 +216,7 @@ def grouped_matmul(x, w_packed, group_sizes, out_features: int, scale=None):
     return call(x, w_packed, scale, group_sizes.astype(np.int32))
 
 
-_PACKING = contextvars.ContextVar("jaxinfer_packing", default=True)
-
-
-@contextlib.contextmanager
-def packing(enabled: bool):
-    """Models built inside take packed weights only if `enabled` (the loader turns packing off
-    for tensor-parallel builds, which place the parameters on a mesh later)."""
-    token = _PACKING.set(enabled)
-    try:
-        yield
-    finally:
-        _PACKING.reset(token)
-
-
 def use_packed_weights(attention_backend: str, dtype, mesh) -> bool:
     """Packed weights and the matmul kernel go with the `cpu` backend: float32 models on one
     device (under a mesh XLA could not partition the custom call; the kernel is fp32)."""
-    return (attention_backend == "cpu" and mesh is None and np.dtype(dtype) == np.float32
-            and _PACKING.get())
+    return attention_backend == "cpu" and mesh is None and np.dtype(dtype) == np.float32

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxinfer.layers.params import HF, LINEAR, param, scale_axes
+
 
 def _init(rngs: nnx.Rngs, shape, dtype, std: float = 0.02):
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
@@ -36,23 +38,26 @@ def _scale_value(quant) -> float:
     return 0.02 * 4 / QMAX[quant.weight_dtype]
 
 
-def _weight(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, packed: bool,
-            quant=None) -> nnx.Param:
-    """A weight of logical shape (in, *out): plain, or packed into column panels over the
-    flattened outputs; quantized values with a quant config."""
+def _weight(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, packed: bool, quant=None, *,
+            axes: tuple, hf: HF = LINEAR) -> nnx.Param:
+    """A weight of logical shape (in, *out) and its declaration (layers/params.py): plain, or
+    packed into column panels over the flattened outputs; quantized values with a quant
+    config."""
     init = _initializer(rngs, dtype, quant)
     if not packed:
-        return nnx.Param(init(shape))
+        return param(init(shape), axes=axes, hf=hf)
     from jaxinfer.layers.cpu_kernels import packed_shape
 
     n = math.prod(shape[1:])
-    return nnx.Param(init(packed_shape(shape[0], n)), unpacked_shape=shape)
+    return param(init(packed_shape(shape[0], n)), axes=axes, hf=hf, unpacked_shape=shape)
 
 
-def _scale(shape: tuple[int, ...], quant, packed: bool, value: float | None = None):
-    """weight_scale [KB, *out] of a quantized weight of logical shape (in, *out) (dummy
-    values: std 0.02 for the dummy weights above), packed into column panels [P, KB, 32]
-    with the weight; value=0.0: a GGUF-style weight_offset of the same shape."""
+def _scale(shape: tuple[int, ...], quant, packed: bool, axes: tuple,
+           value: float | None = None):
+    """weight_scale [KB, *out] of a quantized weight of logical shape (in, *out) and axes
+    `axes` (dummy values: std 0.02 for the dummy weights above), packed into column panels
+    [P, KB, 32] with the weight; value=0.0: a GGUF-style weight_offset of the same shape.
+    (The checkpoint's scales are read with their weight: loader.py.)"""
     if quant is None:
         return None
     kb = 1 if quant.in_block is None else -(-shape[0] // quant.in_block)
@@ -60,18 +65,18 @@ def _scale(shape: tuple[int, ...], quant, packed: bool, value: float | None = No
         value = _scale_value(quant)
     logical = (kb, *shape[1:])
     if not packed:
-        return nnx.Param(jnp.full(logical, value, jnp.float32))
+        return param(jnp.full(logical, value, jnp.float32), axes=scale_axes(axes))
     from jaxinfer.layers.cpu_kernels import packed_shape
 
-    return nnx.Param(jnp.full(packed_shape(kb, math.prod(shape[1:])), value, jnp.float32),
-                     unpacked_shape=logical)
+    return param(jnp.full(packed_shape(kb, math.prod(shape[1:])), value, jnp.float32),
+                 axes=scale_axes(axes), unpacked_shape=logical)
 
 
-def _offset(shape: tuple[int, ...], quant, packed: bool):
+def _offset(shape: tuple[int, ...], quant, packed: bool, axes: tuple):
     """weight_offset (GGUF's asymmetric blocks: w = q * scale + offset), else None."""
     if quant is None or not quant.offset:
         return None
-    return _scale(shape, quant, packed, 0.0)
+    return _scale(shape, quant, packed, axes, 0.0)
 
 
 def _matmul(x: jax.Array, weight: jax.Array, packed: bool, out_shape: tuple[int, ...],
@@ -108,15 +113,20 @@ def _value(p):
 
 
 class Linear(nnx.Module):
+    """x @ W (+ b). axes: the logical axes of W [in, out] (layers/params.py), e.g. ("heads",
+    "embed") for a row-parallel output projection; None: never split."""
+
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
-                 rngs: nnx.Rngs, packed: bool = False, quant=None):
+                 rngs: nnx.Rngs, packed: bool = False, quant=None,
+                 axes: tuple = (None, None)):
         self.quant = quant
         self.packed, self.out_features = _packed(packed, quant), out_features
         shape = (in_features, out_features)
-        self.weight = _weight(rngs, shape, dtype, self.packed, quant)  # [in, out]
-        self.weight_scale = _scale(shape, quant, self.packed)  # [KB, out] (quantized)
-        self.weight_offset = _offset(shape, quant, self.packed)
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None  # [out]
+        self.weight = _weight(rngs, shape, dtype, self.packed, quant, axes=axes)  # [in, out]
+        self.weight_scale = _scale(shape, quant, self.packed, axes)  # [KB, out] (quantized)
+        self.weight_offset = _offset(shape, quant, self.packed, axes)
+        self.bias = (param(jnp.zeros((out_features,), dtype), axes=axes[1:]) if use_bias
+                     else None)  # [out]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = _matmul(x, self.weight[...], self.packed, (self.out_features,),
@@ -143,10 +153,16 @@ class QKVLinear(nnx.Module):
         self.group = num_heads // num_kv_heads
         width = (self.group + 2) * head_dim
         shape = (in_features, num_kv_heads, width)
-        self.weight = _weight(rngs, shape, dtype, self.packed, quant)
-        self.weight_scale = _scale(shape, quant, self.packed)
-        self.weight_offset = _offset(shape, quant, self.packed)
-        self.bias = (nnx.Param(jnp.zeros((num_kv_heads, width), dtype)) if use_bias else None)
+        axes = ("embed", "kv_heads", None)
+        qkv = ("q_proj", "k_proj", "v_proj")
+        self.weight = _weight(rngs, shape, dtype, self.packed, quant, axes=axes, hf=HF(
+            tuple(f"{m}.weight" for m in qkv), transpose=True, fuse="qkv",
+            kv=(False, True, True)))
+        self.weight_scale = _scale(shape, quant, self.packed, axes)
+        self.weight_offset = _offset(shape, quant, self.packed, axes)
+        self.bias = (param(jnp.zeros((num_kv_heads, width), dtype), axes=axes[1:], hf=HF(
+            tuple(f"{m}.bias" for m in qkv), fuse="qkv", kv=(False, True, True)))
+            if use_bias else None)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, in] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
@@ -170,9 +186,11 @@ class GateUpLinear(nnx.Module):
         self.quant = quant
         self.packed, self.out_features = _packed(packed, quant), out_features
         shape = (in_features, 2, out_features)
-        self.weight = _weight(rngs, shape, dtype, self.packed, quant)
-        self.weight_scale = _scale(shape, quant, self.packed)
-        self.weight_offset = _offset(shape, quant, self.packed)
+        axes = ("embed", None, "mlp")
+        self.weight = _weight(rngs, shape, dtype, self.packed, quant, axes=axes, hf=HF(
+            ("gate_proj.weight", "up_proj.weight"), transpose=True, fuse="stack"))
+        self.weight_scale = _scale(shape, quant, self.packed, axes)
+        self.weight_offset = _offset(shape, quant, self.packed, axes)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         y = _matmul(x, self.weight[...], self.packed, (2, self.out_features),
@@ -193,7 +211,7 @@ class GatedMLP(nnx.Module):
         self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs,
                                          packed=packed, quant=quant[0])
         self.down_proj = Linear(intermediate_size, hidden_size, use_bias=False, dtype=dtype,
-                                rngs=rngs, packed=packed, quant=quant[1])
+                                rngs=rngs, packed=packed, quant=quant[1], axes=("mlp", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = self.gate_up_proj(x)
@@ -231,14 +249,15 @@ class Embedding(nnx.Module):
         self.dtype = dtype
         self.scale = scale  # Gemma: looked-up rows x sqrt(hidden), in the table's dtype
         self.quant = quant if packed_lm_head else None
-        if packed_lm_head:
-            shape = (hidden_size, vocab_size)
+        if packed_lm_head:  # (the checkpoint's table [V, H] is this head's [out, in])
+            shape, axes = (hidden_size, vocab_size), ("embed", "vocab")
             self.weight = None
-            self.lm_weight = _weight(rngs, shape, dtype, True, self.quant)
-            self.lm_weight_scale = _scale(shape, self.quant, True)
-            self.lm_weight_offset = _offset(shape, self.quant, True)
-        else:
-            self.weight = nnx.Param(_init(rngs, (vocab_size, hidden_size), dtype))  # [V, H]
+            self.lm_weight = _weight(rngs, shape, dtype, True, self.quant, axes=axes)
+            self.lm_weight_scale = _scale(shape, self.quant, True, axes)
+            self.lm_weight_offset = _offset(shape, self.quant, True, axes)
+        else:  # [V, H]
+            self.weight = param(_init(rngs, (vocab_size, hidden_size), dtype),
+                                axes=("vocab", "embed"))
             self.lm_weight = self.lm_weight_scale = self.lm_weight_offset = None
 
     def __call__(self, ids: jax.Array) -> jax.Array:

@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.layers.linear import GatedMLP, Linear, _initializer, _scale_value
+from jaxinfer.layers.params import HF, param, scale_axes
 
 
 def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -48,20 +49,22 @@ def route(logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, j
 
 
 def _expert_weight(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, packed: bool,
-                   quant=None) -> nnx.Param:
+                   quant, axes: tuple, hf: HF) -> nnx.Param:
     """Stacked expert weights of logical shape (E, in, *out); packed: each expert's [in, out]
     in column panels, [E, ceil(out/32), in, 32]. Quantized: int8 / fp8 values (dummy: as
     linear.py's)."""
     init = _initializer(rngs, dtype, quant)
     if not packed:
-        return nnx.Param(init(shape))
+        return param(init(shape), axes=axes, hf=hf)
     from jaxinfer.layers.cpu_kernels import packed_shape
 
     e, k, n = shape[0], shape[1], math.prod(shape[2:])
-    return nnx.Param(init((e, *packed_shape(k, n))), unpacked_shape=shape, stacked_experts=True)
+    return param(init((e, *packed_shape(k, n))), axes=axes, hf=hf, unpacked_shape=shape,
+                 stacked_experts=True)
 
 
-def _expert_scale(shape: tuple[int, ...], quant, packed: bool) -> nnx.Param | None:
+def _expert_scale(shape: tuple[int, ...], quant, packed: bool, axes: tuple
+                  ) -> nnx.Param | None:
     """Scales of quantized stacked experts of logical shape (E, in, *out): (E, KB, *out)
     (KB = 1: per output channel), packed per expert [E, P, KB, 32] when the weights are."""
     if quant is None:
@@ -69,12 +72,18 @@ def _expert_scale(shape: tuple[int, ...], quant, packed: bool) -> nnx.Param | No
     kb = 1 if quant.in_block is None else -(-shape[1] // quant.in_block)
     value = _scale_value(quant)
     logical = (shape[0], kb, *shape[2:])
+    axes = scale_axes(axes, stacked_experts=True)
     if not packed:
-        return nnx.Param(jnp.full(logical, value, jnp.float32))
+        return param(jnp.full(logical, value, jnp.float32), axes=axes)
     from jaxinfer.layers.cpu_kernels import packed_shape
 
-    return nnx.Param(jnp.full((shape[0], *packed_shape(kb, math.prod(shape[2:]))), value,
-                              jnp.float32), unpacked_shape=logical, stacked_experts=True)
+    return param(jnp.full((shape[0], *packed_shape(kb, math.prod(shape[2:]))), value,
+                          jnp.float32), axes=axes, unpacked_shape=logical, stacked_experts=True)
+
+
+# The checkpoint's per-expert tensors: (gate, up) and (down) of each expert e, under the
+# experts module (Qwen-MoE's names; Mixtral's are w1, w3 and w2).
+QWEN_EXPERT_NAMES = (("gate_proj", "up_proj"), ("down_proj",))
 
 
 def _dequantize_experts(w, scale, in_block):
@@ -92,7 +101,9 @@ class Experts(nnx.Module):
     """E gated MLPs with their weights stacked (see the module docstring)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, dtype,
-                 rngs: nnx.Rngs, packed: bool = False, quant=None):
+                 rngs: nnx.Rngs, packed: bool = False, quant=None,
+                 hf_names: tuple = QWEN_EXPERT_NAMES):
+        """hf_names: the checkpoint's names of each expert's (gate, up) and (down,)."""
         # (quantized experts are packed for the CPU kernel with per-channel scales only)
         packed = packed and (quant is None or quant.in_block is None)
         self.num_experts, self.intermediate_size, self.packed = (num_experts, intermediate_size,
@@ -100,10 +111,19 @@ class Experts(nnx.Module):
         self.hidden_size, self.quant, self.dtype = hidden_size, quant, dtype
         gu = (num_experts, hidden_size, 2, intermediate_size)
         dn = (num_experts, intermediate_size, hidden_size)
-        self.gate_up_proj = _expert_weight(rngs, gu, dtype, packed, quant)
-        self.down_proj = _expert_weight(rngs, dn, dtype, packed, quant)
-        self.gate_up_proj_scale = _expert_scale(gu, quant, packed)
-        self.down_proj_scale = _expert_scale(dn, quant, packed)
+        gu_axes = ("experts", "embed", None, "expert_mlp")
+        dn_axes = ("experts", "expert_mlp", "embed")
+
+        def hf(names):
+            return HF(tuple(f"{{module}}.{{e}}.{n}.weight" for n in names), transpose=True,
+                      fuse="experts")
+
+        self.gate_up_proj = _expert_weight(rngs, gu, dtype, packed, quant, gu_axes,
+                                           hf(hf_names[0]))
+        self.down_proj = _expert_weight(rngs, dn, dtype, packed, quant, dn_axes,
+                                        hf(hf_names[1]))
+        self.gate_up_proj_scale = _expert_scale(gu, quant, packed, gu_axes)
+        self.down_proj_scale = _expert_scale(dn, quant, packed, dn_axes)
 
     def weights(self):
         """(gate_up, down) as the unpacked paths use them: float (quantized experts
@@ -174,22 +194,23 @@ class SparseMoE(nnx.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  norm_topk_prob: bool, *, dtype, rngs: nnx.Rngs, packed: bool = False,
                  mesh=None, expert_parallel: bool = False, shared_intermediate_size: int = 0,
-                 quant=None):
+                 quant=None, expert_names: tuple = QWEN_EXPERT_NAMES):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and "
                              f"num_experts={num_experts}")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.mesh, self.expert_parallel = mesh, expert_parallel
         # The router stays unpacked: E logits, small next to the experts.
-        self.gate = Linear(hidden_size, num_experts, use_bias=False, dtype=dtype, rngs=rngs)
+        self.gate = Linear(hidden_size, num_experts, use_bias=False, dtype=dtype, rngs=rngs,
+                           axes=("embed", None))
         self.experts = Experts(num_experts, hidden_size, intermediate_size, dtype=dtype,
-                               rngs=rngs, packed=packed, quant=quant)
+                               rngs=rngs, packed=packed, quant=quant, hf_names=expert_names)
         # Qwen2-MoE: every token also runs a shared expert, scaled by sigmoid(gate(x)).
         if shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, dtype=dtype,
                                           rngs=rngs, packed=packed)
             self.shared_expert_gate = Linear(hidden_size, 1, use_bias=False, dtype=dtype,
-                                             rngs=rngs)
+                                             rngs=rngs, axes=("embed", None))
         else:
             self.shared_expert = self.shared_expert_gate = None
 
@@ -212,13 +233,12 @@ class SparseMoE(nnx.Module):
         needs no dispatch: with tokens replicated the all-gather of an all-gather +
         reduce-scatter scheme is free; an all-to-all would pay off once tokens are sharded,
         e.g. with data-parallel attention.)"""
-        from jaxinfer.parallel import TP
+        from jaxinfer.parallel import TP, param_spec
 
         ex = self.experts
-        if self.expert_parallel:
-            specs = (P(TP, None, None, None), P(TP, None, None))
-        else:
-            specs = (P(None, None, None, TP), P(None, TP, None))
+        tp = self.mesh.size
+        specs = (param_spec(ex.gate_up_proj, tp, self.expert_parallel),
+                 param_spec(ex.down_proj, tp, self.expert_parallel))
         e_here = ex.num_experts // self.mesh.size if self.expert_parallel else ex.num_experts
 
         def local(x, weights, experts, gate_up, down):

@@ -7,11 +7,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxinfer.layers.params import param
+
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, dtype, unit_offset: bool = False):
-        self.weight = nnx.Param(jnp.zeros((dim,), dtype) if unit_offset
-                                else jnp.ones((dim,), dtype))  # [dim]
+        self.weight = param(jnp.zeros((dim,), dtype) if unit_offset
+                            else jnp.ones((dim,), dtype), axes=(None,))  # [dim]
         self.eps = eps
         self.unit_offset = unit_offset
 

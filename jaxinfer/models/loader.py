@@ -18,16 +18,12 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig, resolve_dtype
-from jaxinfer.models.fused import (TIED_LM_HEAD, checkpoint_names, fuse, logical_shape,
-                                   source_shape, to_param_layout)
+from jaxinfer.layers.params import (checkpoint_names, declared, fuse, logical_shape,
+                                    source_shape, to_param_layout)
 from jaxinfer.models.registry import get_model_class
 from jaxinfer.parallel import param_spec, replicate_kv_heads, sharding, tp_model_config
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-# HF's [out, in] linear weights (Mixtral's experts: w1/w2/w3; MoE routers: gate.weight).
-_TRANSPOSED_SUFFIXES = ("_proj.weight", "lm_head.weight", ".w1.weight", ".w2.weight",
-                        ".w3.weight", ".gate.weight", "shared_expert_gate.weight")
-_KV_SUFFIXES = ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
 
 
 def _dtype(name: str):
@@ -107,7 +103,7 @@ def _checkpoint_scales(files_by_name: dict[str, str]) -> dict[str, dict[str, np.
 
 
 def _quantized_source(src: str, tensor: np.ndarray, entry: dict, qcfg, *, kv_repeat: int,
-                      head_dim: int) -> tuple[np.ndarray, ...]:
+                      head_dim: int, is_kv: bool) -> tuple[np.ndarray, ...]:
     """A quantized checkpoint weight (HF [out, in]) with its scale (and offset) -> ours:
     [in, out] and [KB, out] each (KV heads replicated in all)."""
     from jaxinfer.layers.quantization import expand_checkpoint_scale
@@ -120,18 +116,18 @@ def _quantized_source(src: str, tensor: np.ndarray, entry: dict, qcfg, *, kv_rep
     block = qcfg.block if qcfg else None
     extra = [expand_checkpoint_scale(entry[k], out, inp, block)  # [KB, out]
              for k in ("scale", "offset") if k in entry]
-    if kv_repeat > 1 and src.endswith(_KV_SUFFIXES):
+    if kv_repeat > 1 and is_kv:
         tensor = replicate_kv_heads(tensor, kv_repeat, head_dim)
         extra = [replicate_kv_heads(s.T, kv_repeat, head_dim).T for s in extra]
     return (tensor.T, *extra)
 
 
 def _host_tensor(name: str, tensor: np.ndarray, expected_shape, dtype, *, kv_repeat: int,
-                 head_dim: int) -> np.ndarray:
+                 head_dim: int, transpose: bool, is_kv: bool) -> np.ndarray:
     """Checkpoint tensor -> the model's layout ([in, out], KV heads replicated), checked."""
-    if kv_repeat > 1 and name.endswith(_KV_SUFFIXES):
+    if kv_repeat > 1 and is_kv:
         tensor = replicate_kv_heads(tensor, kv_repeat, head_dim)
-    if name.endswith(_TRANSPOSED_SUFFIXES):
+    if transpose:
         tensor = tensor.T
     if tuple(tensor.shape) != tuple(expected_shape):
         raise ValueError(
@@ -142,7 +138,7 @@ def _host_tensor(name: str, tensor: np.ndarray, expected_shape, dtype, *, kv_rep
 
 
 def _source_part(src: str, tensor: np.ndarray, ckpt_entry, shape, var, scale_var, qcfg, *,
-                 kv_repeat: int, head_dim: int):
+                 kv_repeat: int, head_dim: int, transpose: bool, is_kv: bool):
     """One checkpoint tensor as its part of parameter `var`: for a float parameter the (if
     quantized in the checkpoint: dequantized) tensor in our layout; for a quantized one
     (scale_var set) the pair (quantized [in, out], scale [KB, out]), quantized here per output
@@ -151,11 +147,11 @@ def _source_part(src: str, tensor: np.ndarray, ckpt_entry, shape, var, scale_var
 
     if ckpt_entry is not None:  # (its scale, offset: _checkpoint_scales)
         parts = _quantized_source(src, tensor, ckpt_entry, qcfg, kv_repeat=kv_repeat,
-                                  head_dim=head_dim)
+                                  head_dim=head_dim, is_kv=is_kv)
         q = parts[0]
         # (a float table in the checkpoint's own orientation, from GGUF's quantized
         # token_embd: the embedding where its packed tied head is not used)
-        as_table = scale_var is None and not src.endswith(_TRANSPOSED_SUFFIXES)
+        as_table = scale_var is None and not transpose
         if tuple(q.T.shape if as_table else q.shape) != tuple(shape):
             raise ValueError(f"tensor {src!r} has shape {tuple(tensor.shape)} but the model "
                              f"expects {tuple(shape)}"
@@ -173,38 +169,40 @@ def _source_part(src: str, tensor: np.ndarray, ckpt_entry, shape, var, scale_var
         return parts
     if scale_var is None:
         return _host_tensor(src, tensor, shape, var.dtype, kv_repeat=kv_repeat,
-                            head_dim=head_dim)
+                            head_dim=head_dim, transpose=transpose, is_kv=is_kv)
     if qcfg.from_checkpoint:
         raise ValueError(f"the checkpoint's quantization_config quantizes {src!r} but it has "
                          f"no {src}_scale / {src}_scale_inv")
-    value = _host_tensor(src, tensor, shape, np.float32, kv_repeat=kv_repeat, head_dim=head_dim)
+    value = _host_tensor(src, tensor, shape, np.float32, kv_repeat=kv_repeat, head_dim=head_dim,
+                         transpose=transpose, is_kv=is_kv)
     return quantize(value, qcfg.weight_dtype)
 
 
-def _place(name: str, tensor: np.ndarray, *, mesh, to_host: bool = False,
+def _place(var, tensor: np.ndarray, *, mesh, to_host: bool = False,
            expert_parallel: bool = False) -> jax.Array:
-    """Host tensor -> device array, placed straight into its shards."""
+    """Host tensor -> parameter `var`'s device array, placed straight into its shards."""
     tensor = np.ascontiguousarray(tensor).reshape(np.shape(tensor))  # (keeps 0-d scalars 0-d)
     if to_host:  # (pipeline stages place their own parameters)
         return tensor
     if mesh is None:
         return jax.device_put(tensor)
     # Each device (of every process) receives only its own slice.
-    spec = sharding(mesh, param_spec(name, tensor.shape, mesh.size, expert_parallel))
+    spec = sharding(mesh, param_spec(var, mesh.size, expert_parallel))
     return jax.make_array_from_callback(tensor.shape, spec, lambda idx: tensor[idx])
 
 
 def build_model(model_config: ModelConfig, *, dtype: str, attention_backend: str, seed: int = 0,
                 mesh=None, tp: int = 1):
-    """A function building the model (packed CPU weights only where it runs on one device)."""
-    from jaxinfer.layers.cpu_kernels import packing
+    """A function building the model: packed weights for the `cpu` backend's matmul kernel
+    where it runs on one device (float32; a tensor-parallel build is placed on a mesh)."""
+    from jaxinfer.layers.cpu_kernels import use_packed_weights
 
     cls = get_model_class(model_config.architecture)
+    packed = tp == 1 and use_packed_weights(attention_backend, _dtype(dtype), mesh)
 
     def make():
-        with packing(tp == 1):
-            return cls(model_config, dtype=_dtype(dtype), attention_backend=attention_backend,
-                       rngs=nnx.Rngs(seed), mesh=mesh)
+        return cls(model_config, dtype=_dtype(dtype), attention_backend=attention_backend,
+                   rngs=nnx.Rngs(seed), mesh=mesh, packed=packed)
 
     return make
 
@@ -238,8 +236,8 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
     names = [_param_name(path) for path, _ in flat]
     if load_format == "dummy":
         shardings = nnx.from_flat_state([
-            (path, sharding(mesh, param_spec(name, var.shape, tp, ep)) if mesh else None)
-            for (path, var), name in zip(flat, names)])
+            (path, sharding(mesh, param_spec(var, tp, ep)) if mesh else None)
+            for path, var in flat])
         def dummy():
             return nnx.state(make())
 
@@ -252,21 +250,22 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
     files_by_name = _safetensors_index(model_dir)
     expected = {name: var for (_, var), name in zip(flat, names)}
     # (a quantized weight's weight_scale is filled with its weight)
-    sources = {name: checkpoint_names(name, logical_shape(expected[name]))
+    sources = {name: checkpoint_names(name, expected[name])
                for name in names if not (name.endswith(("_scale", "_offset"))
                                          and name.rsplit("_", 1)[0] in expected)}
-    # fp8 KV cache scales: self_attn.k_scale / v_scale, or compressed-tensors' k_proj /
-    # v_proj.output_scale; a checkpoint without them: 1.0 (as vLLM does).
-    default_one = []
+    # Parameters held under one of several names (fp8 KV cache scales: self_attn.k_scale, or
+    # compressed-tensors' k_proj.output_scale): the first the checkpoint has, else their
+    # declared default (1.0, as vLLM does).
+    defaulted = []
     for name in list(sources):
-        if name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
-            alias = name[: -len("k_scale")] + name[-7] + "_proj.output_scale"
-            if name not in files_by_name:
-                if alias in files_by_name:
-                    sources[name] = (alias,)
-                else:
-                    del sources[name]
-                    default_one.append(name)
+        _, hf = declared(expected[name])
+        if hf.fuse == "first":
+            present = [src for src in sources[name] if src in files_by_name]
+            if present:
+                sources[name] = present[:1]
+            elif hf.default is not None:
+                del sources[name]
+                defaulted.append(name)
     owners: dict[str, list[str]] = {}  # (a tied packed LM head shares the embedding's tensor)
     for name in sources:
         for src in sources[name]:
@@ -289,32 +288,28 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
             scale_var = expected.get(name + "_scale")  # a quantized weight's weight_scale
             offset_var = expected.get(name + "_offset")  # (GGUF) weight_offset
             srcs = sources[name]
-            want = logical_shape(var)
-            if name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
+            _, hf = declared(var)
+            index = srcs.index(src)
+            if hf.fuse == "first" and var.shape == ():  # (a scale: one positive number)
                 if tensor.size != 1 or not np.isfinite(tensor).all() or tensor.reshape(-1)[0] <= 0:
-                    raise ValueError(f"KV cache scale {src!r} must be one positive number, got "
+                    raise ValueError(f"scale {src!r} must be one positive number, got "
                                      f"shape {tuple(tensor.shape)}")
-                var.set_value(_place(name, np.asarray(tensor, np.float32).reshape(()),
+                var.set_value(_place(var, np.asarray(tensor, np.float32).reshape(()),
                                      mesh=mesh, to_host=to_host))
                 continue
-            if name.endswith(TIED_LM_HEAD) and scale_var is None:  # the table [V, H]^T
-                # (quantized, GGUF's tied token_embd: as any quantized [out, in] weight below)
-                value = _host_tensor(src, tensor, want[::-1], var.dtype, kv_repeat=kv_repeat,
-                                     head_dim=head_dim).T
-                var.set_value(_place(name, to_param_layout(var, value), mesh=mesh,
-                                     to_host=to_host, expert_parallel=ep))
-                continue
-            shape = want if len(srcs) == 1 else source_shape(name, src, want, head_dim)
+            shape = source_shape(var, index % len(hf.names), head_dim)
             parts = pending.setdefault(name, {})
             parts[src] = _source_part(src, tensor, ckpt_scales.get(src), shape, var, scale_var,
-                                      qcfg, kv_repeat=kv_repeat, head_dim=head_dim)
+                                      qcfg, kv_repeat=kv_repeat, head_dim=head_dim,
+                                      transpose=hf.transpose,
+                                      is_kv=hf.is_kv(index % len(hf.names)))
             if len(parts) < len(srcs):
                 continue
             del pending[name]
             ordered = [parts[s] for s in srcs]
             if scale_var is not None:  # (quantized, scale[, offset]): each fused the same way
                 fused = [ordered[0][i] if len(srcs) == 1 else fuse(
-                    name + suffix, [p[i] for p in ordered], head_dim)
+                    var, [p[i] for p in ordered], head_dim)
                     for i, suffix in enumerate(("", "_scale", "_offset")[:len(ordered[0])])]
                 value = fused[0]
                 nibbles = None  # (GGUF 4-bit codes, packed two to a byte for the C++ kernel)
@@ -331,18 +326,19 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
                         raise ValueError(f"{name}: weight{suffix} of shape "
                                          f"{tuple(extra.shape)}, the model expects "
                                          f"{logical_shape(evar)}")
-                    evar.set_value(_place(name + suffix, to_param_layout(evar, extra),
+                    evar.set_value(_place(evar, to_param_layout(evar, extra),
                                           mesh=mesh, to_host=to_host, expert_parallel=ep))
                 if nibbles is not None:
-                    var.set_value(_place(name, pack_nibbles(to_param_layout(var, nibbles[0])),
+                    var.set_value(_place(var, pack_nibbles(to_param_layout(var, nibbles[0])),
                                          mesh=mesh, to_host=to_host, expert_parallel=ep))
                     continue
             else:
-                value = ordered[0] if len(srcs) == 1 else fuse(name, ordered, head_dim)
-            var.set_value(_place(name, to_param_layout(var, value), mesh=mesh,
+                value = fuse(var, ordered, head_dim)
+            var.set_value(_place(var, to_param_layout(var, value), mesh=mesh,
                                  to_host=to_host, expert_parallel=ep))
-    for name in default_one:
-        expected[name].set_value(_place(name, np.ones((), np.float32), mesh=mesh,
-                                        to_host=to_host))
+    for name in defaulted:
+        var = expected[name]
+        var.set_value(_place(var, np.full(var.shape, declared(var)[1].default, np.float32),
+                             mesh=mesh, to_host=to_host))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     return model, model_config, dtype_name

@@ -1,22 +1,28 @@
-"""HF architecture name -> jaxinfer model class."""
+"""HF architecture name -> the model class that implements it: one row per architecture,
+naming the family's file (jaxinfer/models/<module>.py) and class, imported on first use (as
+vLLM's registry does). `register_model` adds a row at run time (a family kept outside the
+package, or a test's toy)."""
 
 from __future__ import annotations
 
-from jaxinfer.models.llama import LlamaForCausalLM
+import importlib
 
-# Llama-family variants differ only in config flags read by ModelConfig.from_hf_dict.
-_REGISTRY = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    # Mixture of experts: the same decoder with a sparse block in place of the dense MLP.
-    "Qwen3MoeForCausalLM": LlamaForCausalLM,
-    "MixtralForCausalLM": LlamaForCausalLM,
-    "Qwen2MoeForCausalLM": LlamaForCausalLM,
-    # Gemma 3 (text): config flags (norms, embeddings, layer kinds; models/llama.py).
-    "Gemma3ForCausalLM": LlamaForCausalLM,
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen_moe", "QwenMoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen_moe", "QwenMoeForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
 }
+
+
+def register_model(architecture: str, module: str, class_name: str) -> None:
+    """Serve HF `architecture` with `class_name` of `module` (a module path, or the name of a
+    file in jaxinfer/models/)."""
+    _REGISTRY[architecture] = (module, class_name)
 
 
 def supported_architectures() -> list[str]:
@@ -25,9 +31,11 @@ def supported_architectures() -> list[str]:
 
 def get_model_class(architecture: str):
     try:
-        return _REGISTRY[architecture]
+        module, name = _REGISTRY[architecture]
     except KeyError:
         raise ValueError(
             f"architecture {architecture!r} is not supported; supported: "
             f"{', '.join(supported_architectures())}"
         ) from None
+    path = module if "." in module else f"jaxinfer.models.{module}"
+    return getattr(importlib.import_module(path), name)

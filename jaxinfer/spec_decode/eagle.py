@@ -38,7 +38,7 @@ from jaxinfer.layers.cpu_kernels import use_packed_weights
 from jaxinfer.layers.linear import Embedding, GatedMLP, Linear, QKVLinear
 from jaxinfer.layers.norms import RMSNorm
 from jaxinfer.layers.rotary import rope_cos_sin, rope_inv_freq
-from jaxinfer.models.fused import (checkpoint_names, fuse, logical_shape, source_shape,
+from jaxinfer.layers.params import (checkpoint_names, declared, fuse, source_shape,
                                    to_param_layout)
 from jaxinfer.models.llama import LlamaAttention, LlamaDecoderLayer
 
@@ -56,12 +56,13 @@ class Eagle3Layer(nnx.Module):
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        packed = use_packed_weights(attention_backend, dtype, None)
         self.self_attn = LlamaAttention(cfg, dtype=dtype, attention_backend=attention_backend,
-                                        rngs=rngs)
+                                        rngs=rngs, packed=packed)
         bias = cfg.attention_bias
         self.self_attn.qkv_proj = QKVLinear(
             2 * h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, use_bias=bias,
-            dtype=dtype, rngs=rngs, packed=use_packed_weights(attention_backend, dtype, None))
+            dtype=dtype, rngs=rngs, packed=packed)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = GatedMLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
         self.norm_before_residual = norm_before_residual
@@ -105,8 +106,10 @@ class EagleHead(nnx.Module):
                     else None)
         if spec.method == "eagle":
             self.fc = Linear(2 * h, h, use_bias=spec.fc_bias, dtype=dtype, rngs=rngs)
+            packed = use_packed_weights(attention_backend, dtype, None)
             layers = [LlamaDecoderLayer(cfg, dtype=dtype, attention_backend=attention_backend,
-                                        rngs=rngs) for _ in range(cfg.num_hidden_layers)]
+                                        rngs=rngs, packed=packed)
+                      for _ in range(cfg.num_hidden_layers)]
             layers[0].input_layernorm = _Identity()
             self.layers = module_list(layers)
             self.norm = None
@@ -216,7 +219,7 @@ def load_eagle_head(model_dir: str, method: str, target_config: ModelConfig, *, 
                      rngs=nnx.Rngs(0))
     flat = nnx.to_flat_state(nnx.state(head))
     names = {".".join(str(p) for p in path): var for path, var in flat}
-    sources = {name: checkpoint_names(name) for name in names}  # fused params: several
+    sources = {name: checkpoint_names(name, var) for name, var in names.items()}
     missing = sorted({src for srcs in sources.values() for src in srcs} - set(tensors))
     if missing:
         raise ValueError(f"EAGLE checkpoint in {model_dir} is missing tensor {missing[0]!r}"
@@ -225,18 +228,16 @@ def load_eagle_head(model_dir: str, method: str, target_config: ModelConfig, *, 
         if name == "d2t":
             var.set_value(jnp.asarray(tensors[name].astype(np.int32)))
             continue
+        _, hf = declared(var)
         parts = []
-        for src in sources[name]:
-            t = tensors[src]
-            if src.endswith(("_proj.weight", "lm_head.weight", "fc.weight")):
-                t = t.T
-            want = (logical_shape(var) if len(sources[name]) == 1
-                    else source_shape(name, src, logical_shape(var), cfg.head_dim))
+        for i, src in enumerate(sources[name]):
+            t = tensors[src].T if hf.transpose else tensors[src]
+            want = source_shape(var, i, cfg.head_dim)
             if tuple(t.shape) != tuple(want):
                 raise ValueError(f"EAGLE tensor {src!r} has shape {tuple(t.shape)} (after "
                                  f"transposing [out, in]), the head expects {tuple(want)}")
             parts.append(t)
-        t = parts[0] if len(parts) == 1 else fuse(name, parts, cfg.head_dim)
+        t = fuse(var, parts, cfg.head_dim)
         var.set_value(jnp.asarray(to_param_layout(var, t.astype(var.dtype))))
     nnx.update(head, nnx.from_flat_state(flat))
     return head

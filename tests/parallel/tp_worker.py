@@ -79,6 +79,9 @@ def main():
                                        ignore_eos=True, logprobs=3), use_tqdm=False)
     eng = llm.llm_engine
     kv = eng.scheduler.kv
+    from flax import nnx
+
+    params = nnx.state(eng.engine_core.core.worker.model)  # (the weights the steps read)
     res = {
         "tokens": [o.outputs[0].token_ids for o in outs],
         "logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
@@ -88,15 +91,15 @@ def main():
         "leaked": kv.get_num_free_blocks() != eng.runner.num_kv_blocks - 1,
         "kv_shards": len(eng.runner.kv_caches[0][0].sharding.device_set),
         "kv_heads": eng.engine_core.core.model_config.num_key_value_heads,  # as built
-        "param_shards": len(_mlp_weight(eng.runner.params["model"]["layers"][0]["mlp"])
+        "param_shards": len(_mlp_weight(params["model"]["layers"][0]["mlp"])
                             .value.sharding.device_set),
         "expert_parallel": eng.engine_core.core.model_config.expert_parallel,
         "sequence_parallel": eng.engine_core.core.model_config.sequence_parallel,
         # The collectives in the compiled decoder layers (an all-gather: SP is in effect).
         "collectives": _collectives(eng.runner),
-        "weight_dtype": str(eng.runner.params["model"]["layers"][1]["mlp"]["down_proj"]
+        "weight_dtype": str(params["model"]["layers"][1]["mlp"]["down_proj"]
                             ["weight"].value.dtype),
-        "expert_dtype": str(_mlp_weight(eng.runner.params["model"]["layers"][0]["mlp"])
+        "expert_dtype": str(_mlp_weight(params["model"]["layers"][0]["mlp"])
                             .value.dtype),
         "spec": {k: v for k, v in eng.get_stats().items() if k.startswith("spec_decode")},
     }
