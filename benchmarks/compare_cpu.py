@@ -204,7 +204,7 @@ def main():
 
     import tempfile
 
-    from jaxinfer.models.default_model import ensure_default_model
+    from jaxinfer.checkpoints.default_model import ensure_default_model
 
     args.model = args.model or ensure_default_model()
     args.tmp = tempfile.mkdtemp(prefix="jaxinfer-compare-")
@@ -241,7 +241,7 @@ def main():
                     continue
                 if not args.gguf:
                     from benchmarks.peers.gguf_f32 import rewrite_f32
-                    from jaxinfer.models.default_model import find_default_gguf
+                    from jaxinfer.checkpoints.default_model import find_default_gguf
 
                     args.gguf = rewrite_f32(find_default_gguf(), os.path.join(args.tmp, "f32.gguf"))
                 for w in workloads:

@@ -111,7 +111,7 @@ def main():
     if args.llama_cpp_bin:
         from compare_cpu import run_llama_cpp
 
-        from jaxinfer.models.default_model import find_default_gguf
+        from jaxinfer.checkpoints.default_model import find_default_gguf
 
         class A:
             llama_cpp_bin, gguf = args.llama_cpp_bin, find_default_gguf()

@@ -94,7 +94,7 @@ def main() -> None:
     p.add_argument("--output-json", default=os.path.join(HERE, "results",
                                                          "weight_restore_cpu.json"))
     args = p.parse_args()
-    from jaxinfer.models.default_model import ensure_default_model
+    from jaxinfer.checkpoints.default_model import ensure_default_model
 
     model_dir = args.model or ensure_default_model()
     work = tempfile.mkdtemp(prefix="jaxinfer-weights-")

@@ -95,9 +95,7 @@ def param_spec(var, tp: int, expert_parallel: bool = False) -> P:
     not divide stays whole)."""
     if tp == 1:
         return P()
-    from jaxinfer.layers.params import declared
-
-    axes, _ = declared(var)
+    axes = getattr(var, "axes", None) or (None,) * len(var.shape)  # (layers/params.py)
     rules = sharding_rules(expert_parallel)
     spec = []
     for axis, size in zip(axes, var.shape):

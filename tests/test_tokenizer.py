@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def toks():
-    from jaxinfer.models.default_model import ensure_default_model
+    from jaxinfer.checkpoints.default_model import ensure_default_model
 
     d = ensure_default_model()
     return Tokenizer.from_pretrained(d), transformers.AutoTokenizer.from_pretrained(d)

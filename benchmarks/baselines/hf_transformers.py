@@ -25,7 +25,7 @@ def main(argv=None) -> dict:
     from jaxinfer.bench import write_result
     from jaxinfer.bench.datasets import add_dataset_args, load_requests
     from jaxinfer.config import ModelConfig
-    from jaxinfer.models.default_model import ensure_default_model
+    from jaxinfer.checkpoints.default_model import ensure_default_model
     from jaxinfer.tokenizer import Tokenizer
 
     ap = argparse.ArgumentParser()

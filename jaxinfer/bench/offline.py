@@ -40,7 +40,7 @@ def engine_args(p) -> None:
 
 
 def make_llm(args, max_model_len: int):
-    from jaxinfer import LLM
+    from jaxinfer.llm import LLM
 
     return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format,
                kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
@@ -68,7 +68,7 @@ def environment(llm=None) -> dict:
 
 
 def run_latency(args) -> dict:
-    from jaxinfer import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.bench.datasets import random_requests
 
     llm = make_llm(args, args.input_len + args.output_len)
@@ -101,11 +101,11 @@ def run_latency(args) -> dict:
 
 
 def run_throughput(args) -> dict:
-    from jaxinfer import SamplingParams
+    from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.bench.datasets import load_requests
 
     from jaxinfer.config import ModelConfig
-    from jaxinfer.models.default_model import ensure_default_model
+    from jaxinfer.checkpoints.default_model import ensure_default_model
     from jaxinfer.tokenizer import Tokenizer
 
     model_dir = args.model or ensure_default_model()

@@ -142,7 +142,8 @@ def measure_decode_steps(args, batch_sizes) -> dict[int, dict]:
     decode_steps. The host's share (schedule, build, update) is inside, as a user sees it."""
     import numpy as np
 
-    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling_params import SamplingParams
 
     max_b = max(batch_sizes)
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.context + args.decode_steps + 8,
@@ -171,7 +172,7 @@ def measure_decode_steps(args, batch_sizes) -> dict[int, dict]:
 
 
 def run_roofline(args) -> dict:
-    from jaxinfer.models.default_model import ensure_default_model
+    from jaxinfer.checkpoints.default_model import ensure_default_model
 
     args.model = args.model or ensure_default_model()
     cfg = ModelConfig.from_pretrained(args.model)

@@ -18,6 +18,7 @@ import tempfile
 import time
 
 from jaxinfer.bench import write_result
+from jaxinfer.engine.process import free_port
 
 
 def add_parser(sub) -> None:
@@ -90,7 +91,8 @@ def _child_main(spec: dict) -> None:
     __import__("jaxinfer")  # (process start: the interpreter and the imports)
 
     times["imported"] = time.time()
-    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling_params import SamplingParams
 
     llm = LLM(spec["model"], dtype=spec["dtype"], kv_cache_dtype=spec["kv_cache_dtype"],
               quantization=spec["quantization"],
@@ -122,9 +124,7 @@ def _child_main(spec: dict) -> None:
 def _serve_once(cache_dir: str, args) -> dict:
     import httpx
 
-    from jaxinfer.entrypoints.launcher import _free_port
-
-    port = _free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "JAXINFER_COMPILATION_CACHE_DIR": cache_dir}
     launched = time.monotonic()

@@ -618,7 +618,7 @@ def add_auto_tune_parser(sub) -> None:
 
     def run(args):
         if args.model is None:
-            from jaxinfer.models.default_model import ensure_default_model
+            from jaxinfer.checkpoints.default_model import ensure_default_model
 
             args.model = ensure_default_model()
         return run_auto_tune(args)

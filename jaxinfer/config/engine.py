@@ -304,11 +304,11 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     needs no device). Raises ValueError naming the option on an impossible combination."""
     gguf = config.quantization == "gguf"
     if config.model is None:
-        from jaxinfer.models.default_model import ensure_default_model
+        from jaxinfer.checkpoints.default_model import ensure_default_model
 
         model_dir = ensure_default_model(quantized=gguf)
     elif str(config.model).endswith(".gguf") and os.path.isfile(config.model):
-        from jaxinfer.models.default_model import ensure_gguf_model
+        from jaxinfer.checkpoints.default_model import ensure_gguf_model
 
         model_dir = ensure_gguf_model(config.model, quantized=gguf)  # (vLLM loads GGUF so)
     else:

@@ -9,39 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxinfer.config.quant import QuantConfig
+from jaxinfer.config.rope import RopeScaling
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Rotary scaling as in HF ``rope_scaling`` (types: none/default, linear, llama3)."""
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0  # llama3 only
-    high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
-
-    @staticmethod
-    def from_hf(d: dict | None) -> "RopeScaling":
-        if not d:
-            return RopeScaling()
-        if "original_max_position_embeddings" not in d and d.get("rope_type") == "llama3":
-            raise ValueError("rope_scaling llama3 needs original_max_position_embeddings")
-        rope_type = d.get("rope_type", d.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(
-                f"rope_scaling.rope_type={rope_type!r} is not supported "
-                "(supported: default, linear, llama3)"
-            )
-        return RopeScaling(
-            rope_type=rope_type,
-            factor=float(d.get("factor", 1.0)),
-            low_freq_factor=float(d.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(d.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
-        )
 
 
 @dataclass(frozen=True)
@@ -135,11 +105,6 @@ class ModelConfig:
                 and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
-    def moe_module(self) -> str:
-        """The MoE block's attribute (= checkpoint) name: Mixtral's or Qwen's."""
-        return "block_sparse_moe" if self.architecture == "MixtralForCausalLM" else "mlp"
-
-    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -149,6 +114,10 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_dict(d: dict[str, Any]) -> "ModelConfig":
+        """The common fields of an HF config.json, then what its architecture's family reads
+        beyond them (config/families.py), then its quantization_config."""
+        from jaxinfer.config.families import family_fields
+
         archs = d.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
@@ -158,12 +127,6 @@ class ModelConfig:
         head_dim = d.get("head_dim") or hidden // n_heads
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-        _refuse_unsupported_math(d, arch)
-        moe = _moe_fields(d, arch)
-        gemma = _gemma3_fields(d) if arch == "Gemma3ForCausalLM" else {}
-        if is_qwen2 and d.get("use_sliding_window"):
-            raise ValueError("Qwen2 use_sliding_window=True (per-layer windows) is not supported")
         use_sw = d.get("use_sliding_window", True) and d.get("sliding_window")
         # transformers >= 5 writes `rope_parameters` (rope_theta inside); older: `rope_scaling`.
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
@@ -182,18 +145,16 @@ class ModelConfig:
             rope_scaling=RopeScaling.from_hf(rope),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", is_qwen2)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
-            sliding_window=int(d["sliding_window"]) if use_sw and not is_qwen2 else None,
+            attention_bias=bool(d.get("attention_bias", False)),
+            sliding_window=int(d["sliding_window"]) if use_sw else None,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "silu",
         )
-        fields.update(moe)
+        fields.update(family_fields(arch, d))
         if d.get("quantization_config") is not None:
             fields["quantization"] = QuantConfig.from_configs(None, d["quantization_config"])
-        fields.update(gemma)  # (Gemma 3 reads its rope, window and tying its own way)
         return ModelConfig(**fields)
 
     @staticmethod
@@ -203,100 +164,6 @@ class ModelConfig:
             raise FileNotFoundError(f"{path} not found: a model folder needs a config.json")
         with open(path) as f:
             return ModelConfig.from_hf_dict(json.load(f))
-
-
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
-
-
-def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3 (text) fields. Its rope: global (full-attention) layers use rope_theta with
-    rope_scaling, sliding layers rope_local_base_freq unscaled; transformers >= 5 writes both
-    under rope_parameters, keyed by layer type."""
-    n = int(d["num_hidden_layers"])
-    types = d.get("layer_types")
-    if types is None:  # older configs: every sliding_window_pattern-th layer is global
-        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                 for i in range(n)]
-    bad = sorted(set(types) - {"full_attention", "sliding_attention"})
-    if len(types) != n or bad:
-        raise ValueError(f"layer_types must list {n} of full_attention / sliding_attention, "
-                         f"got {types!r}")
-    rp = d.get("rope_parameters") or {}
-    if "full_attention" in rp:
-        full, local = rp["full_attention"], rp.get("sliding_attention") or {}
-    else:
-        full = {**(d.get("rope_scaling") or {}), "rope_theta": d.get("rope_theta", 1e6)}
-        local = {"rope_theta": d.get("rope_local_base_freq", 10000.0)}
-    if local.get("rope_type", "default") != "default":
-        raise ValueError(f"sliding layers' rope_type={local['rope_type']!r} is not supported "
-                         "(supported: default)")
-    cap = d.get("final_logit_softcapping")
-    return dict(
-        norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,
-        hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
-        attn_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
-        sliding_layers=tuple(t == "sliding_attention" for t in types),
-        sliding_window=int(d["sliding_window"]) if d.get("sliding_window") else None,
-        rope_theta=float(full.get("rope_theta", 1e6)),
-        rope_scaling=RopeScaling.from_hf(full),
-        rope_local_theta=float(local.get("rope_theta", 10000.0)),
-        final_logit_softcapping=float(cap) if cap else None,
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
-    )
-
-
-def _refuse_unsupported_math(d: dict[str, Any], arch: str) -> None:
-    """Config keys that would change the model's math in ways not built: an error naming the
-    key, never a silently different model."""
-    act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
-    if act not in HIDDEN_ACTS:
-        raise ValueError(f"hidden_act={act!r} is not supported for {arch} (supported: "
-                         f"{', '.join(HIDDEN_ACTS)})")
-    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
-        if d.get(key):
-            raise ValueError(f"{key}={d[key]!r} is not supported (the attention kernels have "
-                             f"no logit soft-capping and are causal)")
-    for key in ("n_shared_experts", "num_shared_experts"):  # (DeepSeek's layout)
-        if d.get(key):
-            raise ValueError(f"{key}={d[key]}: DeepSeek-style shared experts are not "
-                             "supported yet")
-    if d.get("shared_expert_intermediate_size") and arch != "Qwen2MoeForCausalLM":
-        raise ValueError(f"shared_expert_intermediate_size="
-                         f"{d['shared_expert_intermediate_size']}: shared experts are only "
-                         f"supported for Qwen2MoeForCausalLM, not {arch}")
-    if d.get("moe_layer_freq", 1) != 1 or d.get("first_k_dense_replace"):
-        raise ValueError("moe_layer_freq / first_k_dense_replace (DeepSeek's layer pattern) "
-                         "is not supported")
-
-
-def _moe_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
-    """The MoE fields of ModelConfig from an HF config (empty for dense architectures)."""
-    if arch not in MOE_ARCHITECTURES:
-        return {}
-    # Qwen3-MoE's configs say num_experts; Mixtral's (and transformers >= 5's) num_local_experts.
-    experts = d.get("num_experts") or d.get("num_local_experts")
-    if not experts:
-        raise ValueError(f"{arch} config has no num_experts / num_local_experts")
-    mixtral = arch == "MixtralForCausalLM"
-    act = d.get("hidden_act") or "silu"
-    if act != "silu":
-        raise ValueError(f"hidden_act={act!r} is not supported for {arch}'s experts "
-                         "(supported: silu)")
-    return dict(
-        num_experts=int(experts),
-        num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
-        # Mixtral's experts are intermediate_size wide; Qwen3-MoE's moe_intermediate_size.
-        moe_intermediate_size=int(d["intermediate_size"] if mixtral
-                                  else d["moe_intermediate_size"]),
-        # Mixtral always renormalises its top-2 (softmax over the selected logits).
-        norm_topk_prob=True if mixtral else bool(d.get("norm_topk_prob", False)),
-        decoder_sparse_step=int(1 if d.get("decoder_sparse_step") is None
-                                else d["decoder_sparse_step"]),
-        mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
-        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
-    )
 
 
 def resolve_dtype(dtype: str, model_config: ModelConfig) -> str:

@@ -56,7 +56,7 @@ class QuantConfig:
             q = _hf_fp8(hf_config)
         elif method == "compressed-tensors":
             q = _compressed_tensors(hf_config)
-        elif method == "gguf":  # (written by jaxinfer's GGUF conversion, models/gguf_convert.py)
+        elif method == "gguf":  # (written by jaxinfer's GGUF conversion, checkpoints/gguf_convert.py)
             group = int(hf_config.get("group_size", 32))
             q = QuantConfig(method="gguf", weight_dtype="int8", from_checkpoint=True,
                             block=(1, group), offset=True,

@@ -32,9 +32,9 @@ def make_processor(rc, tokenizer, info: dict) -> Processor:
 
 def in_process_only() -> bool:
     """Multi-host (jax.distributed) runs keep the core in the process that joined the mesh."""
-    from jaxinfer import distributed
+    from jaxinfer.distributed import is_initialized
 
-    return distributed.is_initialized()
+    return is_initialized()
 
 
 def use_multiprocessing(rc: ResolvedConfig, devices=None) -> bool:

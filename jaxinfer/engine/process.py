@@ -47,3 +47,12 @@ def read_lifeline_payload():
 
     threading.Thread(target=watch_parent, name="jaxinfer-watch", daemon=True).start()
     return payload
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS's choice)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

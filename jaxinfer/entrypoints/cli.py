@@ -9,14 +9,14 @@ from jaxinfer.config.engine import ATTENTION_BACKENDS
 
 
 def _cmd_prepare(args) -> int:
-    from jaxinfer.models.default_model import ensure_default_model
+    from jaxinfer.checkpoints.default_model import ensure_default_model
 
     print(ensure_default_model(verbose=True))
     return 0
 
 
 def _cmd_convert(args) -> int:
-    from jaxinfer.models.gguf_convert import GGUFConversionError, convert_gguf
+    from jaxinfer.checkpoints.gguf_convert import GGUFConversionError, convert_gguf
 
     try:
         print(convert_gguf(args.file, args.out_dir))

@@ -37,6 +37,8 @@ import time
 import msgspec
 import zmq
 
+from jaxinfer.engine.process import free_port
+
 logger = logging.getLogger("jaxinfer.launcher")
 
 DEFAULT_RPC_PORT = 13345
@@ -82,12 +84,6 @@ def check_args(args) -> None:
                          "ranks 0 .. --data-parallel-size-local - 1)")
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -116,7 +112,7 @@ class Addresses:
             ip = socket.gethostbyname(tcp_host)
 
             def pair(name):
-                port = _free_port(ip)
+                port = free_port(ip)
                 return f"tcp://{ip}:{port}", f"tcp://{ip}:{port}"
         self.core_in = [[pair(f"in-{k}-{r}") for r in range(num_ranks)]
                         for k in range(num_servers)]

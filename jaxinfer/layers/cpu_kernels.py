@@ -66,7 +66,7 @@ def _cpu_flags() -> str:
 
 
 def _cache_dir() -> str:
-    from jaxinfer.models.default_model import cache_dir
+    from jaxinfer.checkpoints.cache import cache_dir
 
     return os.path.join(cache_dir(), "ext")
 

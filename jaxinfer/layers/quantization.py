@@ -14,7 +14,7 @@ Where quantized weights come from (`QuantConfig.from_configs`):
   with `weight_block_size`, or a per-tensor `weight_scale`) and "compressed-tensors"
   (8-bit float or int weights, per channel / tensor / block `weight_scale`). Anything else
   (awq, gptq, bitsandbytes, mxfp4, 4-bit compressed-tensors, ...) is refused by name.
-- "gguf": a .gguf file's projection and LM head blocks kept (models/gguf_convert.py): int8
+- "gguf": a .gguf file's projection and LM head blocks kept (checkpoints/gguf_convert.py): int8
   values with a scale and an offset (`weight_offset`) per group of 16 / 32 inputs; for the
   `cpu` backend's kernel, tensors of the 4-bit types are packed two values to a byte
   (`to_nibbles`, `pack_nibbles`).

@@ -61,7 +61,7 @@ def _count_cache_events() -> None:
 def enable_compilation_cache(path: str | None) -> None:
     """The persistent compilation cache in `path` ("": off; None: JAXINFER_COMPILATION_CACHE_DIR,
     else <jaxinfer cache>/xla)."""
-    from jaxinfer.models.default_model import cache_dir
+    from jaxinfer.checkpoints.cache import cache_dir
 
     _count_cache_events()
     if path is None:

@@ -185,7 +185,7 @@ def test_packed_matmul_refuses_mismatched_shapes():
 def test_packed_model_matches_unpacked():
     """The same checkpoint loaded packed (`cpu` backend, fp32, one device) and plain (xla):
     layer outputs agree; bf16 models and tensor-parallel builds are never packed."""
-    from jaxinfer.models.default_model import ensure_default_model
+    from jaxinfer.checkpoints.default_model import ensure_default_model
     from jaxinfer.models.loader import load_model
 
     path = ensure_default_model()

@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from jaxinfer.models.default_model import ensure_default_model, find_default_gguf  # noqa: E402
-from jaxinfer.models.gguf_convert import (  # noqa: E402
+from jaxinfer.checkpoints.default_model import ensure_default_model, find_default_gguf  # noqa: E402
+from jaxinfer.checkpoints.gguf_convert import (  # noqa: E402
     GGUFConversionError, convert_gguf, permute_rotary, unpermute_rotary)
 from jaxinfer.models.loader import load_model  # noqa: E402
 from tests.helpers import PagedRunner, rel_err  # noqa: E402

@@ -99,10 +99,20 @@ MOE_BASE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 32, "hidden_
             "num_experts_per_tok": 2, "head_dim": 8}
 
 
+def _moe_block(cfg) -> str:
+    """The attribute (= checkpoint name) of the MoE block in the family's model (layer 1)."""
+    from flax import nnx
+
+    from jaxinfer.models.registry import get_model_class
+
+    model = nnx.eval_shape(lambda: get_model_class(cfg.architecture)(cfg, rngs=nnx.Rngs(0)))
+    return model.model.layers[1].ffn_name
+
+
 def test_moe_config_fields_and_layer_pattern():
     cfg = ModelConfig.from_hf_dict({**MOE_BASE, "mlp_only_layers": [0], "norm_topk_prob": True})
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 8)
-    assert cfg.norm_topk_prob and cfg.qk_norm and cfg.moe_module == "mlp"
+    assert cfg.norm_topk_prob and cfg.qk_norm and _moe_block(cfg) == "mlp"
     assert [cfg.is_moe_layer(i) for i in range(2)] == [False, True]
     cfg = ModelConfig.from_hf_dict({**MOE_BASE, "decoder_sparse_step": 2})
     assert [cfg.is_moe_layer(i) for i in range(2)] == [False, True]
@@ -110,7 +120,7 @@ def test_moe_config_fields_and_layer_pattern():
                                     "num_experts": None, "num_local_experts": 8})
     # Mixtral: experts are intermediate_size wide, the top-2 always renormalised.
     assert (mix.num_experts, mix.moe_intermediate_size, mix.norm_topk_prob) == (8, 24, True)
-    assert mix.moe_module == "block_sparse_moe" and not mix.qk_norm
+    assert _moe_block(mix) == "block_sparse_moe" and not mix.qk_norm
 
 
 @pytest.mark.parametrize("change,match", [

@@ -402,7 +402,7 @@ def test_gguf_blocks_dequantize_as_the_gguf_package(name, group):
     import gguf
     from gguf.quants import dequantize as gguf_dequantize
 
-    from jaxinfer.models.gguf_convert import KEPT_TYPES, gguf_groups
+    from jaxinfer.checkpoints.gguf_convert import KEPT_TYPES, gguf_groups
 
     if group > KEPT_TYPES[name][0]:
         pytest.skip("a Q6_K file uses groups of 16")
@@ -421,7 +421,7 @@ def test_gguf_blocks_dequantize_as_the_gguf_package(name, group):
 def test_gguf_types_not_kept_are_refused(smollm2_dir):
     import gguf
 
-    from jaxinfer.models.gguf_convert import GGUFConversionError, gguf_groups
+    from jaxinfer.checkpoints.gguf_convert import GGUFConversionError, gguf_groups
 
     with pytest.raises(GGUFConversionError, match="Q2_K cannot be kept quantized"):
         gguf_groups(np.zeros((1, 84), np.uint8), gguf.GGMLQuantizationType.Q2_K, (1, 256), 32)
@@ -437,7 +437,7 @@ def test_gguf_file_served_quantized_equals_float(smollm2_dir):
     greedy tokens (the same weights), in under half the weight memory."""
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.config import EngineConfig, resolve_config
-    from jaxinfer.models.default_model import find_default_gguf
+    from jaxinfer.checkpoints.default_model import find_default_gguf
     from tests.engine.test_llm_greedy import PROMPTS
 
     path = find_default_gguf()

@@ -10,6 +10,8 @@ import hashlib
 import importlib.util
 import os
 
+from jaxinfer.checkpoints.cache import cache_dir
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -21,16 +23,6 @@ QUANTIZED_LAYOUT = "gguf-groups-3"
 
 def _stamp_text(digest: str, quantized: bool) -> str:
     return f"{digest} {QUANTIZED_LAYOUT}" if quantized else digest
-
-
-def cache_dir() -> str:
-    env = os.environ.get("JAXINFER_CACHE_DIR")
-    if env:
-        return env
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if os.path.isfile(os.path.join(repo, "pyproject.toml")):
-        return os.path.join(repo, ".cache")
-    return os.path.join(os.path.expanduser("~"), ".cache", "jaxinfer")
 
 
 def default_model_dir(quantized: bool = False) -> str:
@@ -77,7 +69,7 @@ def ensure_default_model(verbose: bool = False, quantized: bool = False) -> str:
     digest = sha256_of(gguf_path)
     if digest != GGUF_SHA256:
         raise ValueError(f"{gguf_path}: sha256 {digest} != expected {GGUF_SHA256}")
-    from jaxinfer.models.gguf_convert import convert_gguf
+    from jaxinfer.checkpoints.gguf_convert import convert_gguf
 
     if verbose:
         print(f"converting {gguf_path} -> {out_dir}", flush=True)
@@ -97,7 +89,7 @@ def ensure_gguf_model(gguf_path: str, quantized: bool) -> str:
     stamp = os.path.join(out_dir, _STAMP)
     if os.path.isfile(stamp) and open(stamp).read().strip() == _stamp_text(digest, quantized):
         return out_dir
-    from jaxinfer.models.gguf_convert import convert_gguf
+    from jaxinfer.checkpoints.gguf_convert import convert_gguf
 
     convert_gguf(gguf_path, out_dir, keep_quantized=quantized)
     with open(stamp, "w") as f:
