@@ -11,7 +11,9 @@ from typing import Any
 from jaxinfer.config.quant import QuantConfig
 from jaxinfer.config.rope import RopeScaling
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
+from jaxinfer.config.dtypes import WEIGHT_DTYPES
+
+_DTYPES = ("auto", *WEIGHT_DTYPES)
 
 
 @dataclass(frozen=True)

@@ -321,6 +321,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.runner.close()
+        self.worker.compile_cache.close()
         self.runner.stop_remote_steps()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()

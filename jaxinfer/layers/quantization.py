@@ -34,15 +34,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
+from jaxinfer.config.dtypes import dtype as np_dtype
 from jaxinfer.config.quant import QMAX, QuantConfig  # noqa: F401  (re-exported)
-
-
-def np_dtype(name: str):
-    return {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2,
-            "int8": np.int8}[name]
 
 
 # -- host-side (numpy) quantization, used by the loader -------------------------------------

@@ -13,21 +13,17 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig, resolve_dtype
+from jaxinfer.config.dtypes import dtype as array_dtype
 from jaxinfer.layers.params import (checkpoint_names, declared, fuse, logical_shape,
                                     source_shape, to_param_layout)
 from jaxinfer.models.registry import get_model_class
 from jaxinfer.parallel import param_spec, replicate_kv_heads, sharding, tp_model_config
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-
-
-def _dtype(name: str):
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
 def _param_name(path: tuple[Any, ...]) -> str:
@@ -198,10 +194,10 @@ def build_model(model_config: ModelConfig, *, dtype: str, attention_backend: str
     from jaxinfer.layers.cpu_kernels import use_packed_weights
 
     cls = get_model_class(model_config.architecture)
-    packed = tp == 1 and use_packed_weights(attention_backend, _dtype(dtype), mesh)
+    packed = tp == 1 and use_packed_weights(attention_backend, array_dtype(dtype), mesh)
 
     def make():
-        return cls(model_config, dtype=_dtype(dtype), attention_backend=attention_backend,
+        return cls(model_config, dtype=array_dtype(dtype), attention_backend=attention_backend,
                    rngs=nnx.Rngs(seed), mesh=mesh, packed=packed)
 
     return make

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import threading
 import time
 
 import jax
 import numpy as np
 
 from jaxinfer.config import ResolvedConfig
+from jaxinfer.config.dtypes import dtype as array_dtype
 from jaxinfer.runner.buckets import BucketTable
+from jaxinfer.runner.compile_cache import CompileCacheCounter, enable_compilation_cache
 from jaxinfer.runner.kv_cache import kv_cache_bytes_per_block
 from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.runner.step_program import make_step_program
@@ -28,125 +28,6 @@ CPU_KV_BYTES = 1 << 30  # default KV budget on CPU (as vLLM's CPU backend has a 
 
 def on_gpu(devices) -> bool:
     return devices[0].platform in ("gpu", "cuda", "rocm")
-
-
-_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
-_HITS = "/jax/compilation_cache/cache_hits"
-_CACHE_EVENTS = {_REQUESTS: 0, _HITS: 0}
-_cache_listener_lock = threading.Lock()
-_cache_listener_on = False
-
-
-def compile_cache_counts() -> dict[str, int]:
-    """This process's compilations that asked the persistent cache, and those it answered
-    (jax.monitoring events; counted from the first Worker on)."""
-    return {"compile_cache_requests": _CACHE_EVENTS[_REQUESTS],
-            "compile_cache_hits": _CACHE_EVENTS[_HITS]}
-
-
-def _count_cache_events() -> None:
-    global _cache_listener_on
-    with _cache_listener_lock:
-        if _cache_listener_on:
-            return
-        _cache_listener_on = True
-
-    def listener(event: str, **kwargs) -> None:
-        if event in _CACHE_EVENTS:
-            _CACHE_EVENTS[event] += 1
-
-    jax.monitoring.register_event_listener(listener)
-
-
-def enable_compilation_cache(path: str | None) -> None:
-    """The persistent compilation cache in `path` ("": off; None: JAXINFER_COMPILATION_CACHE_DIR,
-    else <jaxinfer cache>/xla)."""
-    from jaxinfer.checkpoints.cache import cache_dir
-
-    _count_cache_events()
-    if path is None:
-        path = os.environ.get("JAXINFER_COMPILATION_CACHE_DIR")
-    if path == "":
-        _use_cache_dir(None)
-        return
-    path = path or os.path.join(cache_dir(), "xla")
-    os.makedirs(path, exist_ok=True)
-    drop_corrupt_cache_entries(path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    _use_cache_dir(path)
-
-
-def _use_cache_dir(path: str | None) -> None:
-    """Point JAX's persistent cache at `path` (None: off). JAX opens its cache once per
-    process and ignores a later change of the directory, so an engine that asks for another
-    one (or for none) resets it."""
-    if jax.config.jax_compilation_cache_dir == path:
-        return
-    jax.config.update("jax_compilation_cache_dir", path)
-    try:
-        from jax._src import compilation_cache
-
-        compilation_cache.reset_cache()
-    except (ImportError, AttributeError):  # (another JAX: the first directory stays)
-        logger.warning("could not switch the persistent compilation cache to %s", path)
-
-
-_VERIFIED = "jaxinfer-verified.json"
-
-
-def drop_corrupt_cache_entries(path: str) -> int:
-    """Remove the entries of the persistent compile cache in `path` that do not decompress
-    (cut short by a crash, or overwritten): JAX warns on each read and compiles afresh, but
-    never writes a key that exists, so without this a corrupt entry would cost a compile at
-    every start. Entries checked before (same size and mtime, listed in a manifest) are not
-    read again. Returns how many were removed (one log line says so). Entries of another
-    JAX version or device are never corrupt, only unused: their keys differ."""
-    import json
-
-    try:
-        from jax._src.compilation_cache import decompress_executable
-    except ImportError:  # (another JAX: its own checks only)
-        return 0
-    manifest = os.path.join(path, _VERIFIED)
-    try:
-        with open(manifest) as f:
-            seen = json.load(f)
-    except (OSError, ValueError):
-        seen = {}
-    verified, bad = {}, []
-    for name in sorted(os.listdir(path)):
-        if not name.endswith("-cache"):
-            continue
-        full = os.path.join(path, name)
-        try:
-            st = os.stat(full)
-            sig = [st.st_size, st.st_mtime_ns]
-            if seen.get(name) != sig:
-                with open(full, "rb") as f:
-                    decompress_executable(f.read())
-            verified[name] = sig
-        except FileNotFoundError:
-            continue
-        except Exception:  # noqa: BLE001 - whatever the codec raises: the entry is unusable
-            bad.append(name)
-            for victim in (full, full[: -len("-cache")] + "-atime"):
-                try:
-                    os.remove(victim)
-                except OSError:
-                    pass
-    if bad:
-        logger.warning("persistent compilation cache %s: removed %d corrupt entr%s of %d "
-                       "(compiled and written again when next needed)", path, len(bad),
-                       "y" if len(bad) == 1 else "ies", len(bad) + len(verified))
-    if verified != seen:
-        tmp = f"{manifest}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(verified, f)
-            os.replace(tmp, manifest)
-        except OSError:
-            pass
-    return len(bad)
 
 
 def resolve_attention_backend(name: str, devices) -> str:
@@ -179,13 +60,6 @@ def resolve_block_size(block_size: int | None, devices) -> int:
     return CPU_BLOCK_SIZE if devices[0].platform == "cpu" else GPU_BLOCK_SIZE
 
 
-def jnp_dtype(name: str):
-    import jax.numpy as jnp
-
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
-            "float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}[name]
-
-
 def _bytes_per_device(tree) -> int:
     """The most bytes of `tree`'s arrays any one device holds (its shards; host arrays count
     whole)."""
@@ -213,6 +87,7 @@ class Worker:
         self.resolved = rc
         t0 = time.perf_counter()
         enable_compilation_cache(cfg.compilation_cache_dir)
+        self.compile_cache = CompileCacheCounter()  # (this engine's compilations)
         self.devices = list(devices) if devices is not None else jax.devices()
         self.attention_backend = resolve_attention_backend(rc.attention_backend, self.devices)
         self.block_size = resolve_block_size(rc.cache.block_size, self.devices)
@@ -231,7 +106,7 @@ class Worker:
         from jaxinfer.layers.quantization import with_activation_fp8
 
         model_config = dataclasses.replace(
-            rc.model_config, fp8_kv_cache=is_fp8(jnp_dtype(rc.kv_cache_dtype)),
+            rc.model_config, fp8_kv_cache=is_fp8(array_dtype(rc.kv_cache_dtype)),
             # fp8 weights on GPUs: W8A8 (activations to fp8 per token, fp8 x fp8 dots)
             quantization=with_activation_fp8(rc.model_config.quantization,
                                              on_gpu(self.devices)))
@@ -259,7 +134,7 @@ class Worker:
         if par.enable_sequence_parallelism and not mcfg.sequence_parallel:
             logger.warning("enable_sequence_parallelism has no effect at "
                            "tensor_parallel_size 1")
-        self.kv_dtype = jnp_dtype(rc.kv_cache_dtype)
+        self.kv_dtype = array_dtype(rc.kv_cache_dtype)
         spec = cfg.speculative_config
         self.draft_model = self.eagle_head = None
         if spec is not None and spec.method in ("eagle", "eagle3"):
@@ -304,9 +179,8 @@ class Worker:
                     self.memory["kv_cache_bytes_per_device"] / 2**20,
                     np.dtype(self.kv_dtype).name)
 
-    @staticmethod
-    def cache_counts() -> dict[str, int]:
-        return compile_cache_counts()
+    def cache_counts(self) -> dict[str, int]:
+        return self.compile_cache.counts()
 
     @property
     def num_processes(self) -> int:

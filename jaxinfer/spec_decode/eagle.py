@@ -26,12 +26,12 @@ import dataclasses
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.config.dtypes import dtype as array_dtype
 from jaxinfer.layers import module_list
 from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.layers.cpu_kernels import use_packed_weights
@@ -214,7 +214,7 @@ def load_eagle_head(model_dir: str, method: str, target_config: ModelConfig, *, 
     if cfg.hidden_size != target_config.hidden_size and not spec.has_embed:
         raise ValueError("speculative_config.model: its hidden size differs from the target's "
                          "and it has no embed_tokens of its own")
-    jdt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]
+    jdt = array_dtype(dtype)
     head = EagleHead(cfg, spec, dtype=jdt, attention_backend=attention_backend,
                      rngs=nnx.Rngs(0))
     flat = nnx.to_flat_state(nnx.state(head))
