@@ -19,8 +19,8 @@ class LLM:
 
     Options follow vLLM where they apply: dtype, max_model_len, max_num_seqs,
     max_num_batched_tokens, block_size, enable_prefix_caching, enable_chunked_prefill, seed,
-    load_format, attention_backend ("xla" default | "pallas" | "reference"), tensor_parallel_size, the
-    KV-cache size (gpu_memory_utilization, num_kv_blocks or kv_cache_memory_bytes), and
+    load_format, attention_backend (default "auto": the C++ "cpu" kernels on CPU devices where
+    they build, else "xla"; "pallas" | "reference"), tensor_parallel_size, the KV-cache size (gpu_memory_utilization, num_kv_blocks or kv_cache_memory_bytes), and
     skip_tokenizer_init (token-id prompts in, token ids out: no tokenizer is loaded),
     enable_multiprocessing (default: the engine core in a child process; env var
     JAXINFER_ENABLE_MULTIPROCESSING=0 turns it off) and async_scheduling.

@@ -15,13 +15,11 @@ bucket instead, each traced and compiled once:
   drafting with a draft model or EAGLE head, which stay whole: they are small).
 
 So compiling a bucket costs one run + the tail whatever the depth (SmolLM2: ~1.4 s). The price
-is L / group + 2 dispatches per step instead of one, each asynchronous; with group 3 the
-steady-state throughput measured within noise of whole steps on this CPU when it was chosen
-(benchmarks/results/layerwise_steady_state_cpu.json; with the faster kernels of 2026-11-26
-whole steps lead by 5-15%: README, Measured, with what is known of why; one layer per
-program measured ~5% slower per step, a 30-layer program ~3x the compile time; groups of 5
-and 10 measured 3-4% above 3 in steady state with the same cold start,
-results/layers_per_program_cpu.json, so 5 is the default). The host keeps the per-layer
+is L / group + 2 dispatches per step instead of one, each asynchronous: with today's CPU
+kernels whole steps lead layer-wise ones by 5-15% in steady state (docs/cpu.md says what is
+known of why); one layer per program measured ~5% slower per step than runs of 3, runs of 5
+and 10 3-4% faster than 3 at the same cold start (results/layers_per_program_cpu.json), so 5
+is the default (EngineConfig.layers_per_program). The host keeps the per-layer
 weights and KV caches it always had: loading, tensor-parallel shardings and the KV connectors
 are unchanged. Under tensor parallelism the residual stream between runs is pinned replicated
 so every executable sees the sharding it was compiled for.
@@ -61,7 +59,7 @@ class LayerwiseModel:
     `group` consecutive layers (a new run also starts at each aux layer, whose input EAGLE-3
     reads). Runs whose layers have the same structures share one executable (a "kind")."""
 
-    def __init__(self, model, group: int = 1, aux_layers: tuple[int, ...] = (),
+    def __init__(self, model, group: int, aux_layers: tuple[int, ...] = (),
                  container=None):
         """container: what holds `.layers` (default model.model; a pipeline stage itself)."""
         if group < 1:
@@ -169,7 +167,7 @@ class LayerwiseProgram:
 
     kind = "layerwise"
 
-    def __init__(self, model, *, group: int = 5, max_model_len: int = 0, draft_model=None,
+    def __init__(self, model, *, group: int, max_model_len: int = 0, draft_model=None,
                  eagle_head=None):
         self.drafter = InStepDrafter.of(draft_model, eagle_head)
         self.aux_layers = self.drafter.aux_layers if self.drafter is not None else ()

@@ -42,7 +42,7 @@ class PipelineProgram:
     are lists with one entry per stage; the sampler state lives with the last stage."""
 
     def __init__(self, stages: list, groups: list, *, kind: str = "whole",
-                 layers_per_program: int = 5):
+                 layers_per_program: int):
         self.kind = kind
         self.stages = stages
         self.model_config = stages[-1].config

@@ -40,7 +40,7 @@ class StepProgram(Protocol):
               example: Any) -> Any: ...
 
 
-def make_step_program(model, *, kind: str, layers_per_program: int = 5,
+def make_step_program(model, *, kind: str, layers_per_program: int,
                       max_model_len: int = 0, draft_model=None, eagle_head=None,
                       stage_devices=None) -> StepProgram:
     """The program for `model` (or, pipeline parallelism, its list of PipelineStages, stage s

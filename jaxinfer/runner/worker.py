@@ -212,10 +212,11 @@ class Worker:
 
     @property
     def step_compilation(self) -> str:
-        """The engine's step_compilation with "auto" resolved: layerwise on CPU (compile time
-        independent of depth, throughput within noise: benchmarks/results/
-        layerwise_steady_state_cpu.json), whole on GPU (one program per step, as CUDA graphs
-        would: L dispatches per step cost more there than the compile time they save)."""
+        """The engine's step_compilation with "auto" resolved: layerwise on CPU (start-up in
+        seconds, compile time independent of depth; steady state 5-15% behind whole steps
+        with today's CPU kernels: docs/cpu.md), whole on GPU (one program per step, as CUDA
+        graphs would: L dispatches per step cost more there than the compile time they
+        save)."""
         mode = self.resolved.engine.step_compilation
         if mode == "auto":
             mode = "whole" if on_gpu(self.devices) else "layerwise"
