@@ -36,6 +36,13 @@ class LLM:
         if self.llm_engine.is_worker:  # multi-host: replay process 0's steps until shutdown
             self.llm_engine.run_worker_loop()
 
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> "LLM":
+        """An LLM of a whole EngineConfig (the command line builds one: config/cli.py)."""
+        kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(EngineConfig)
+                  if f.init}
+        return cls(kwargs.pop("model"), **kwargs)
+
     def shutdown(self) -> None:
         """Stop the engine core: its process, or (multi-host) release the worker processes
         blocked in LLM(). Also done when the LLM is garbage-collected or Python exits."""

@@ -8,51 +8,26 @@ import time
 import numpy as np
 
 from jaxinfer.bench import write_result
-from jaxinfer.config.engine import ATTENTION_BACKENDS
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
-def engine_args(p) -> None:
-    p.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    p.add_argument("--dtype", default="auto")
-    from jaxinfer.config.engine import add_quantization_args
+def engine_args(p, **skip) -> None:
+    """Every engine option as a flag (EngineConfig's fields: config/cli.py), bench's defaults:
+    256 sequences at once, max_model_len from the workload."""
+    from jaxinfer.config.cli import add_engine_args
 
-    add_quantization_args(p)
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--skip-tokenizer-init", action="store_true",
-                   help="load no tokenizer (token-id workloads; e.g. dummy weights, no vocab)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--attention-backend", default=None, choices=list(ATTENTION_BACKENDS))
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--no-warmup", action="store_true")
-    from jaxinfer.config.engine import add_compilation_args
-
-    add_compilation_args(p)
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="dispatch step N+1 before reading step N's tokens")
-    p.add_argument("--seed", type=int, default=0)
+    add_engine_args(p, defaults={"max_num_seqs": 256}, **skip)
     p.add_argument("--output-json", default=None)
 
 
 def make_llm(args, max_model_len: int):
+    """The LLM of the command's engine flags (max_model_len: the workload's, unless given)."""
+    from jaxinfer.config.cli import engine_config_from_args
     from jaxinfer.llm import LLM
 
-    return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format,
-               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-               skip_tokenizer_init=args.skip_tokenizer_init,
-               max_model_len=args.max_model_len or max_model_len,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               attention_backend=args.attention_backend, num_kv_blocks=args.num_kv_blocks,
-               gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-               warmup=not args.no_warmup,
-               async_scheduling=getattr(args, "async_scheduling", False),
-               step_compilation=args.step_compilation, warmup_buckets=args.warmup_buckets,
-               layers_per_program=args.layers_per_program)
+    return LLM.from_engine_config(engine_config_from_args(
+        args, max_model_len=args.max_model_len or max_model_len))
 
 
 def environment(llm=None) -> dict:

@@ -258,38 +258,6 @@ class ResolvedConfig:
     eos_token_ids: tuple[int, ...]  # config.json's and generation_config.json's, in order
 
 
-def add_compilation_args(parser) -> None:
-    """The start-up flags every command shares (argparse): --step-compilation,
-    --layers-per-program and --warmup-buckets (EngineConfig's fields, with its defaults)."""
-    parser.add_argument("--step-compilation", default=EngineConfig.step_compilation,
-                        choices=STEP_COMPILATIONS,
-                        help="whole: a step is one program, every layer unrolled; layerwise: "
-                             "runs of layers compiled once (compile time independent of "
-                             "depth); auto: layerwise on CPU, whole on GPU")
-    parser.add_argument("--layers-per-program", type=int,
-                        default=EngineConfig.layers_per_program,
-                        help="layerwise: decoder layers per compiled program (default "
-                             f"{EngineConfig.layers_per_program})")
-    parser.add_argument("--warmup-buckets", default=EngineConfig.warmup_buckets,
-                        choices=WARMUP_BUCKETS,
-                        help="start: compile the decode buckets before serving and the rest "
-                             "when first used or in the background; all: every bucket before "
-                             "serving")
-
-
-def add_quantization_args(p) -> None:
-    """--kv-cache-dtype and --quantization / -q (vLLM's names; generate, serve, bench)."""
-    from jaxinfer.config.quant import QUANTIZATION_METHODS
-
-    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="auto: the model's dtype; fp8 (= fp8_e4m3) / fp8_e5m2: a quarter of "
-                        "float32's bytes per token")
-    p.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
-                   help="fp8 / int8: quantize the linear weights at load (per output "
-                        "channel); gguf: a .gguf model keeps its quantized blocks; default: "
-                        "the checkpoint's quantization_config")
-
-
 def _generation_eos_ids(model_dir: str) -> tuple[int, ...]:
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(path):

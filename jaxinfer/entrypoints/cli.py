@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxinfer.config.engine import ATTENTION_BACKENDS
-
 
 def _cmd_prepare(args) -> int:
     from jaxinfer.checkpoints.default_model import ensure_default_model
@@ -41,36 +39,13 @@ def _cmd_serve(args) -> int:
     return run_server(args)
 
 
-def _json_arg(text: str):
-    import json
-
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
-
-
-def _add_ep_sp_args(p) -> None:
-    """Expert and sequence parallelism flags (generate and serve)."""
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="mixture-of-experts models: experts split over the tensor-parallel "
-                        "devices (E / tp whole experts each) instead of every expert split")
-    p.add_argument("--enable-sequence-parallelism", action="store_true",
-                   help="tensor parallelism: the residual stream split by tokens between "
-                        "the tensor-parallel regions (reduce-scatter / all-gather)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from jaxinfer.config.engine import add_compilation_args, add_quantization_args
+    from jaxinfer.config.cli import add_engine_args
 
     p = argparse.ArgumentParser(prog="jaxinfer", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate completions for prompts (offline)")
-    g.add_argument("--model", default=None, help="HF model folder (default: embedded SmolLM2)")
     g.add_argument("--prompt", action="append", default=None,
                    help="a prompt (repeatable); default: a handful of built-in questions")
     g.add_argument("--raw", action="store_true",
@@ -79,30 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--dtype", default="auto")
-    add_quantization_args(g)
-    g.add_argument("--max-model-len", type=int, default=1024)
-    g.add_argument("--max-num-seqs", type=int, default=8)
-    g.add_argument("--attention-backend", default=None, choices=list(ATTENTION_BACKENDS))
-    g.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
-    add_compilation_args(g)
-    g.add_argument("--async-scheduling", action="store_true",
-                    help="dispatch step N+1 before reading step N's tokens (host/device overlap)")
-    g.add_argument("--speculative-config", type=_json_arg, default=None,
-                   help='speculative decoding, as JSON (vLLM\'s names): {"method": "ngram", '
-                        '"num_speculative_tokens": K, "prompt_lookup_min": N, '
-                        '"prompt_lookup_max": N}')
-    g.add_argument("--kv-transfer-config", type=_json_arg, default=None,
-                   help='a KV connector, as JSON (as for serve), e.g. {"kv_connector": '
-                        '"SharedStorageConnector", "kv_role": "kv_both", '
-                        '"kv_connector_extra_config": {"shared_storage_path": DIR}}')
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="engine-core processes the prompts are balanced over")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    _add_ep_sp_args(g)
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="decoder layers split over this many stages, each on its own devices")
+    # Every engine option (EngineConfig's fields: config/cli.py), with generate's defaults.
+    add_engine_args(g, defaults={"max_model_len": 1024, "max_num_seqs": 8, "seed": None})
     g.set_defaults(func=_cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks: latency | throughput | serve | roofline | "
@@ -127,17 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--served-model-name", default=None)
     v.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
                    help="larger request bodies get 413 (default 8 MiB)")
-    v.add_argument("--dtype", default="auto")
-    add_quantization_args(v)
-    v.add_argument("--max-model-len", type=int, default=None)
-    v.add_argument("--max-num-seqs", type=int, default=64)
-    v.add_argument("--max-num-batched-tokens", type=int, default=None)
-    v.add_argument("--attention-backend", default=None, choices=list(ATTENTION_BACKENDS))
-    v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--no-warmup", action="store_true", help="compile buckets lazily")
-    add_compilation_args(v)
-    v.add_argument("--async-scheduling", action="store_true",
-                    help="dispatch step N+1 before reading step N's tokens (host/device overlap)")
     v.add_argument("--max-waiting-requests", type=int, default=None,
                    help="at most this many sequences waiting for their first token; more get "
                         "429 with Retry-After (default: no limit)")
@@ -156,31 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat_template sent with a request (it is code: refused by "
                         "default, as in vLLM)")
-    v.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="priority: requests with a lower `priority` field run first")
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model call tools on its own (tool_choice="auto"); needs '
                         "--tool-call-parser")
     v.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="how tool calls look in the model's text (tool_choice=auto)")
-    v.add_argument("--structured-outputs-config", type=_json_arg, default=None,
-                   help='structured outputs, as JSON: {"backend": "auto" | "guidance" | '
-                        '"xgrammar", "disable_any_whitespace": bool, '
-                        '"disable_additional_properties": bool, "compile_timeout_s": float}')
-    v.add_argument("--speculative-config", type=_json_arg, default=None,
-                   help='speculative decoding, as JSON (vLLM\'s names): {"method": "ngram", '
-                        '"num_speculative_tokens": K, "prompt_lookup_min": N, '
-                        '"prompt_lookup_max": N}')
-    v.add_argument("--kv-transfer-config", type=_json_arg, default=None,
-                   help='a KV connector, as JSON (vLLM\'s names): {"kv_connector": '
-                        '"JaxTransferConnector" | "SharedStorageConnector", "kv_role": '
-                        '"kv_producer" | "kv_consumer" | "kv_both", "kv_load_failure_policy": '
-                        '"recompute" | "fail", "kv_ip": ..., "kv_connector_extra_config": '
-                        '{"shared_storage_path": DIR, "abort_timeout": s, "pull_timeout": s}}')
-    v.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="engine-core processes (data-parallel ranks), each with "
-                        "--tensor-parallel-size devices of its own; one front end balances "
-                        "requests over them")
     v.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
                    help="ranks on this node (default: all of them); the others come from "
                         "--headless nodes")
@@ -197,22 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start engine cores only, for the head at --data-parallel-address")
     v.add_argument("--api-server-count", "-asc", type=int, default=1,
                    help="API-server processes sharing --port (each talks to every rank)")
-    v.add_argument("--no-data-parallel-prefix-affinity", action="store_true",
-                   help="route by load only (default: prompts sharing their first blocks go "
-                        "to the rank that has them cached, unless it is much busier)")
-    v.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    _add_ep_sp_args(v)
-    v.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="decoder layers split over this many stages (each on "
-                        "--tensor-parallel-size devices of its own), that many batches in "
-                        "flight; JAXINFER_PP_LAYER_PARTITION='4,4,5,3' sets the split")
-    v.add_argument("--block-size", type=int, default=None,
-                   help="tokens per KV block (default: 128 on CPU, as vLLM's CPU backend; 16 "
-                        "on GPUs)")
-    v.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="KV cache size in blocks (default: from the memory budget)")
-    v.add_argument("--no-enable-prefix-caching", action="store_true",
-                   help="turn automatic prefix caching off")
+    # Every engine option (EngineConfig's fields: config/cli.py); the model is positional.
+    add_engine_args(v, skip=("model",))
     v.set_defaults(func=_cmd_serve)
 
     from jaxinfer.entrypoints import disagg_proxy

@@ -16,23 +16,10 @@ DEFAULT_PROMPTS = [
 
 def run_generate(args) -> int:
     from jaxinfer import LLM, SamplingParams
+    from jaxinfer.config.cli import engine_config_from_args
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              quantization=args.quantization,
-              max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
-              seed=args.seed or 0, warmup=not args.no_warmup,
-              step_compilation=args.step_compilation, warmup_buckets=args.warmup_buckets,
-              layers_per_program=args.layers_per_program,
-              async_scheduling=args.async_scheduling,
-              speculative_config=args.speculative_config,
-              kv_transfer_config=args.kv_transfer_config,
-              data_parallel_size=args.data_parallel_size,
-              tensor_parallel_size=args.tensor_parallel_size,
-              enable_expert_parallel=args.enable_expert_parallel,
-              enable_sequence_parallelism=args.enable_sequence_parallelism,
-              pipeline_parallel_size=args.pipeline_parallel_size)
+    llm = LLM.from_engine_config(engine_config_from_args(args))
     eng = llm.llm_engine
     stats = eng.get_stats()
     print(f"loaded {eng.model_dir} ({eng.model_config.architecture}, {eng.dtype}, attention "

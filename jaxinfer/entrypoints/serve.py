@@ -15,36 +15,10 @@ logger = logging.getLogger(__name__)
 
 
 def engine_config_from_args(args):
-    from jaxinfer.config import EngineConfig
+    """The engine options of `jaxinfer serve`'s flags (config/cli.py generates them)."""
+    from jaxinfer.config.cli import engine_config_from_args as from_args
 
-    return EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                        quantization=getattr(args, "quantization", None),
-                        max_model_len=args.max_model_len,
-                        max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        attention_backend=args.attention_backend, seed=args.seed,
-                        warmup=not args.no_warmup, async_scheduling=args.async_scheduling,
-                        step_compilation=getattr(args, "step_compilation",
-                                                 EngineConfig.step_compilation),
-                        warmup_buckets=getattr(args, "warmup_buckets",
-                                               EngineConfig.warmup_buckets),
-                        layers_per_program=getattr(args, "layers_per_program",
-                                                   EngineConfig.layers_per_program),
-                        structured_outputs_config=args.structured_outputs_config,
-                        speculative_config=args.speculative_config,
-                        kv_transfer_config=args.kv_transfer_config,
-                        block_size=args.block_size,
-                        num_kv_blocks=args.num_gpu_blocks_override,
-                        enable_prefix_caching=not args.no_enable_prefix_caching,
-                        tensor_parallel_size=args.tensor_parallel_size,
-                        enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
-                        enable_sequence_parallelism=getattr(args, "enable_sequence_parallelism",
-                                                            False),
-                        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
-                        data_parallel_size=args.data_parallel_size,
-                        data_parallel_prefix_affinity=not
-                        args.no_data_parallel_prefix_affinity,
-                        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
+    return from_args(args)
 
 
 def make_server(llm: AsyncLLM, args, metrics_role: str = "only") -> OpenAIServer:

@@ -168,5 +168,13 @@ def test_startup_cold_then_warm(tmp_path, smollm2_dir):
         assert set(run["engine_phases"]) >= {"load_weights_s", "allocate_kv_cache_s",
                                              "warmup_s", "warmup_compilations"}
         assert run["total_s"] >= run["engine_init_s"] > 0
-    with pytest.raises(SystemExit):  # a serve run cannot honour --load-format: refused
-        cli(["bench", "startup", "--load-format", "dummy", *ENGINE])
+    # A serve run passes every engine flag on to `jaxinfer serve`, which has them all (the
+    # one generated set: config/cli.py), e.g. --load-format.
+    from jaxinfer.bench.startup import _engine_flags
+    from jaxinfer.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "startup", "--load-format", "dummy", *ENGINE])
+    flags = _engine_flags(args)
+    assert flags[flags.index("--load-format") + 1] == "dummy" and "--no-warmup" in flags
+    served = build_parser().parse_args(["serve", *flags])
+    assert (served.load_format, served.warmup, served.max_num_seqs) == ("dummy", False, 4)
