@@ -82,6 +82,10 @@ class Scheduler:
 
     # -- requests in and out --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request. Its values were validated by the front end (the Processor) and
+        their device ranges checked by the engine core; refused here are only the scheduler's
+        own invariants (ValueError): an id in use, a prompt that is empty, longer than
+        max_model_len or larger than the whole KV cache, a grammar without a tokenizer."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if request.num_prompt_tokens == 0:

@@ -149,9 +149,10 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a request (ValueError on what the front end should have refused: every
-        value is checked again here, so that a request that bypassed a front end fails alone
-        instead of failing a step)."""
+        """Queue a request. The front end's Processor is where requests are validated; here
+        only the values that reach device arrays are checked again against their ranges (the
+        same functions: validation.check_core_request), so that a request that bypassed a
+        front end fails alone (ValueError, that request only) instead of failing a step."""
         check_core_request(req, vocab_size=self.model_config.vocab_size,
                            max_model_len=self.resolved.max_model_len)
         self.scheduler.add_request(Request(
