@@ -14,7 +14,9 @@ from typing import Iterable
 
 from jaxinfer.config import SchedulerConfig
 from jaxinfer.core.kv_cache_manager import KVCacheManager
+from jaxinfer.core.kv_transfer import apply_connector_output, start_kv_load
 from jaxinfer.core.request_queue import make_queue
+from jaxinfer.core.stop import advance_grammar, check_stop
 from jaxinfer.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput,
                               SchedulerOutput)
 from jaxinfer.request import FinishReason, Request, RequestStatus
@@ -402,7 +404,7 @@ class Scheduler:
                 self.kv.prefix_cache_stats.hits -= self.kv.block_size
             if self.kv_connector is not None and not request.kv_load_tried:
                 try:
-                    loading = self._start_kv_load(request, hit_blocks, num_hit)
+                    loading = start_kv_load(self, request, hit_blocks, num_hit)
                 except Exception as e:  # that request's fault or the connector's: it fails
                     logger.exception("KV connector failed on request %s", request.request_id)
                     request.kv_load_tried = True
@@ -439,62 +441,10 @@ class Scheduler:
         num_scheduled[request.request_id] = n
         return n
 
-    def _start_kv_load(self, request: Request, hit_blocks, num_hit: int) -> int | None:
-        """Ask the connector for the prompt KV past the local prefix hits. Returns 0 when a
-        load started (the request now waits in WAITING_FOR_REMOTE_KVS with its blocks),
-        None when there is no room for its blocks (stop admitting); -1: nothing to load,
-        admit it as usual."""
-        n_ext, load_async = self.kv_connector.get_num_new_matched_tokens(request, num_hit)
-        if n_ext is None:
-            return 0  # the connector cannot tell yet: ask again next step
-        request.kv_load_tried = True
-        if not n_ext:
-            return -1
-        if not load_async:
-            raise RuntimeError("KV connectors must load asynchronously in jaxinfer")
-        blocks = self.kv.allocate_slots(request, 0, num_hit, hit_blocks,
-                                        num_external_computed_tokens=n_ext,
-                                        delay_cache_blocks=True)
-        if blocks is None:
-            request.kv_load_tried = False  # ask again when blocks are free
-            return None
-        self.kv_connector.update_state_after_alloc(
-            request, self.kv.get_block_ids(request.request_id), n_ext)
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        request.num_local_hit_tokens = num_hit
-        request.num_computed_tokens = 0  # set when the KV has arrived
-        request.num_external_tokens = n_ext
-        return 0
-
     def update_connector_output(self, out) -> None:
         """The worker side's news: loads that arrived or failed, blocks sent."""
-        if self.kv_connector is None or not out:
-            return
-        self.kv_connector.update_connector_output(out)
-        for rid in out.finished_recving:
-            request = self.requests.get(rid)
-            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-                continue
-            n = request.num_local_hit_tokens + request.num_external_tokens
-            request.num_computed_tokens = n
-            self.num_kv_loaded_tokens += request.num_external_tokens
-            self.kv.cache_blocks(request, n)
-            request.status = RequestStatus.WAITING
-        for rid, reason in out.failed_recving.items():
-            request = self.requests.get(rid)
-            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-                continue
-            self.num_kv_load_failures += 1
-            if self.kv_load_failure_policy == "fail":
-                self.waiting.remove(request)
-                self._fail_request(request, reason)
-                continue
-            # Recompute: back to a fresh waiting request (its blocks go back; the failed
-            # load never writes them), admitted again with a new prefix-cache lookup.
-            self.kv.free(request)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.WAITING
-        self.finish_delayed_free(out.finished_sending)
+        if self.kv_connector is not None and out:
+            apply_connector_output(self, out)
 
     def has_pending_kv_work(self) -> bool:
         """Blocks held for a transfer, or connector work not handed to the worker yet: the
@@ -528,19 +478,6 @@ class Scheduler:
         """Some request with a grammar samples in the step scheduled last: the next step's
         masks need that step's tokens (async scheduling collects it first)."""
         return bool(self._structured_rows)
-
-    def _advance_grammar(self, request: Request, token: int) -> bool:
-        """Feed a sampled token to the request's grammar; True when that ends the request."""
-        if not request.grammar.accept_tokens([token]):
-            self.num_grammar_rejections += 1
-            request.status = RequestStatus.FINISHED_ABORTED
-            request.stop_reason = (f"structured output: the grammar rejected token {token} "
-                                   f"(output token {request.num_output_tokens})")
-            return True
-        if request.grammar.is_terminated():
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        return False
 
     # -- after the step -------------------------------------------------------------------------
     def update_from_output(self, so: SchedulerOutput, ro: RunnerOutput) -> list[EngineCoreOutput]:
@@ -613,8 +550,11 @@ class Scheduler:
         for i, tok in enumerate(sampled):
             request.output_token_ids.append(tok)
             request.all_token_ids.append(tok)
-            if self._check_stop(request) or (grammar is not None
-                                             and self._advance_grammar(request, tok)):
+            if check_stop(request, self.max_model_len):
+                new_ids = sampled[: i + 1]
+                break
+            if grammar is not None and advance_grammar(request, tok):
+                self.num_grammar_rejections += request.status == RequestStatus.FINISHED_ABORTED
                 new_ids = sampled[: i + 1]
                 break
         lps = logprobs.get(rid, ())[: len(new_ids)] if logprobs else ()
@@ -646,26 +586,6 @@ class Scheduler:
                        self.max_model_len - request.num_tokens) - 1
             if room > 0:
                 request.spec_token_ids = list(tokens[:room])
-
-    def _check_stop(self, request: Request) -> bool:
-        """vLLM's order: EOS and stop token ids (past min_tokens) before the length caps, so
-        a token that is both the last allowed one and EOS / a stop id finishes with "stop"."""
-        num_out = len(request.output_token_ids)
-        params = request.sampling_params
-        if num_out >= params.min_tokens:
-            last = request.output_token_ids[-1]
-            if not params.ignore_eos and last == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last
-                return True
-        if (len(request.all_token_ids) >= self.max_model_len
-                or num_out >= request.max_tokens):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
 
     # -- stats ----------------------------------------------------------------------------------
     def make_stats(self) -> dict:

@@ -61,14 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks: latency | throughput | serve | roofline | "
                        "startup | sweep")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    from jaxinfer.bench import offline, roofline, serve, startup, sweep
+    from jaxinfer.bench import auto_tune, offline, roofline, serve, startup, sweep
 
     offline.add_parsers(bsub)
     startup.add_parser(bsub)
     serve.add_parser(bsub)
     roofline.add_parser(bsub)
     sweep.add_parser(bsub)
-    sweep.add_auto_tune_parser(sub)
+    auto_tune.add_parser(sub)
     b.set_defaults(func=lambda a: (a.bench(a), 0)[1])
 
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

@@ -1,0 +1,43 @@
+"""When a request stops, after each token it samples (vLLM's order): EOS and stop token ids
+past min_tokens, then the length caps; and, under structured outputs, its grammar rejecting
+the token (an error) or reaching its end."""
+
+from __future__ import annotations
+
+from jaxinfer.request import Request, RequestStatus
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """EOS and stop token ids (past min_tokens) before the length caps, so a token that is
+    both the last allowed one and EOS / a stop id finishes with "stop". Sets the request's
+    finished status (and stop_reason); True when it finished."""
+    num_out = len(request.output_token_ids)
+    params = request.sampling_params
+    if num_out >= params.min_tokens:
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+    if len(request.all_token_ids) >= max_model_len or num_out >= request.max_tokens:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
+
+
+def advance_grammar(request: Request, token: int) -> bool:
+    """Feed a sampled token to the request's grammar; True when that ends the request
+    (FINISHED_ABORTED with a stop_reason if the grammar rejected it, else FINISHED_STOPPED at
+    the grammar's end)."""
+    if not request.grammar.accept_tokens([token]):
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.stop_reason = (f"structured output: the grammar rejected token {token} "
+                               f"(output token {request.num_output_tokens})")
+        return True
+    if request.grammar.is_terminated():
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    return False
