@@ -1,19 +1,14 @@
 """The scheduler's side of a KV connector's loads: starting a waiting request's load of its
 prompt KV from elsewhere (it then waits in WAITING_FOR_REMOTE_KVS with its blocks), and the
-worker side's reports of loads done or failed and blocks sent. Functions of the Scheduler
+worker side's reports of loads done or failed and blocks sent. Functions of the Scheduler `s`
 (core/scheduler.py), kept apart from its step loop."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from jaxinfer.request import Request, RequestStatus
 
-if TYPE_CHECKING:
-    from jaxinfer.core.scheduler import Scheduler
 
-
-def start_kv_load(s: "Scheduler", request: Request, hit_blocks, num_hit: int) -> int | None:
+def start_kv_load(s, request: Request, hit_blocks, num_hit: int) -> int | None:
     """Ask the connector for the prompt KV past the local prefix hits. Returns 0 when a
     load started (the request now waits in WAITING_FOR_REMOTE_KVS with its blocks),
     None when there is no room for its blocks (stop admitting); -1: nothing to load,
@@ -40,7 +35,7 @@ def start_kv_load(s: "Scheduler", request: Request, hit_blocks, num_hit: int) ->
     return 0
 
 
-def apply_connector_output(s: "Scheduler", out) -> None:
+def apply_connector_output(s, out) -> None:
     """The worker side's news, for the scheduler `s`: loads that arrived (the request waits
     for its turn with its KV computed) or failed (per kv_load_failure_policy: fail it, or
     recompute it from a fresh start), blocks sent (their delayed free)."""

@@ -16,7 +16,7 @@ from jaxinfer.config import SchedulerConfig
 from jaxinfer.core.kv_cache_manager import KVCacheManager
 from jaxinfer.core.kv_transfer import apply_connector_output, start_kv_load
 from jaxinfer.core.request_queue import make_queue
-from jaxinfer.core.stop import advance_grammar, check_stop
+from jaxinfer.core.stop import advance_grammar, check_stop, take_drafts
 from jaxinfer.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput,
                               SchedulerOutput)
 from jaxinfer.request import FinishReason, Request, RequestStatus
@@ -568,24 +568,11 @@ class Scheduler:
             and grammar.is_terminated() and new_ids[-1] != request.eos_token_id)
 
     def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
-        """Drafts from the proposer for the next step. Only running requests whose tokens are
-        all computed (decoding, not mid-prefill) take them; requests that sample under a
-        grammar or with penalties get none (the verify path does not filter drafts by grammar
-        or count drafts in penalties yet). Drafts are capped so that accepting them all plus
-        the bonus token stays within max_tokens and max_model_len."""
-        requests = self.requests
+        """Drafts from the proposer for the next step (core/stop.py: who takes how many)."""
         for rid, tokens in drafts.items():
-            request = requests.get(rid)
-            if (request is None or request.status != RequestStatus.RUNNING
-                    or request.grammar is not None
-                    or request.num_computed_tokens != request.num_tokens - 1):
-                continue
-            if request.sampling_params.uses_penalties:
-                continue
-            room = min(request.max_tokens - request.num_output_tokens,
-                       self.max_model_len - request.num_tokens) - 1
-            if room > 0:
-                request.spec_token_ids = list(tokens[:room])
+            request = self.requests.get(rid)
+            if request is not None:
+                take_drafts(request, tokens, self.max_model_len)
 
     # -- stats ----------------------------------------------------------------------------------
     def make_stats(self) -> dict:

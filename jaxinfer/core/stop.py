@@ -1,6 +1,7 @@
-"""When a request stops, after each token it samples (vLLM's order): EOS and stop token ids
-past min_tokens, then the length caps; and, under structured outputs, its grammar rejecting
-the token (an error) or reaching its end."""
+"""What a request may do next, decided per request: whether it stops after each token it
+samples (vLLM's order: EOS and stop token ids past min_tokens, then the length caps; under
+structured outputs, its grammar rejecting the token or reaching its end), and how many of a
+proposer's drafts it takes."""
 
 from __future__ import annotations
 
@@ -41,3 +42,19 @@ def advance_grammar(request: Request, token: int) -> bool:
         request.status = RequestStatus.FINISHED_STOPPED
         return True
     return False
+
+
+def take_drafts(request: Request, tokens: list[int], max_model_len: int) -> None:
+    """Set the request's drafts for the next step from the proposer's `tokens`. Only running
+    requests whose tokens are all computed (decoding, not mid-prefill) take them; requests
+    that sample under a grammar or with penalties take none (the verify path does not filter
+    drafts by grammar or count drafts in penalties yet). Drafts are capped so that accepting
+    them all plus the bonus token stays within max_tokens and max_model_len."""
+    if (request.status != RequestStatus.RUNNING or request.grammar is not None
+            or request.num_computed_tokens != request.num_tokens - 1
+            or request.sampling_params.uses_penalties):
+        return
+    room = min(request.max_tokens - request.num_output_tokens,
+               max_model_len - request.num_tokens) - 1
+    if room > 0:
+        request.spec_token_ids = list(tokens[:room])
