@@ -31,8 +31,8 @@ all)
     # Each part has its own time cap and writes its results as soon as it ends, so a cut-off
     # run still brings the earlier parts back. Caps sum to ~510 s.
     nvidia-smi -L 2>&1 | tee "$OUT/all_$dev.log"
-    sel=(-m gpu tests/kernels tests/engine/test_gpu_pallas_engine.py)
-    [ "$SMOKE" = 1 ] && sel=(tests/kernels/test_tuning.py -k lookup)
+    sel=(-m gpu tests/pallas_kernels tests/engine/test_gpu_pallas_engine.py)
+    [ "$SMOKE" = 1 ] && sel=(tests/pallas_kernels/test_tuning.py -k lookup)
     timeout 150 $PY -m pytest -q -p no:cacheprovider "${sel[@]}" 2>&1 \
         | tee "$OUT/gpu_tests_$dev.log"
     kargs=(--sweep --batches 1,8,32,128 --contexts 512,4096,32768
@@ -58,8 +58,8 @@ all)
     done
     ;;
 tests)
-    if [ "$SMOKE" = 1 ]; then sel=(tests/kernels/test_tuning.py -k lookup); else
-        sel=(-m gpu tests/kernels); fi
+    if [ "$SMOKE" = 1 ]; then sel=(tests/pallas_kernels/test_tuning.py -k lookup); else
+        sel=(-m gpu tests/pallas_kernels); fi
     timeout 540 $PY -m pytest -q -p no:cacheprovider "${sel[@]}" 2>&1 | tee "$OUT/gpu_tests_$dev.log"
     # The engine end to end with the kernel (natively on a GPU) vs HF transformers' greedy.
     timeout 300 $PY -m pytest -q -p no:cacheprovider tests/engine/test_llm_greedy.py -k pallas \

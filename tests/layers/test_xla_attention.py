@@ -11,7 +11,7 @@ import pytest
 
 from jaxinfer.layers.ragged_attention import ragged_paged_attention_xla
 from pallas_kernels.reference import ragged_paged_attention_reference
-from tests.kernels.test_ragged_paged_attention import CASES, make_case
+from tests.pallas_kernels.test_ragged_paged_attention import CASES, make_case
 
 CASES = dict(CASES, **{
     "decodes-then-prefills": ([1, 1, 1, 40, 3], [100, 5, 33, 0, 70]),

@@ -11,8 +11,8 @@ import pytest
 
 from jaxinfer.layers import cpu_kernels
 from pallas_kernels.reference import ragged_paged_attention_reference
-from tests.kernels.test_ragged_paged_attention import make_case
-from tests.kernels.test_xla_attention import CASES
+from tests.pallas_kernels.test_ragged_paged_attention import make_case
+from tests.layers.test_xla_attention import CASES
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="the C++ kernel could not be built here")

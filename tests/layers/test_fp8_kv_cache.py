@@ -14,7 +14,7 @@ from jaxinfer.layers import cpu_kernels
 from jaxinfer.layers.attention import AttentionMetadata, paged_attention, quantize_kv, write_kv
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.reference import ragged_paged_attention_reference, write_kv_reference
-from tests.kernels.test_ragged_paged_attention import make_case
+from tests.pallas_kernels.test_ragged_paged_attention import make_case
 
 FP8 = {"fp8_e4m3": (jnp.float8_e4m3fn, ml_dtypes.float8_e4m3fn, 448.0, 2.0 ** -4),
        "fp8_e5m2": (jnp.float8_e5m2, ml_dtypes.float8_e5m2, 57344.0, 2.0 ** -3)}
