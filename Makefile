@@ -8,4 +8,5 @@ run: setup
 	.venv/bin/python -m jaxinfer.entrypoints.cli generate --no-warmup
 
 test: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir .cache/site
 	.venv/bin/python -m pytest -q --durations=15 tests

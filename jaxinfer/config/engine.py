@@ -140,10 +140,10 @@ class EngineConfig:
     warmup_buckets: str = "start"
     # "whole": a step is one program, every decoder layer unrolled in it; "layerwise": one
     # layer compiled once and run L times (compile time independent of depth; a dispatch per
-    # layer); "auto": layerwise on CPU, whole on GPU (README: Start-up).
+    # layer); "auto": layerwise on CPU, whole on GPU (docs/startup.md).
     step_compilation: str = "auto"
     # layerwise: decoder layers per compiled program (runs of this many share an executable):
-    # 1 compiles least, more dispatch fewer programs per step (README: Start-up; 5 measured
+    # 1 compiles least, more dispatch fewer programs per step (docs/startup.md; 5 measured
     # 3% faster steady state than 3 at the same cold start: results/layers_per_program_cpu.json).
     layers_per_program: int = 5
     # Smallest token bucket: 1, so a decode step of R sequences computes R rows, not 16 (a

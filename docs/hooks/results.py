@@ -1,0 +1,169 @@
+"""mkdocs hook: measured results as tables generated from benchmarks/results/*.json at build
+time, never copied by hand. A page writes `{{ results("compare_cpu_intel.json") }}` (a path
+under benchmarks/results/) where the table goes, or `{{ results_index() }}` for every results
+file with its command. Benchmarks with a table of their own have a renderer below; any other
+file is rendered generically (its lists of records as tables, its scalars as a list)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+_CALL = re.compile(r"\{\{ *results\(\"([^\"]+)\"\) *\}\}")
+_INDEX = re.compile(r"\{\{ *results_index\(\) *\}\}")
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, float):
+        if v == 0 or 1e-3 <= abs(v) < 1e6:
+            return f"{v:.4g}" if abs(v) < 100 else f"{v:.1f}"
+        return f"{v:.3g}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(_fmt(x) for x in v[:8]) + (" ..." if len(v) > 8 else "")
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _source(name: str, d: dict) -> str:
+    bits = [f"`benchmarks/results/{name}`"]
+    for key in ("command", "commands"):
+        if d.get(key):
+            cmd = d[key] if isinstance(d[key], str) else "; ".join(map(str, d[key]))
+            bits.append(f"command: `{cmd}`")
+    for key in ("machine", "environment", "device", "cpus"):
+        if d.get(key):
+            v = d[key]
+            bits.append(f"{key}: " + (", ".join(f"{k} {_fmt(x)}" for k, x in v.items())
+                                      if isinstance(v, dict) else _fmt(v)))
+    return "*" + "; ".join(bits) + "*"
+
+
+def _compare_cpu(d: dict) -> str:
+    parts = []
+    for w in d["workloads"]:
+        res, ratio = d["results"].get(w, {}), d["jaxinfer_over_peer"].get(w, {})
+        n, i, o = w.split("x")
+        rows = [[eng, r.get("output_tok_s"), r.get("batch_ttft_s"), r.get("decode_ms_per_token"),
+                 f"{ratio[eng]:.2f}x" if eng in ratio else "-"] for eng, r in res.items()]
+        parts.append(f"**{n} requests x {i} prompt / {o} output tokens**\n\n" + _table(
+            ["engine", "output tok/s", "batch TTFT s", "decode ms/token",
+             "jaxinfer / engine"], rows))
+    return "\n\n".join(parts)
+
+
+def _quantization(d: dict) -> str:
+    rows = []
+    for mode, m in d["modes"].items():
+        w = m.get("workloads", {})
+        rows.append([mode, m["weight_bytes"] / 2**20, m["num_kv_blocks"],
+                     w.get("1x128x128", {}).get("decode_ms_per_token"), m["decode_floor_ms"],
+                     w.get("32x128x128", {}).get("output_tok_s"), m.get("agree_first_token"),
+                     m.get("agree_all_16")])
+    return _table(["mode", "weights MiB", "KV blocks", "batch 1 ms/token",
+                   "weight-read floor ms", "32 x 128 output tok/s",
+                   "first token = float32's", "all 16 tokens = float32's"], rows)
+
+
+def _startup(d: dict) -> str:
+    rows = []
+    for mode in d.get("modes", []):
+        r = d[mode]
+        key = "total_s" if mode == "llm" else "first_completion_s"
+        rows.append([mode, r["cold_avg"].get(key), len(r["cold"]), r["warm_avg"].get(key),
+                     len(r["warm"]), r["cold_avg"].get("num_compilations")])
+    return _table(["mode", "cold s (to the first token)", "runs", "warm s", "runs",
+                   "compilations (cold)"], rows)
+
+
+def _kernels(d: dict) -> str:
+    rows = []
+    for r in d["rows"]:
+        sdpa = r.get("torch_sdpa_s")
+        rows.append([r["mode"], r["batch"], r["ctx"], r["pallas_s"] * 1e3,
+                     None if sdpa is None else sdpa * 1e3,
+                     None if sdpa is None else f"{r['pallas_s'] / sdpa:.2f}x",
+                     r["kv_bytes"] / r["pallas_s"] / 1e12, r["hbm_floor_s"] * 1e3])
+    head = (f"{d['device']}, jax {d['jax']}; measured copy bandwidth "
+            f"{d['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, bf16 matmul "
+            f"{d['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    return head + "\n\n" + _table(["mode", "batch", "context", "Pallas ms", "torch SDPA ms",
+                                   "Pallas / SDPA", "KV TB/s", "HBM floor ms"], rows)
+
+
+def _generic(d) -> str:
+    if not isinstance(d, dict):
+        return f"```\n{json.dumps(d, indent=1)[:2000]}\n```"
+    parts, scalars = [], []
+    for key, v in d.items():
+        if key in ("command", "commands", "machine", "environment", "device", "cpus"):
+            continue
+        if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            cols = []
+            for x in v:
+                cols += [k for k, y in x.items() if not isinstance(y, (dict, list))
+                         and k not in cols]
+            cols = cols[:10]
+            parts.append(f"`{key}`\n\n" + _table(cols, [[x.get(c) for c in cols] for x in v]))
+        elif isinstance(v, dict):
+            flat = _flatten(v, key)
+            if flat:
+                parts.append(_table(["field", "value"], flat[:40]))
+        else:
+            scalars.append([key, v])
+    if scalars:
+        parts.insert(0, _table(["field", "value"], scalars))
+    return "\n\n".join(parts)
+
+
+def _flatten(v, prefix: str) -> list[list]:
+    out = []
+    if isinstance(v, dict):
+        for k, x in v.items():
+            out += _flatten(x, f"{prefix}.{k}")
+    elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+        for i, x in enumerate(v):
+            out += _flatten(x, f"{prefix}[{i}]")
+    else:
+        out.append([prefix, v])
+    return out
+
+
+RENDERERS = {"compare_cpu": _compare_cpu, "quantization": _quantization, "startup": _startup,
+             "kernels": _kernels}
+
+
+def render(name: str) -> str:
+    path = os.path.join(RESULTS, name)
+    with open(path) as f:
+        d = json.load(f)
+    kind = d.get("benchmark") if isinstance(d, dict) else None
+    body = RENDERERS.get(kind, _generic)(d)
+    return f"{body}\n\n{_source(name, d) if isinstance(d, dict) else ''}\n"
+
+
+def render_index() -> str:
+    rows = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, "**", "*.json"), recursive=True)):
+        name = os.path.relpath(path, RESULTS)
+        with open(path) as f:
+            d = json.load(f)
+        d = d if isinstance(d, dict) else {}
+        cmd = d.get("command") or ""
+        rows.append([f"`{name}`", d.get("benchmark", ""), f"`{cmd}`" if cmd else ""])
+    return _table(["file", "benchmark", "command"], rows)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    markdown = _INDEX.sub(lambda m: render_index(), markdown)
+    return _CALL.sub(lambda m: render(m.group(1)), markdown)
