@@ -177,19 +177,20 @@ class EngineConfig:
     # env var JAXINFER_PP_LAYER_PARTITION); None: even, the remainder on the middle stages.
     pp_layer_partition: str | None = None
 
-    # (tensor_parallel_size, pipeline_parallel_size, data_parallel_size, pp_layer_partition,
-    # data_parallel_prefix_affinity) as one ParallelConfig, built and checked at construction
-    parallel: ParallelConfig = dataclasses.field(init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        object.__setattr__(self, "parallel", ParallelConfig(
+    def parallel_config(self) -> ParallelConfig:
+        """The parallel sizes above as the ParallelConfig the engine is built from (checked:
+        ValueError naming the field). ResolvedConfig.parallel holds it."""
+        return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
             enable_sequence_parallelism=self.enable_sequence_parallelism,
             pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size,
             pp_layer_partition=self.pp_layer_partition,
-            data_parallel_prefix_affinity=self.data_parallel_prefix_affinity))
+            data_parallel_prefix_affinity=self.data_parallel_prefix_affinity)
+
+    def __post_init__(self):
+        self.parallel_config()  # (checked at construction; built once more when resolved)
         if self.pipeline_parallel_size > 1:
             for name, bad in (("async_scheduling", self.async_scheduling),
                               ("speculative_config", self.speculative_config is not None),
@@ -255,6 +256,7 @@ class ResolvedConfig:
     max_model_len: int
     scheduler: SchedulerConfig
     cache: CacheConfig
+    parallel: ParallelConfig  # the parallel sizes (engine's flat fields, checked)
     eos_token_ids: tuple[int, ...]  # config.json's and generation_config.json's, in order
 
 
@@ -346,4 +348,5 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     return ResolvedConfig(engine=config, model_dir=model_dir, tokenizer_dir=tokenizer_dir,
                           model_config=mcfg, dtype=dtype, kv_cache_dtype=kv_dtype,
                           attention_backend=backend, max_model_len=max_model_len,
-                          scheduler=sched, cache=cache, eos_token_ids=eos)
+                          scheduler=sched, cache=cache, parallel=config.parallel_config(),
+                          eos_token_ids=eos)

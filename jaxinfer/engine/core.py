@@ -86,7 +86,7 @@ class EngineCore:
                                    speculative_config=spec)
         if kvt is not None:
             self.scheduler.kv_load_failure_policy = kvt.kv_load_failure_policy
-        pp = cfg.parallel.pipeline_parallel_size
+        pp = rc.parallel.pipeline_parallel_size
         # Step batches in flight at most: 1 (sync), 2 (async scheduling), P (pipeline
         # parallelism; the scheduler then puts no request into two batches in flight).
         self.max_in_flight = pp if pp > 1 else (2 if cfg.async_scheduling else 1)

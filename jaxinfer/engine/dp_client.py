@@ -114,7 +114,7 @@ def rank_env(rc, rank: int) -> dict[str, str]:
     """Environment of rank `rank`'s core process: on a GPU machine, its own devices (the
     rank's slice of CUDA_VISIBLE_DEVICES, or of 0, 1, ... when unset; harmless on CPU). The
     front end itself never initialises a device backend (it would take GPU memory)."""
-    tp = rc.engine.tensor_parallel_size * rc.engine.pipeline_parallel_size  # (per rank)
+    tp = rc.parallel.devices_per_rank  # (tp x pp)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range((rank + 1) * tp)]
     if (rank + 1) * tp > len(ids):
@@ -176,7 +176,6 @@ class _Tagged:
 
 class _DPBase:
     def _setup(self, rc, num_ranks: int, make):
-        eng = rc.engine
         with ThreadPoolExecutor(num_ranks) as pool:  # the ranks start (and compile) at once
             futures = [pool.submit(make, rank) for rank in range(num_ranks)]
             self.clients = [f.result() for f in futures]
@@ -185,7 +184,7 @@ class _DPBase:
         info["data_parallel_size"] = num_ranks
         self.info = info
         self.lb = DPLoadBalancer(num_ranks, info["block_size"], rc.scheduler.max_num_seqs,
-                                 eng.data_parallel_prefix_affinity)
+                                 rc.parallel.data_parallel_prefix_affinity)
 
     @property
     def stats(self) -> dict:

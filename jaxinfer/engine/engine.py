@@ -48,7 +48,7 @@ def make_client(rc: ResolvedConfig, *, asyncio_api: bool, devices=None):
     their own (DP clients), one core in a child process (SyncMPClient / AsyncMPClient), or in
     this process (InprocClient, stepped by the caller / ThreadedCoreClient, a background
     thread)."""
-    dp = rc.engine.parallel.data_parallel_size
+    dp = rc.parallel.data_parallel_size
     mp = use_multiprocessing(rc, devices)
     if dp > 1:
         if not mp:

@@ -83,7 +83,7 @@ class Worker:
         from jaxinfer.parallel import make_mesh
 
         cfg = rc.engine
-        par = cfg.parallel
+        par = rc.parallel
         self.resolved = rc
         t0 = time.perf_counter()
         enable_compilation_cache(cfg.compilation_cache_dir)
@@ -247,7 +247,7 @@ class Worker:
                 4 * mcfg.hidden_size + 3 * mcfg.intermediate_size)
             act += 2 * 4 * c.max_num_seqs * mcfg.vocab_size * 8
             # Per device: with tensor parallelism each device holds 1/tp of every block.
-            budget = (int(c.gpu_memory_utilization * limit) - in_use - act) * c.tensor_parallel_size
+            budget = (int(c.gpu_memory_utilization * limit) - in_use - act) * rc.parallel.tensor_parallel_size
             if self.pp_partition:  # a stage's devices hold only its layers' part of a block
                 budget = budget * self.model_config.num_hidden_layers // max(self.pp_partition)
         else:
