@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+import jaxinfer.core.scheduler as scheduler_module
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.runner.input_batch import InputBatch
 from tests.engine.conftest import assert_no_leaks, make_tiny_model_dir
 
@@ -62,20 +62,20 @@ def test_input_building_and_output_failures_fail_one_request(tiny_dir, reference
     """Injected: InputBatch.add raises for one request (its inputs cannot be built), and the
     scheduler's stop check raises for another after its 3rd token (its output cannot be
     applied). In process, so the patches reach the core."""
-    add, check_stop = InputBatch.add, Scheduler._check_stop
+    add, check_stop = InputBatch.add, scheduler_module.check_stop
 
     def bad_add(self, new):
         if new.req_id.startswith("bad_in-"):
             self.top_k[0] = 2**31  # what an unchecked top_k did: OverflowError
         return add(self, new)
 
-    def bad_stop(self, request):
+    def bad_stop(request, max_model_len):
         if request.request_id.startswith("bad_out-") and request.num_output_tokens == 3:
             raise RuntimeError("injected")
-        return check_stop(self, request)
+        return check_stop(request, max_model_len)
 
     monkeypatch.setattr(InputBatch, "add", bad_add)
-    monkeypatch.setattr(Scheduler, "_check_stop", bad_stop)
+    monkeypatch.setattr(scheduler_module, "check_stop", bad_stop)
     llm = LLM(tiny_dir, enable_multiprocessing=False, **OPTS)
     outs = _run(llm.llm_engine, {"bad_in": ([5, 6, 7], _params(0)),
                                  "bad_out": ([8, 9, 10, 11], _params(0))})
