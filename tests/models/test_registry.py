@@ -44,7 +44,7 @@ def _weights(rng) -> dict[str, np.ndarray]:
 
 def _reference_greedy(w, ids: list[int], n: int) -> list[int]:
     """The toy's forward in float64 numpy, recomputed over the whole sequence per token."""
-    h, hq, hkv, d = CFG["hidden_size"], CFG["num_attention_heads"], CFG["num_key_value_heads"], 8
+    hq, hkv, d = CFG["num_attention_heads"], CFG["num_key_value_heads"], 8
     w = {k: a.astype(np.float64) for k, a in w.items()}
 
     def rms(x, g):
