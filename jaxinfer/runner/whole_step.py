@@ -8,13 +8,11 @@ from functools import partial
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxinfer.runner.kv_cache import allocate_kv_caches
 from jaxinfer.runner.spec_step import InStepDrafter
 from jaxinfer.runner.step_fn import step_input_ids, step_tail
 from jaxinfer.runner.step_inputs import StepBatch, StepFeatures
-from jaxinfer.runner.step_state import SamplerState, StepState, place_replicated
+from jaxinfer.runner.step_state import StepState, place_replicated, single_stage_state
 
 
 def whole_step(graphdef, drafter: InStepDrafter | None, weights, carry, batch: StepBatch, *,
@@ -53,16 +51,8 @@ class WholeStepProgram:
 
     def init_state(self, num_blocks: int, block_size: int, kv_dtype,
                    num_slots: int) -> StepState:
-        replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
-        d = self.drafter
-        return StepState(
-            params=self.params,
-            kv=allocate_kv_caches(self.model_config, num_blocks, block_size, kv_dtype,
-                                  self.mesh),
-            sampler=SamplerState.zeros(num_slots, self.model_config.vocab_size, replicated),
-            draft_params=d.params if d is not None else None,
-            draft_kv=d.allocate_kv(num_blocks, block_size, kv_dtype, self.mesh)
-            if d is not None else None)
+        return single_stage_state(self.params, self.model_config, self.mesh, self.drafter,
+                                  num_blocks, block_size, kv_dtype, num_slots)
 
     def place(self, batch: StepBatch):
         return place_replicated(self.mesh, batch)
