@@ -29,6 +29,7 @@ MAX_STOP_STRINGS = 256
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
+MAX_CACHE_SALT_CHARS = 1024  # a salt is a secret of ~43 characters (256 bits, base64)
 DEFAULT_MAX_N_SEQUENCES = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024
 
@@ -75,6 +76,17 @@ def check_int(owner: str, field: str, value: Any, lo: int, hi: int, hint: str = 
     if not is_int(value) or not lo <= value <= hi:
         raise FieldError(field, f"{owner}{field} must be an integer in [{lo}, {hi}]{hint}, "
                                 f"got {_show(value)}")
+    return value
+
+
+def check_cache_salt(value: Any) -> str | None:
+    """vLLM's cache_salt: None, or a non-empty string (at most MAX_CACHE_SALT_CHARS) that keys
+    the request's prefix-cache blocks apart from everyone else's."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_CACHE_SALT_CHARS:
+        raise FieldError("cache_salt", f"cache_salt must be a non-empty string of at most "
+                                       f"{MAX_CACHE_SALT_CHARS} characters, got {_show(value)}")
     return value
 
 

@@ -12,9 +12,12 @@ from typing import Any
 
 from jaxinfer.engine.messages import EngineCoreRequest
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
-from jaxinfer.validation import INT64_MAX, INT64_MIN, check_for_model, check_int
+from jaxinfer.validation import (INT64_MAX, INT64_MIN, check_cache_salt, check_for_model,
+                                 check_int)
 
 PromptType = str | dict[str, Any] | list[int]
+# A prompt dict's keys (vLLM's TextPrompt / TokensPrompt, text-only)
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
 class Processor:
@@ -42,6 +45,10 @@ class Processor:
                                  "{'prompt_token_ids': [...]} instead")
             return prompt, list(self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - PROMPT_KEYS)
+            if unknown:
+                raise ValueError(f"prompt: unsupported key(s) {unknown} (supported: "
+                                 f"{', '.join(sorted(PROMPT_KEYS))})")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) for i in ids):
@@ -128,6 +135,12 @@ class Processor:
                              "with skip_tokenizer_init=True; use stop_token_ids")
         self.check_params(params)
         check_int("", "priority", priority, INT64_MIN, INT64_MAX)
+        if isinstance(prompt, dict) and "cache_salt" in prompt:  # (vLLM's place for it)
+            if cache_salt is not None and cache_salt != prompt["cache_salt"]:
+                raise ValueError("cache_salt: given both in the prompt and as an argument, "
+                                 "and they differ")
+            cache_salt = prompt["cache_salt"]
+        check_cache_salt(cache_salt)
         backend = None
         if params.structured_outputs is not None:
             backend = self.validate_structured_outputs(params.structured_outputs)

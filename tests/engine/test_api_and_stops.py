@@ -131,3 +131,27 @@ def test_abort_mid_generation_frees_everything(smol):
         for out in eng.step():
             assert out.request_id == "a2"
     assert_no_leaks(smol)
+
+
+def test_cache_salt_in_prompt_dicts(smol):
+    """vLLM's {"prompt": ..., "cache_salt": ...}: the same prompt under another salt (or none)
+    hits nothing its first time; under its own salt again it hits a whole block. Unknown
+    prompt keys and bad salts are refused by name."""
+    prompt = "the quick brown fox jumps over the lazy dog " * 20  # > one 128-token block
+    params = SamplingParams(temperature=0, max_tokens=1)
+
+    def hits(p):
+        before = smol.llm_engine.call_utility("get_stats")["prefix_cache_hits"]
+        smol.generate(p, params, use_tqdm=False)
+        return smol.llm_engine.call_utility("get_stats")["prefix_cache_hits"] - before
+
+    hits({"prompt": prompt, "cache_salt": "a"})
+    assert hits({"prompt": prompt, "cache_salt": "b"}) == 0
+    assert hits(prompt) == 0
+    assert hits({"prompt": prompt, "cache_salt": "a"}) >= 128
+    for bad, match in (({"prompt": "x", "cache_salt": ""}, "cache_salt"),
+                       ({"prompt": "x", "cache_salt": 5}, "cache_salt"),
+                       ({"prompt": "x", "multi_modal_data": {}}, "multi_modal_data")):
+        with pytest.raises(ValueError, match=match):
+            smol.generate(bad, params, use_tqdm=False)
+    assert_no_leaks(smol)

@@ -694,3 +694,52 @@ def test_lm_eval_harness_runs_unchanged(server, smollm2_dir, tmp_path):
     assert "exact_match,none" in res["results"]["jaxinfer_capitals_gen"]
     assert len(res["samples"]["jaxinfer_capitals_gen"]) == len(CAPITALS)
     wait_idle(server)
+
+
+def test_cache_salt_keys_the_prefix_cache_apart(server, client):
+    """vLLM's cache_salt: only requests with the same salt share prefix-cache blocks (the
+    prompt is longer than one 128-token block); an unsalted request shares none with salted
+    ones; a salt that is empty or too long is a 400 naming it."""
+    prompt = "the quick brown fox jumps over the lazy dog " * 20
+
+    def hits_after(**extra):
+        wait_idle(server)
+        before = server.llm.stats["prefix_cache_hits"]
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, **extra)
+        wait_idle(server)
+        return server.llm.stats["prefix_cache_hits"] - before
+
+    salt_a = {"extra_body": {"cache_salt": "tenant-a-secret"}}
+    hits_after(**salt_a)  # (fills the cache under salt a)
+    assert hits_after(extra_body={"cache_salt": "tenant-b-secret"}) == 0
+    assert hits_after() == 0
+    assert hits_after(**salt_a) >= 128
+    for bad in ("", "x" * 1025, 7):
+        r = _post(server, "/v1/chat/completions", {
+            "model": MODEL, "max_tokens": 1, "cache_salt": bad,
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
+def test_priority_and_cache_salt_reach_the_engine(server, monkeypatch):
+    """The request fields the engine acts on are passed to it, not only validated."""
+    import dataclasses
+
+    rc = server.llm.resolved
+    monkeypatch.setattr(server.llm, "resolved", dataclasses.replace(
+        rc, engine=dataclasses.replace(rc.engine, scheduling_policy="priority")))
+    seen = []
+    generate = server.llm.generate
+
+    def spy(prompt, params, request_id=None, **kwargs):
+        seen.append(kwargs)
+        return generate(prompt, params, request_id, **kwargs)
+
+    monkeypatch.setattr(server.llm, "generate", spy)
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = _post(server, path, {"model": MODEL, "max_tokens": 1, "priority": -5,
+                                 "cache_salt": "s", **body})
+        assert r.status_code == 200, r.text
+    assert seen == [{"priority": -5, "cache_salt": "s"}] * 2
+    wait_idle(server)

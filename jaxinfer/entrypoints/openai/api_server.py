@@ -193,9 +193,11 @@ class OpenAIServer:
                            headers={"Retry-After": "1"})
         return [_Ticket(self, params.n) for _ in range(num_prompts)]
 
-    async def run(self, prompt_ids: list[int], params, request_id: str,
-                   ticket: "_Ticket") -> AsyncIterator[RequestOutput]:
-        gen = self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id)
+    async def run(self, prompt_ids: list[int], params, request_id: str, ticket: "_Ticket",
+                  req) -> AsyncIterator[RequestOutput]:
+        """Generate for one prompt of request `req` (its priority and cache_salt)."""
+        gen = self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id,
+                                priority=req.priority, cache_salt=req.cache_salt)
         try:
             try:
                 if self.queue_timeout is None:

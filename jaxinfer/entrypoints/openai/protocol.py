@@ -9,9 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation, 
 from jaxinfer.entrypoints.openai.tools import (ToolError, named_tool, tool_choice_schema,
                                                validate_tools)
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
-from jaxinfer.validation import (FLOAT32_MAX, INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS,
-                                 MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                                 MAX_TOOLS)
+from jaxinfer.validation import (FLOAT32_MAX, INT32_MAX, INT64_MAX, INT64_MIN,
+                                 MAX_CACHE_SALT_CHARS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS,
+                                 MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOOLS)
 
 # The documented ranges (what /openapi.json shows, so generated requests probe the edges):
 # the range of the type each value is packed into, or its own narrower range. Limits that
@@ -77,6 +77,9 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     # vLLM's: lower runs first under --scheduling-policy priority (must be 0 otherwise).
     priority: Int64 = 0
+    # vLLM's: salts the request's prefix-cache blocks, so that only requests with the same
+    # salt share them (a secret per user or tenant).
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # vLLM's: keep only the prompt's last k tokens (-1: the model's context length).
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
     stream: bool = False

@@ -59,7 +59,7 @@ class ChatServing:
         base = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         (ticket,) = self.server.admit(1, params)
-        gen = self.server.run(ids, params, base, ticket)
+        gen = self.server.run(ids, params, base, ticket, req)
         top_n = req.top_logprobs or 0
         if not req.stream:
             (out,) = await self.server.with_disconnect(raw, self.server.collect([gen]))

@@ -40,7 +40,7 @@ class CompletionServing:
         base = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         tickets = self.server.admit(len(prompts), params)
-        gens = [self.server.run(ids, params, f"{base}-{i}", t)
+        gens = [self.server.run(ids, params, f"{base}-{i}", t, req)
                 for i, ((_, ids), t) in enumerate(zip(prompts, tickets))]
         n = params.n
         usage_prompt = sum(len(ids) for _, ids in prompts)
