@@ -51,6 +51,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the model's generation_config.json defaults (generation_config="auto"),
+        else SamplingParams()'s own; used when generate / chat get no sampling_params."""
+        return SamplingParams(**self.llm_engine.resolved.default_sampling)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
@@ -62,7 +67,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

@@ -101,6 +101,10 @@ FLAGS: dict[str, dict] = {
                                    "many stages, each on its own devices"),
     "pp_layer_partition": dict(type=str, help="layers per stage, e.g. 4,4,5,3 (or "
                                               "JAXINFER_PP_LAYER_PARTITION)"),
+    "generation_config": dict(help="auto: the model's generation_config.json sets the default "
+                              "sampling parameters (a request's own values override them); "
+                              "vllm: the built-in defaults; or a folder with a "
+                              "generation_config.json"),
 }
 
 

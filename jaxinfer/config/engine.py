@@ -176,6 +176,11 @@ class EngineConfig:
     # Layers per stage, e.g. "4,4,5,3" (vLLM's VLLM_PP_LAYER_PARTITION, also read from the
     # env var JAXINFER_PP_LAYER_PARTITION); None: even, the remainder on the middle stages.
     pp_layer_partition: str | None = None
+    # vLLM's --generation-config: "auto" (the model folder's generation_config.json gives the
+    # default sampling parameters: temperature, top_p, top_k, min_p, repetition_penalty,
+    # max_new_tokens; a request's own values override them), "vllm" (none: the built-in
+    # defaults), or a folder holding a generation_config.json.
+    generation_config: str = "auto"
 
     def parallel_config(self) -> ParallelConfig:
         """The parallel sizes above as the ParallelConfig the engine is built from (checked:
@@ -257,7 +262,43 @@ class ResolvedConfig:
     scheduler: SchedulerConfig
     cache: CacheConfig
     parallel: ParallelConfig  # the parallel sizes (engine's flat fields, checked)
+    # Default sampling parameters from the generation config (SamplingParams field -> value;
+    # empty with generation_config="vllm" or when the file sets none of them)
+    default_sampling: dict
     eos_token_ids: tuple[int, ...]  # config.json's and generation_config.json's, in order
+
+
+# generation_config.json key -> the SamplingParams field it sets by default (vLLM's list)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                       "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                       "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(generation_config: str, model_dir: str) -> dict:
+    """The default sampling parameters `generation_config` names ("auto": the model folder's
+    generation_config.json; "vllm": none; else a folder's), checked as SamplingParams would
+    check them (ValueError naming generation_config and the field)."""
+    if generation_config == "vllm":
+        return {}
+    folder = model_dir if generation_config == "auto" else generation_config
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        if generation_config != "auto":
+            raise ValueError(f"generation_config={generation_config!r}: no "
+                             "generation_config.json in that folder")
+        return {}
+    with open(path) as f:
+        raw = json.load(f)
+    defaults = {field: raw[key] for key, field in GENERATION_DEFAULTS.items()
+                if raw.get(key) is not None}
+    if defaults:
+        from jaxinfer.sampling_params import SamplingParams
+
+        try:
+            SamplingParams(**defaults)
+        except ValueError as e:
+            raise ValueError(f"generation_config ({path}): {e}") from None
+    return defaults
 
 
 def _generation_eos_ids(model_dir: str) -> tuple[int, ...]:
@@ -349,4 +390,6 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
                           model_config=mcfg, dtype=dtype, kv_cache_dtype=kv_dtype,
                           attention_backend=backend, max_model_len=max_model_len,
                           scheduler=sched, cache=cache, parallel=config.parallel_config(),
+                          default_sampling=generation_defaults(config.generation_config,
+                                                               model_dir),
                           eos_token_ids=eos)

@@ -743,3 +743,28 @@ def test_priority_and_cache_salt_reach_the_engine(server, monkeypatch):
         assert r.status_code == 200, r.text
     assert seen == [{"priority": -5, "cache_salt": "s"}] * 2
     wait_idle(server)
+
+
+def test_generation_config_defaults_fill_unset_fields(server, monkeypatch):
+    """With the model's generation config defaults (here top_k 1, max_new_tokens 3), a request
+    that leaves top_k / max_tokens unset gets them; its own values override, and the default
+    max_tokens caps a larger one (vLLM's rule)."""
+    import dataclasses
+
+    rc = server.llm.resolved
+    monkeypatch.setattr(server.llm, "resolved", dataclasses.replace(
+        rc, default_sampling={"top_k": 1, "max_tokens": 3}))
+    seen = []
+    generate = server.llm.generate
+
+    def spy(prompt, params, request_id=None, **kwargs):
+        seen.append(params)
+        return generate(prompt, params, request_id, **kwargs)
+
+    monkeypatch.setattr(server.llm, "generate", spy)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for body in (chat, {**chat, "top_k": 7, "max_tokens": 2}, {**chat, "max_tokens": 9}):
+        r = _post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+    assert [(p.top_k, p.max_tokens) for p in seen] == [(1, 3), (7, 2), (1, 3)]
+    wait_idle(server)

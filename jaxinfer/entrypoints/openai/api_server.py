@@ -50,6 +50,10 @@ class OpenAIServer:
         keep_alive_on_engine_death: when the engine core dies, keep answering (503) instead
         of shutting down (for debugging; a supervisor should restart a dead server)."""
         self.llm = llm
+        if llm.resolved.default_sampling:  # (as vLLM says so)
+            logger.info("default sampling parameters from the model's generation config "
+                        "(--generation-config %s; a request's own values override them): %s",
+                        llm.resolved.engine.generation_config, llm.resolved.default_sampling)
         self.max_prompts_per_request = max_prompts_per_request or max_prompts_per_request_env()
         if self.max_prompts_per_request < 1:
             raise ValueError("--max-prompts-per-request must be >= 1, got "
@@ -141,7 +145,7 @@ class OpenAIServer:
     def sampling_params(self, req):
         """The request's SamplingParams, checked against every limit (the model's too)."""
         try:
-            params = req.sampling_params()
+            params = req.sampling_params(self.llm.resolved.default_sampling)
             self.llm.processor.check_params(params)
         except ValueError as e:
             field = e.field if isinstance(e, FieldError) else \

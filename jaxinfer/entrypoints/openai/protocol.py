@@ -175,16 +175,24 @@ class _Common(BaseModel):
         """The request field the structured-output constraint came from (for error params)."""
         return self._structured[0] if self._structured else None
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         defaults: dict) -> SamplingParams:
+        """defaults: the server's default sampling parameters (the model's generation config)
+        for the fields this request leaves unset; its max_tokens caps the request's (vLLM's
+        rule: the smallest of the two)."""
+        def value(name, builtin):
+            own = getattr(self, name)
+            return own if own is not None else defaults.get(name, builtin)
+
+        if defaults.get("max_tokens") is not None:
+            max_tokens = defaults["max_tokens"] if max_tokens is None \
+                else min(max_tokens, defaults["max_tokens"])
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p, seed=self.seed, stop=self.stop,
+            n=self.n, temperature=value("temperature", 1.0), top_p=value("top_p", 1.0),
+            top_k=value("top_k", 0), min_p=value("min_p", 0.0), seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None
-            else self.repetition_penalty,
+            repetition_penalty=value("repetition_penalty", 1.0),
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -219,10 +227,10 @@ class CompletionRequest(_Common):
         nothing."""
         return self.echo and self.max_tokens == 0
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         # max_tokens=0 (echo): one token is generated and dropped, as vLLM does.
         params = self._sampling_params(1 if self.prompt_only else self.max_tokens,
-                                       self.logprobs)
+                                       self.logprobs, defaults or {})
         if self.echo and self.logprobs is not None:
             params = params.clone(prompt_logprobs=self.logprobs)
         return params
@@ -317,10 +325,10 @@ class ChatCompletionRequest(_Common):
         """The output is the tool call(s): a named function or "required"."""
         return self.tool_choice == "required" or named_tool(self.tool_choice) is not None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         n_lp = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, n_lp)
+        return self._sampling_params(max_tokens, n_lp, defaults or {})
 
     def conversation(self) -> list[dict[str, Any]]:
         conv = []

@@ -53,8 +53,11 @@ class ChatServing:
             raise APIError(f"could not render the chat template: {e}", 400, "messages") from None
         ids = self.server.llm.processor.truncate(ids, params)
         self.server.check_prompt(ids)
-        self.server.check_length(len(ids), params.max_tokens if (req.max_tokens or
-                                                           req.max_completion_tokens) else None)
+        asked = req.max_tokens or req.max_completion_tokens
+        self.server.check_length(len(ids), params.max_tokens if asked else None)
+        room = self.server.llm.max_model_len - len(ids)
+        if not asked and params.max_tokens is not None and params.max_tokens > room:
+            params = params.clone(max_tokens=max(room, 1))  # (a generation-config default)
         self.server.check_min_tokens(len(ids), params)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
