@@ -118,7 +118,8 @@ class LLM:
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Render conversations with the tokenizer's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
@@ -128,7 +129,8 @@ class LLM:
         prompts = []
         for conv in conversations:
             ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
-                                          add_generation_prompt=add_generation_prompt)
+                                          add_generation_prompt=add_generation_prompt,
+                                          **(chat_template_kwargs or {}))
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})

@@ -40,7 +40,7 @@ def _cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxinfer.config.cli import add_engine_args
+    from jaxinfer.config.cli import add_engine_args, json_object
 
     p = argparse.ArgumentParser(prog="jaxinfer", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "debugging; default: exit non-zero once requests in flight are "
                         "answered, so that a supervisor restarts it; or set "
                         "JAXINFER_KEEP_ALIVE_ON_ENGINE_DEATH=1)")
+    v.add_argument("--default-chat-template-kwargs", type=json_object, default=None,
+                   help='template variables every chat request gets, as JSON, e.g. '
+                        '\'{"enable_thinking": false}\' (a request\'s chat_template_kwargs '
+                        'override them)')
     v.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat_template sent with a request (it is code: refused by "
                         "default, as in vLLM)")

@@ -35,7 +35,9 @@ def make_server(llm: AsyncLLM, args, metrics_role: str = "only") -> OpenAIServer
                         max_prompts_per_request=getattr(args, "max_prompts_per_request", None),
                         keep_alive_on_engine_death=keep_alive,
                         trust_request_chat_template=getattr(
-                            args, "trust_request_chat_template", False))
+                            args, "trust_request_chat_template", False),
+                        default_chat_template_kwargs=getattr(
+                            args, "default_chat_template_kwargs", None))
 
 
 def serve(server: OpenAIServer, config, sockets=None) -> int:

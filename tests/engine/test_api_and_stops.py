@@ -155,3 +155,16 @@ def test_cache_salt_in_prompt_dicts(smol):
         with pytest.raises(ValueError, match=match):
             smol.generate(bad, params, use_tqdm=False)
     assert_no_leaks(smol)
+
+
+def test_chat_template_kwargs_offline(smol):
+    """LLM.chat(chat_template_kwargs=...) (vLLM's): extra variables reach the template."""
+    template = "{{ messages[0]['content'] }}{% if shout %}!!!{% endif %}"
+    conv = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    plain = smol.chat(conv, params, use_tqdm=False, chat_template=template)[0]
+    loud = smol.chat(conv, params, use_tqdm=False, chat_template=template,
+                     chat_template_kwargs={"shout": True})[0]
+    tok = smol.get_tokenizer()
+    assert tok.decode(plain.prompt_token_ids) == "hi"
+    assert tok.decode(loud.prompt_token_ids) == "hi!!!"

@@ -768,3 +768,32 @@ def test_generation_config_defaults_fill_unset_fields(server, monkeypatch):
         assert r.status_code == 200, r.text
     assert [(p.top_k, p.max_tokens) for p in seen] == [(1, 3), (7, 2), (1, 3)]
     wait_idle(server)
+
+
+def test_chat_template_kwargs(server, monkeypatch):
+    """vLLM's chat_template_kwargs (and the server's --default-chat-template-kwargs) reach the
+    template as variables; a request's override the server's; names the server sets itself
+    are refused naming the field."""
+    template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}"
+                " no thinking please{% endif %}")
+
+    def prompt_tokens(**extra):
+        r = _post(server, "/v1/chat/completions", {
+            "model": MODEL, "max_tokens": 1, "chat_template": template,
+            "messages": [{"role": "user", "content": "hi"}], **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    plain = prompt_tokens()
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > plain
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
+    monkeypatch.setattr(server, "default_chat_template_kwargs", {"enable_thinking": False})
+    assert prompt_tokens() > plain
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
+    for bad in ({"messages": []}, {"tools": []}, {"not a name": 1}):
+        r = _post(server, "/v1/chat/completions", {
+            "model": MODEL, "max_tokens": 1, "chat_template_kwargs": bad,
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    wait_idle(server)

@@ -43,7 +43,8 @@ class OpenAIServer:
                  max_waiting_requests: int | None = None, queue_timeout: float | None = None,
                  metrics_role: str = "only", max_prompts_per_request: int | None = None,
                  keep_alive_on_engine_death: bool = False,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False,
+                 default_chat_template_kwargs: dict | None = None):
         """metrics_role: "only" (the one API server), "primary" or "secondary" (one of
         several: Prometheus multiprocess mode; the engines' own counters are fed by the
         primary alone, so that they are not counted once per API server).
@@ -63,6 +64,13 @@ class OpenAIServer:
         # this process (a sandbox bounds what it reaches, not how long it runs), so it is
         # refused unless the operator trusts the clients.
         self.trust_request_chat_template = trust_request_chat_template
+        # vLLM's --default-chat-template-kwargs: template variables every chat request gets
+        # (a request's chat_template_kwargs override them)
+        from jaxinfer.entrypoints.openai.protocol import check_chat_template_kwargs
+
+        check_chat_template_kwargs(default_chat_template_kwargs,
+                                   "--default-chat-template-kwargs")
+        self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
         # The uvicorn.Server serving the app (set by whoever runs it): told to exit when the
         # engine dies, unless keep_alive_on_engine_death.
         self.uvicorn_server = None

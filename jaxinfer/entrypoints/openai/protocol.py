@@ -242,6 +242,22 @@ _EMPTY_MESSAGE_FIELDS = ("refusal", "audio", "function_call", "annotations", "re
                          "reasoning")
 
 
+# Template variables the server sets itself: a request's chat_template_kwargs may not.
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token",
+                               "eos_token", "chat_template", "tokenize")
+
+
+def check_chat_template_kwargs(kwargs: dict | None, field: str = "chat_template_kwargs"):
+    """Template variables: names a template can use, none the server sets itself."""
+    for key in kwargs or {}:
+        if key in RESERVED_TEMPLATE_VARIABLES:
+            hint = " (use the request's own field)" if key in (
+                "tools", "chat_template", "add_generation_prompt") else ""
+            raise UnsupportedField(field, f"{field}: {key!r} is set by the server{hint}")
+        if not key.isidentifier():
+            raise UnsupportedField(field, f"{field}: {key!r} is not a template variable name")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -268,6 +284,8 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    # vLLM's: more variables for the chat template, e.g. {"enable_thinking": false} (Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -277,6 +295,7 @@ class ChatCompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _chat_fields(self):
+        check_chat_template_kwargs(self.chat_template_kwargs)
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedField("top_logprobs", "when using `top_logprobs`, `logprobs` must "
                                    "be set to true")

@@ -44,7 +44,10 @@ class ChatServing:
                            f"longer than the model's maximum context length of {limit} tokens.",
                            400, "messages")
         try:
-            extra = {"tools": req.tools} if req.tools else {}
+            extra = {**self.server.default_chat_template_kwargs,
+                     **(req.chat_template_kwargs or {})}
+            if req.tools:
+                extra["tools"] = req.tools
             ids = await asyncio.to_thread(
                 self.server.llm.tokenizer.apply_chat_template, conversation,
                 chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
