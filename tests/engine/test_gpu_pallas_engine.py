@@ -1,6 +1,7 @@
 """On a CUDA GPU: the engine with the compiled Pallas kernel (not interpret mode) gives HF
 transformers' greedy tokens (float32), for head dims 64 and 128, with chunked prefill and a
-batch of ragged prompts. Token-id prompts and no tokenizer, so it needs neither SmolLM2 nor a
+batch of ragged prompts; whole and layer-wise step programs, async scheduling and n-gram
+speculative decoding (the step contract's variants). Token-id prompts and no tokenizer, so it needs neither SmolLM2 nor a
 tokenizer file (a bare GPU machine has neither)."""
 
 from __future__ import annotations
@@ -39,8 +40,15 @@ def _tiny_llama(path, hidden: int, heads: int, kv_heads: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hidden,heads,kv_heads", [(256, 4, 2), (512, 4, 1)])
-def test_pallas_native_engine_matches_hf(tmp_path, hidden, heads, kv_heads):
+@pytest.mark.parametrize("hidden,heads,kv_heads,extra", [
+    (256, 4, 2, dict(step_compilation="whole")),
+    (512, 4, 1, dict(step_compilation="whole")),
+    (256, 4, 2, dict(step_compilation="layerwise")),
+    (256, 4, 2, dict(step_compilation="whole", async_scheduling=True)),
+    (256, 4, 2, dict(step_compilation="whole",
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 3})),
+], ids=["d64-whole", "d128-whole", "d64-layerwise", "d64-async", "d64-ngram-spec"])
+def test_pallas_native_engine_matches_hf(tmp_path, hidden, heads, kv_heads, extra):
     import jax
 
     from jaxinfer import LLM, SamplingParams
@@ -53,7 +61,7 @@ def test_pallas_native_engine_matches_hf(tmp_path, hidden, heads, kv_heads):
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=256, max_num_seqs=4,
               max_num_batched_tokens=32, warmup=False, num_kv_blocks=64,
               attention_backend="pallas", skip_tokenizer_init=True,
-              enable_multiprocessing=False)
+              enable_multiprocessing=False, **extra)
     assert llm.llm_engine.attention_backend == "pallas"
     params = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
