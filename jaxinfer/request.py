@@ -67,6 +67,7 @@ class Request:
         sampling_seed: int = 0,
         structured_backend: str | None = None,
         parent_id: str | None = None,
+        reasoning_end_ids: list[int] | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -98,6 +99,9 @@ class Request:
         self.structured_backend = structured_backend
         self.parent_id = parent_id  # the n > 1 request this sample belongs to (fair admission)
         self.grammar = None
+        # Behind a reasoning model's thinking: the grammar waits until the output ends with
+        # these ids (core/stop.py advance_grammar), None once it applies.
+        self.reasoning_end_ids = list(reasoning_end_ids) if reasoning_end_ids else None
         self.grammar_future = None
         self.grammar_deadline = 0.0
         # Skip prefix-cache hits when every prompt position's logits are needed, or when

@@ -83,14 +83,29 @@ class Tokenizer:
 
     def apply_chat_template(self, conversation: list[dict[str, Any]], *,
                             chat_template: str | None = None, tokenize: bool = True,
-                            add_generation_prompt: bool = True, **kwargs):
-        """Render with the model's (or the given) jinja template, as transformers does."""
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs):
+        """Render with the model's (or the given) jinja template, as transformers does.
+        continue_final_message: the text ends right after the last message's content (no
+        end-of-turn after it), for the model to continue it."""
         template = chat_template or self.chat_template
         if not template:
             raise ValueError("this tokenizer has no chat template; pass chat_template=")
         text = _compile(template).render(
             messages=conversation, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        if continue_final_message:
+            final = conversation[-1].get("content") if conversation else ""
+            if isinstance(final, list):  # content parts: the last one's text
+                final = final[-1].get("text") if final else ""
+            final = final or ""
+            if final and final in text:
+                text = text[: text.rindex(final) + len(final)]
+            elif final.strip() and final.strip() in text:
+                text = text[: text.rindex(final.strip()) + len(final.strip())]
+            else:
+                raise ValueError("continue_final_message: the final message does not appear "
+                                 "in the rendered chat (the template changes or drops it)")
         # The template already placed any BOS: do not add special tokens again.
         return self.encode(text, add_special_tokens=False) if tokenize else text
 

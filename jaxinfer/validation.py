@@ -167,3 +167,7 @@ def check_core_request(req, *, vocab_size: int, max_model_len: int) -> None:
     check_int("", "priority", req.priority, INT64_MIN, INT64_MAX)
     if req.eos_token_id is not None:
         check_int("", "eos_token_id", req.eos_token_id, 0, vocab_size - 1)
+    end = req.reasoning_end_ids
+    if end is not None and (not isinstance(end, (list, tuple)) or not 0 < len(end) <= 64):
+        raise FieldError("reasoning_end_ids", "reasoning_end_ids must be a list of 1 to 64 "
+                                              "token ids")

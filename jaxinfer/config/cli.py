@@ -16,6 +16,7 @@ from jaxinfer.config.engine import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, SCHEDUL
 from jaxinfer.config.features import (KVTransferConfig, SpeculativeConfig,
                                       StructuredOutputsConfig)
 from jaxinfer.config.quant import QUANTIZATION_METHODS
+from jaxinfer.reasoning import REASONING_PARSERS
 
 _SUB_CONFIGS = {"structured_outputs_config": StructuredOutputsConfig,
                 "speculative_config": SpeculativeConfig, "kv_transfer_config": KVTransferConfig}
@@ -101,6 +102,9 @@ FLAGS: dict[str, dict] = {
                                    "many stages, each on its own devices"),
     "pp_layer_partition": dict(type=str, help="layers per stage, e.g. 4,4,5,3 (or "
                                               "JAXINFER_PP_LAYER_PARTITION)"),
+    "reasoning_parser": dict(type=str, choices=tuple(REASONING_PARSERS),
+                             help="split a reasoning model's thinking into reasoning_content "
+                                  "(chat route); structured outputs apply after it"),
     "generation_config": dict(help="auto: the model's generation_config.json sets the default "
                               "sampling parameters (a request's own values override them); "
                               "vllm: the built-in defaults; or a folder with a "

@@ -181,6 +181,10 @@ class EngineConfig:
     # max_new_tokens; a request's own values override them), "vllm" (none: the built-in
     # defaults), or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # vLLM's --reasoning-parser: "qwen3", "deepseek_r1" or "deepseek_v3" (jaxinfer/reasoning.py).
+    # The chat route splits a choice's thinking into reasoning_content; structured outputs
+    # constrain only the text after the thinking ends. None: off.
+    reasoning_parser: str | None = None
 
     def parallel_config(self) -> ParallelConfig:
         """The parallel sizes above as the ParallelConfig the engine is built from (checked:
@@ -196,6 +200,10 @@ class EngineConfig:
 
     def __post_init__(self):
         self.parallel_config()  # (checked at construction; built once more when resolved)
+        if self.reasoning_parser is not None:
+            from jaxinfer.reasoning import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser)  # (ValueError naming the choices)
         if self.pipeline_parallel_size > 1:
             for name, bad in (("async_scheduling", self.async_scheduling),
                               ("speculative_config", self.speculative_config is not None),

@@ -32,7 +32,14 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 def advance_grammar(request: Request, token: int) -> bool:
     """Feed a sampled token to the request's grammar; True when that ends the request
     (FINISHED_ABORTED with a stop_reason if the grammar rejected it, else FINISHED_STOPPED at
-    the grammar's end)."""
+    the grammar's end). While the request is still in a reasoning model's thinking section
+    (it waits for `reasoning_end_ids`), the token is not the grammar's: once the output ends
+    with the end tag, the grammar applies from the next token."""
+    end = request.reasoning_end_ids
+    if end is not None:
+        if request.output_token_ids[-len(end):] == end:
+            request.reasoning_end_ids = None
+        return False
     if not request.grammar.accept_tokens([token]):
         request.status = RequestStatus.FINISHED_ABORTED
         request.stop_reason = (f"structured output: the grammar rejected token {token} "

@@ -159,7 +159,8 @@ class EngineCore:
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
             priority=req.priority, cache_salt=req.cache_salt, sampling_seed=req.sampling_seed,
-            structured_backend=req.structured_backend, parent_id=req.parent_id))
+            structured_backend=req.structured_backend, parent_id=req.parent_id,
+            reasoning_end_ids=req.reasoning_end_ids))
 
     def abort_requests(self, request_ids, status=RequestStatus.FINISHED_ABORTED) -> None:
         self.scheduler.finish_requests(request_ids, status)

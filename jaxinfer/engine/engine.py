@@ -27,7 +27,8 @@ def make_processor(rc, tokenizer, info: dict) -> Processor:
                      eos_token_id=eos, extra_eos_token_ids=rc.eos_token_ids,
                      seed=rc.engine.seed, num_usable_kv_blocks=info["num_usable_kv_blocks"],
                      block_size=info["block_size"],
-                     structured_outputs_config=rc.engine.structured_outputs_config)
+                     structured_outputs_config=rc.engine.structured_outputs_config,
+                     reasoning_parser=rc.engine.reasoning_parser)
 
 
 def in_process_only() -> bool:

@@ -29,6 +29,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     structured_backend: str | None = None  # the backend the front end validated it with
     parent_id: str | None = None  # n > 1: the id its samples share (fair admission)
     client_index: int = 0  # which front end (API server) sent it: its outputs go back there
+    # Structured outputs behind a reasoning model's thinking: the grammar applies once the
+    # output ends with these ids (the reasoning parser's end tag). None: from the first token.
+    reasoning_end_ids: list[int] | None = None
 
 
 class RequestType(bytes, enum.Enum):

@@ -24,8 +24,18 @@ class Processor:
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int,
                  eos_token_id: int | None, extra_eos_token_ids: tuple[int, ...] = (),
                  seed: int = 0, num_usable_kv_blocks: int | None = None, block_size: int = 16,
-                 structured_outputs_config=None):
+                 structured_outputs_config=None, reasoning_parser: str | None = None):
         self.tokenizer = tokenizer
+        # A reasoning model's thinking section (jaxinfer/reasoning.py): the split of the chat
+        # route's text, and where a request's grammar starts.
+        self.reasoning = None
+        self._reasoning_end_ids: list[int] = []
+        if reasoning_parser is not None and tokenizer is not None:
+            from jaxinfer.reasoning import get_reasoning_parser
+
+            self.reasoning = get_reasoning_parser(reasoning_parser)
+            self._reasoning_end_ids = tokenizer.encode(self.reasoning.end,
+                                                       add_special_tokens=False)
         self.structured_outputs_config = structured_outputs_config
         self._so_validator = None
         self._so_checked: dict[str, str] = {}  # spec key -> backend (validated specs)
@@ -122,9 +132,22 @@ class Processor:
         self._so_checked[key] = backend
         return backend
 
+    def starts_thinking(self, prompt_ids: list[int], template_kwargs: dict | None = None
+                        ) -> bool:
+        """Under a reasoning parser: the output of this prompt starts inside the thinking
+        section (read from the prompt's last tokens and, when known, the chat-template
+        variables)."""
+        if self.reasoning is None:
+            return False
+        from jaxinfer.reasoning import PROMPT_TAIL_TOKENS
+
+        tail = self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        return self.reasoning.starts_thinking(tail, template_kwargs)
+
     def make_requests(self, request_id: str, prompt: PromptType,
                       params: SamplingParams | None, *, arrival_time: float | None = None,
-                      priority: int = 0, cache_salt: str | None = None
+                      priority: int = 0, cache_salt: str | None = None,
+                      chat_template_kwargs: dict | None = None
                       ) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
         """One Request per sample (n > 1 fans out into children sharing the prompt)."""
         params = params or SamplingParams()
@@ -150,6 +173,10 @@ class Processor:
         if not params.ignore_eos and self.extra_eos_token_ids:
             params = params.clone(stop_token_ids=[*params.stop_token_ids,
                                                   *self.extra_eos_token_ids])
+        reasoning_end = None
+        if params.structured_outputs is not None and self.starts_thinking(
+                ids, chat_template_kwargs):
+            reasoning_end = list(self._reasoning_end_ids)
         arrival_time = time.time() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         reqs = []
@@ -163,5 +190,6 @@ class Processor:
                 request_id=rid, prompt_token_ids=ids, sampling_params=params,
                 eos_token_id=self.eos_token_id, arrival_time=arrival_time,
                 sampling_seed=(base_seed + i) & 0xFFFFFFFF, priority=priority,
-                cache_salt=cache_salt, structured_backend=backend, parent_id=parent_id))
+                cache_salt=cache_salt, structured_backend=backend, parent_id=parent_id,
+                reasoning_end_ids=reasoning_end))
         return text, ids, reqs

@@ -41,6 +41,7 @@ def _cmd_serve(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from jaxinfer.config.cli import add_engine_args, json_object
+    from jaxinfer.entrypoints.openai.tools import TOOL_PARSERS
 
     p = argparse.ArgumentParser(prog="jaxinfer", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -99,13 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help='template variables every chat request gets, as JSON, e.g. '
                         '\'{"enable_thinking": false}\' (a request\'s chat_template_kwargs '
                         'override them)')
+    v.add_argument("--chat-template", default=None,
+                   help="a jinja chat template (a file, or the template itself) used instead "
+                        "of the model's")
+    v.add_argument("--chat-template-content-format", default="auto",
+                   choices=["auto", "string", "openai"],
+                   help="how a message's content reaches the template: string (text parts "
+                        "joined; what auto does) or openai (a list of {type, text} parts)")
     v.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat_template sent with a request (it is code: refused by "
                         "default, as in vLLM)")
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model call tools on its own (tool_choice="auto"); needs '
                         "--tool-call-parser")
-    v.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+    v.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
                    help="how tool calls look in the model's text (tool_choice=auto)")
     v.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
                    help="ranks on this node (default: all of them); the others come from "

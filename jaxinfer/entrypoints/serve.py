@@ -37,7 +37,10 @@ def make_server(llm: AsyncLLM, args, metrics_role: str = "only") -> OpenAIServer
                         trust_request_chat_template=getattr(
                             args, "trust_request_chat_template", False),
                         default_chat_template_kwargs=getattr(
-                            args, "default_chat_template_kwargs", None))
+                            args, "default_chat_template_kwargs", None),
+                        chat_template=getattr(args, "chat_template", None),
+                        chat_template_content_format=getattr(
+                            args, "chat_template_content_format", "auto"))
 
 
 def serve(server: OpenAIServer, config, sockets=None) -> int:

@@ -206,6 +206,9 @@ class StructuredOutputManager(_Backends):
                 raise
             bm.fill(0)
             for i, r in enumerate(requests):  # row by row: find the one(s) that fail
+                if r.reasoning_end_ids is not None:
+                    bm[i] = -1
+                    continue
                 try:
                     self.get(r.structured_backend).fill_bitmasks([r.grammar], bm[i:i + 1])
                 except Exception as e:  # noqa: BLE001 - reported to that request
@@ -228,10 +231,13 @@ class StructuredOutputManager(_Backends):
     def _fill(self, requests: list, bm: np.ndarray) -> None:
         by_backend: dict[str, list[int]] = {}
         for i, r in enumerate(requests):
-            by_backend.setdefault(r.structured_backend, []).append(i)
+            if r.reasoning_end_ids is not None:  # still thinking: any token
+                bm[i] = -1
+            else:
+                by_backend.setdefault(r.structured_backend, []).append(i)
         for name, rows in by_backend.items():
             backend = self.get(name)
-            if len(by_backend) == 1:
+            if len(rows) == len(requests):
                 backend.fill_bitmasks([r.grammar for r in requests], bm)
             else:
                 sub = np.zeros((len(rows), self.width), np.int32)

@@ -318,6 +318,10 @@ def _set(body, path, value):
         "messages[0].content[0].type": {"messages": [{"role": "user", "content": [
             {"type": value, "text": "x"}]}]},
         "messages[0].name": {"messages": [{"role": "user", "content": "Hi", "name": value}]},
+        "messages[1].reasoning_content": {"messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello", "reasoning_content": value}]},
+        "documents[0]": {"documents": [value]},
         "tools[0].function.name": {"tools": [{"type": "function", "function": {
             "name": value}}], "tool_choice": "required"},
         "tools[0].function.parameters": {"tools": [{"type": "function", "function": {
@@ -335,13 +339,17 @@ COMPLETION_PLACES = ["response_format.type", "response_format.json_schema",
 CHAT_PLACES = COMPLETION_PLACES + ["messages[0].role", "messages[0].content",
                                    "messages[0].content[0]", "messages[0].content[0].type",
                                    "messages[0].name", "tools[0].function.name",
-                                   "tools[0].function.parameters", "tool_choice.function.name"]
+                                   "tools[0].function.parameters", "tool_choice.function.name",
+                                   "messages[1].reasoning_content", "documents[0]"]
 
 
 # Requests the server must accept, run before the generated ones (so that both outcomes are
 # always exercised, whatever the generated examples happen to be); the newer fields in them.
 VALID = [({"seed": 7}, False), ({"cache_salt": "fuzz-salt", "priority": 0}, True)]
-CHAT_VALID = VALID + [({"chat_template_kwargs": {"enable_thinking": False}}, False)]
+CHAT_VALID = VALID + [({"chat_template_kwargs": {"enable_thinking": False}}, False),
+                      ({"include_reasoning": False, "documents": [{"title": "t", "text": "x"}],
+                        "messages[1].reasoning_content": "thought"}, True),
+                      ({"continue_final_message": True, "add_generation_prompt": False}, False)]
 
 
 def _fuzz(live, route, model, make_body, places, valid):

@@ -741,7 +741,8 @@ def test_priority_and_cache_salt_reach_the_engine(server, monkeypatch):
         r = _post(server, path, {"model": MODEL, "max_tokens": 1, "priority": -5,
                                  "cache_salt": "s", **body})
         assert r.status_code == 200, r.text
-    assert seen == [{"priority": -5, "cache_salt": "s"}] * 2
+    assert seen == [{"priority": -5, "cache_salt": "s"},
+                    {"priority": -5, "cache_salt": "s", "chat_template_kwargs": {}}]
     wait_idle(server)
 
 
@@ -796,4 +797,201 @@ def test_chat_template_kwargs(server, monkeypatch):
             "model": MODEL, "max_tokens": 1, "chat_template_kwargs": bad,
             "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    wait_idle(server)
+
+
+# -- reasoning models (--reasoning-parser) -------------------------------------------------------
+# A Qwen3-style template: thinking on unless enable_thinking is false, which closes the thinking
+# section in the prompt (as Qwen3's own template does); OPEN_THINK opens it in the prompt instead.
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% elif open_think is defined and open_think %}<think>\n{% endif %}{% endif %}")
+
+
+def _script(server, monkeypatch, pieces, finish="stop"):
+    """The engine's answer replaced by `pieces`, one token each (cumulative outputs, as the
+    engine streams them), so that the split is tested on known text, tags cut anywhere."""
+    from jaxinfer.outputs import CompletionOutput, RequestOutput
+
+    seen = {}
+
+    async def generate(prompt, params, request_id=None, **kwargs):
+        seen.update(kwargs, params=params)
+        text = ""
+        for i, piece in enumerate(pieces):
+            text += piece
+            last = i == len(pieces) - 1
+            yield RequestOutput(request_id, None, prompt["prompt_token_ids"], None, [
+                CompletionOutput(0, text, [5] * (i + 1), None, None,
+                                 finish if last else None)], last)
+
+    monkeypatch.setattr(server.llm, "generate", generate)
+    return seen
+
+
+def _stream_parts(chunks):
+    reasoning, content, finish, both_names = "", "", None, True
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta.model_dump()
+        if d.get("reasoning_content") is not None:
+            both_names &= d.get("reasoning") == d["reasoning_content"]
+            reasoning += d["reasoning_content"]
+        content += d.get("content") or ""
+        finish = ch.choices[0].finish_reason or finish
+    assert both_names  # vLLM's newer name carries the same text
+    return reasoning, content, finish
+
+
+def test_reasoning_split_in_full_and_streamed_responses(server, client, monkeypatch):
+    from jaxinfer.reasoning import get_reasoning_parser
+
+    monkeypatch.setattr(server.llm.processor, "reasoning", get_reasoning_parser("qwen3"))
+    msgs = [{"role": "user", "content": "Hi!"}]
+    common = dict(model=MODEL, messages=msgs, max_tokens=50,
+                  extra_body={"chat_template": THINK_TEMPLATE})
+    text = "<think>\nThe user greets me.\n</think>\n\nHello! How can I help?"
+    want = ("\nThe user greets me.\n", "\n\nHello! How can I help?")
+    # Whole, then streamed a character at a time and in chunks that cut both tags.
+    _script(server, monkeypatch, [text])
+    m = client.chat.completions.create(**common).choices[0].message.model_dump()
+    assert (m["reasoning_content"], m["content"]) == want and m["reasoning"] == want[0]
+    for pieces in ([*text], ["<thi", "nk>\nThe user", " greets me.\n</th", "ink>\n\nHel",
+                             "lo! How can I help?"], ["<think>\nThe user greets me.\n<",
+                                                      "/think>", "\n\nHello! How can I help?"]):
+        _script(server, monkeypatch, pieces)
+        r, c, finish = _stream_parts(client.chat.completions.create(stream=True, **common))
+        assert (r, c, finish) == (*want, "stop"), pieces
+    # include_reasoning false: the thinking is not sent; the answer is unchanged.
+    _script(server, monkeypatch, [text])
+    m = client.chat.completions.create(
+        **{**common, "extra_body": {**common["extra_body"], "include_reasoning": False}}
+    ).choices[0].message.model_dump()
+    assert m["content"] == want[1] and m.get("reasoning_content") is None
+    # enable_thinking false: the template closed the thinking; all of the output is the answer.
+    off = {**common, "extra_body": {**common["extra_body"],
+                                    "chat_template_kwargs": {"enable_thinking": False}}}
+    seen = _script(server, monkeypatch, ["Hello", "! <think> is just text"])
+    m = client.chat.completions.create(**off).choices[0].message.model_dump()
+    assert (m["reasoning_content"], m["content"]) == (None, "Hello! <think> is just text")
+    assert seen["chat_template_kwargs"] == {"enable_thinking": False}  # (for the grammar)
+    r, c, _ = _stream_parts(client.chat.completions.create(stream=True, **off))
+    assert (r, c) == ("", "Hello! <think> is just text")
+    # A template that opens the section in the prompt: the output has the end tag only.
+    opened = {**common, "extra_body": {**common["extra_body"],
+                                       "chat_template_kwargs": {"open_think": True}}}
+    _script(server, monkeypatch, ["Short", " one.</th", "ink>Hi!"])
+    m = client.chat.completions.create(**opened).choices[0].message.model_dump()
+    assert (m["reasoning_content"], m["content"]) == ("Short one.", "Hi!")
+    # Cut short while thinking: all reasoning, no content, finish_reason length.
+    _script(server, monkeypatch, ["<think>Let me", " count: 1, 2"], finish="length")
+    r = client.chat.completions.create(**common).choices[0]
+    assert (r.message.model_dump()["reasoning_content"], r.message.content,
+            r.finish_reason) == ("Let me count: 1, 2", None, "length")
+    wait_idle(server)
+
+
+def test_tool_calls_are_parsed_after_the_thinking_only(server, client, monkeypatch):
+    from jaxinfer.entrypoints.openai.tools import HermesToolParser
+    from jaxinfer.reasoning import get_reasoning_parser
+
+    monkeypatch.setattr(server.llm.processor, "reasoning", get_reasoning_parser("qwen3"))
+    monkeypatch.setattr(server, "tool_parser", HermesToolParser())
+    common = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                  max_tokens=80, tools=[WEATHER], extra_body={"chat_template": TOOL_TEMPLATE})
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    thought = 'Maybe <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>? Yes.'
+    pieces = ["<think>", thought[:20], thought[20:], "</think>\n\n", call[:15], call[15:]]
+    _script(server, monkeypatch, pieces)
+    r = client.chat.completions.create(**common).choices[0]
+    m = r.message.model_dump()
+    assert r.finish_reason == "tool_calls" and m["reasoning_content"] == thought
+    assert [(t.function.name, t.function.arguments) for t in r.message.tool_calls] == [
+        ("get_weather", '{"city": "Oslo"}')]
+    assert m["content"] in (None, "\n\n", "")
+    chunks = list(client.chat.completions.create(stream=True, **common))
+    calls, content, finish = _stream_calls(chunks)
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "Oslo"}')]
+    assert finish == "tool_calls" and "<tool_call>" not in content
+    assert "".join(ch.choices[0].delta.model_dump().get("reasoning_content") or ""
+                   for ch in chunks if ch.choices) == thought
+    # The thinking alone mentions a call: it is not one.
+    _script(server, monkeypatch, ["<think>", thought, "</think>", "It is 18 C."])
+    r = client.chat.completions.create(**common).choices[0]
+    assert r.finish_reason == "stop" and not r.message.tool_calls
+    assert r.message.content == "It is 18 C."
+    wait_idle(server)
+
+
+def test_chat_template_options(server, client):
+    """continue_final_message, documents, an assistant's reasoning_content in the history,
+    --chat-template-content-format openai, and the refusals vLLM gives."""
+    tmpl = ("{% for d in documents or [] %}[{{ d.title }}]{% endfor %}"
+            "{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}"
+            "{% else %}{% for p in m.content %}({{ p.text }}){% endfor %}{% endif %}"
+            "{% if m.reasoning_content %}~{{ m.reasoning_content }}~{% endif %}"
+            "</{{ m.role }}>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+    def tokens(messages, **extra):
+        r = _post(server, "/v1/chat/completions", {
+            "model": MODEL, "max_tokens": 1, "chat_template": tmpl, "messages": messages,
+            **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    tok = server.llm.tokenizer
+    user = {"role": "user", "content": "Name a colour."}
+    open_end = [user, {"role": "assistant", "content": "The colour is"}]
+    n = tokens(open_end, add_generation_prompt=False, continue_final_message=True)
+    assert n == len(tok.encode("<user>Name a colour.</user><assistant>The colour is",
+                               add_special_tokens=False))
+    assert tokens([user], documents=[{"title": "Paint", "text": "..."}]) == len(tok.encode(
+        "[Paint]<user>Name a colour.</user><assistant>", add_special_tokens=False))
+    past = [user, {"role": "assistant", "content": "Red.", "reasoning_content": "Pick one."}]
+    assert tokens(past) == len(tok.encode("<user>Name a colour.</user><assistant>Red.~Pick "
+                                          "one.~</assistant><assistant>",
+                                          add_special_tokens=False))
+    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": open_end,
+                                               "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    server.content_format = "openai"
+    try:
+        assert tokens([user]) == len(tok.encode("<user>(Name a colour.)</user><assistant>",
+                                                add_special_tokens=False))
+    finally:
+        server.content_format = "auto"
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("mistral", 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'),
+    ("qwen3_coder", "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+                    "</parameter>\n</function>\n</tool_call>"),
+    ("pythonic", '[get_weather(city="Oslo")]'),
+    ("deepseek_v3", "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+                    'get_weather\n```json\n{"city": "Oslo"}\n```<｜tool▁call▁end｜>'
+                    "<｜tool▁calls▁end｜>"),
+])
+def test_tool_parsers_through_the_server(server, client, monkeypatch, parser, text):
+    """Each --tool-call-parser on a recorded output, whole and streamed in small pieces: the
+    same calls and content; formats whose markers are special tokens get them decoded."""
+    from jaxinfer.entrypoints.openai.tools import TOOL_PARSERS
+
+    monkeypatch.setattr(server, "tool_parser", TOOL_PARSERS[parser]())
+    common = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                  max_tokens=80, tools=[WEATHER], extra_body={"chat_template": TOOL_TEMPLATE})
+    seen = _script(server, monkeypatch, [text[i:i + 3] for i in range(0, len(text), 3)])
+    r = client.chat.completions.create(**common).choices[0]
+    assert seen["params"].skip_special_tokens == (parser not in ("mistral", "deepseek_v3"))
+    want = [("get_weather", '{"city": "Oslo"}')]
+    assert r.finish_reason == "tool_calls"
+    assert [(t.function.name, t.function.arguments) for t in r.message.tool_calls] == want
+    calls, content, finish = _stream_calls(client.chat.completions.create(stream=True, **common))
+    assert [(c["name"], c["arguments"]) for c in calls] == want and finish == "tool_calls"
+    # (streamed, the newline before a call's marker went out before the marker came)
+    assert content.rstrip() == (r.message.content or "") == ("" if parser == "pythonic"
+                                                              else "Checking.")
     wait_idle(server)

@@ -395,3 +395,36 @@ def test_padded_model_vocab_is_masked(backend, smollm2_dir):
     assert bits[: tok.vocab_size].sum() > tok.vocab_size // 2  # almost anything
     assert not bits[tok.vocab_size:].any()  # but no padded id
     manager.shutdown()
+
+
+def test_grammar_applies_after_the_thinking_ends(tiny, monkeypatch):
+    """--reasoning-parser: a request whose prompt leaves the model thinking gets its grammar
+    only once its output ends with the end tag's ids. Before, its tokens are the model's own
+    (those of an unconstrained run: its bitmask rows allow everything, beside a constrained
+    request's rows in the same steps); after, they follow the grammar."""
+    _main_backend_only(tiny)
+    from jaxinfer.reasoning import get_reasoning_parser
+
+    prompt = "Think first, then answer with four digits."
+    free = list(tiny.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16,
+                                                       ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].token_ids)
+    # A two-token "end tag": the pair the model writes at k, seen nowhere before it.
+    k = next(i for i in range(3, len(free)) if free[i - 1:i + 1] not in
+             [free[j - 1:j + 1] for j in range(1, i)])
+    end = free[k - 1:k + 1]
+    proc = tiny.llm_engine.processor
+    monkeypatch.setattr(proc, "reasoning", get_reasoning_parser("deepseek_r1"))
+    monkeypatch.setattr(proc, "_reasoning_end_ids", end)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                            structured_outputs=SO(regex="[0-9]{4}"))
+    # The second prompt closes the thinking itself (as a template with thinking off does).
+    thinking, direct = tiny.generate([prompt, "Answer with four digits.</think>"],
+                                     [params, params], use_tqdm=False)
+    ids = list(thinking.outputs[0].token_ids)
+    assert ids[:k + 1] == free[:k + 1]
+    assert re.fullmatch("[0-9]{4}", tiny.get_tokenizer().decode(ids[k + 1:])), ids
+    assert thinking.outputs[0].finish_reason == "stop"
+    assert re.fullmatch("[0-9]{4}", direct.outputs[0].text)
+    assert tiny.llm_engine.get_stats()["num_grammar_rejections"] == 0
+    assert_no_leaks(tiny)

@@ -36,6 +36,21 @@ from jaxinfer.validation import max_prompts_per_request as max_prompts_per_reque
 logger = logging.getLogger(__name__)
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a path to a jinja file, or the template itself (vLLM reads it the same
+    way: a value with template syntax is the template)."""
+    if value is None:
+        return None
+    if any(m in value for m in ("{{", "{%")):
+        return value
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--chat-template: {value!r} is neither a readable file nor a jinja "
+                         f"template ({e.strerror})") from None
+
+
 class OpenAIServer:
     def __init__(self, llm: AsyncLLM, model_name: str, api_key: str | None = None,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -44,7 +59,8 @@ class OpenAIServer:
                  metrics_role: str = "only", max_prompts_per_request: int | None = None,
                  keep_alive_on_engine_death: bool = False,
                  trust_request_chat_template: bool = False,
-                 default_chat_template_kwargs: dict | None = None):
+                 default_chat_template_kwargs: dict | None = None,
+                 chat_template: str | None = None, chat_template_content_format: str = "auto"):
         """metrics_role: "only" (the one API server), "primary" or "secondary" (one of
         several: Prometheus multiprocess mode; the engines' own counters are fed by the
         primary alone, so that they are not counted once per API server).
@@ -71,6 +87,15 @@ class OpenAIServer:
         check_chat_template_kwargs(default_chat_template_kwargs,
                                    "--default-chat-template-kwargs")
         self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
+        # vLLM's --chat-template (a file or the template itself; replaces the model's) and
+        # --chat-template-content-format: "string" (a message's text parts joined into one
+        # string, what "auto" does here) or "openai" (the parts as a list of
+        # {"type": "text", "text": ...}, for templates that iterate over them)
+        self.chat_template = load_chat_template(chat_template)
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError("--chat-template-content-format must be auto, string or openai, "
+                             f"got {chat_template_content_format!r}")
+        self.content_format = chat_template_content_format
         # The uvicorn.Server serving the app (set by whoever runs it): told to exit when the
         # engine dies, unless keep_alive_on_engine_death.
         self.uvicorn_server = None
@@ -206,10 +231,11 @@ class OpenAIServer:
         return [_Ticket(self, params.n) for _ in range(num_prompts)]
 
     async def run(self, prompt_ids: list[int], params, request_id: str, ticket: "_Ticket",
-                  req) -> AsyncIterator[RequestOutput]:
-        """Generate for one prompt of request `req` (its priority and cache_salt)."""
+                  req, **kwargs) -> AsyncIterator[RequestOutput]:
+        """Generate for one prompt of request `req` (its priority and cache_salt; `kwargs`:
+        more of the engine's per-request arguments)."""
         gen = self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id,
-                                priority=req.priority, cache_salt=req.cache_salt)
+                                priority=req.priority, cache_salt=req.cache_salt, **kwargs)
         try:
             try:
                 if self.queue_timeout is None:

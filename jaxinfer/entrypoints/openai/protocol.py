@@ -266,6 +266,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool result's call
+    # an assistant's earlier thinking, passed to the template (vLLM accepts both names)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def _refuse_unknown(self):
@@ -283,6 +286,12 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # vLLM's: the last message is left open for the model to continue (no generation prompt)
+    continue_final_message: bool = False
+    # vLLM's: documents for retrieval-augmented templates ({"title": ..., "text": ...} each)
+    documents: Annotated[list[dict[str, str]], Field(max_length=MAX_TOOLS)] | None = None
+    # vLLM's: with a --reasoning-parser, whether the thinking goes out (reasoning_content)
+    include_reasoning: bool = True
     chat_template: str | None = None
     # vLLM's: more variables for the chat template, e.g. {"enable_thinking": false} (Qwen3)
     chat_template_kwargs: dict[str, Any] | None = None
@@ -296,6 +305,10 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _chat_fields(self):
         check_chat_template_kwargs(self.chat_template_kwargs)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise UnsupportedField("continue_final_message", "Cannot set both "
+                                   "`continue_final_message` and `add_generation_prompt` to "
+                                   "True.")
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedField("top_logprobs", "when using `top_logprobs`, `logprobs` must "
                                    "be set to true")
@@ -349,16 +362,25 @@ class ChatCompletionRequest(_Common):
         n_lp = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, n_lp, defaults or {})
 
-    def conversation(self) -> list[dict[str, Any]]:
+    def conversation(self, content_format: str = "string") -> list[dict[str, Any]]:
+        """The messages as the chat template gets them; content_format "openai": a message's
+        content as a list of {"type": "text", "text": ...} parts (else one string)."""
         conv = []
         for m in self.messages:
             content = m.content
-            if isinstance(content, list):  # OpenAI content parts (text only: checked above)
+            if content_format == "openai":
+                content = ([{"type": "text", "text": content}] if isinstance(content, str)
+                           else [dict(p) for p in content or []])
+            elif isinstance(content, list):  # OpenAI content parts (text only: checked above)
                 content = "".join(p["text"] for p in content)
-            msg = {"role": m.role, "content": content or ""}
+            msg = {"role": m.role, "content": content or ("" if content_format != "openai"
+                                                          else [])}
             for key in ("name", "tool_calls", "tool_call_id"):
                 if getattr(m, key) is not None:
                     msg[key] = getattr(m, key)
+            thought = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            if thought is not None:
+                msg["reasoning_content"] = msg["reasoning"] = thought
             conv.append(msg)
         return conv
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -20,6 +20,15 @@ from jaxinfer.entrypoints.openai.tools import (forced_tool_calls, make_tool_call
                                                messages_for_template, named_tool,
                                                template_renders_tools)
 from jaxinfer.outputs import CompletionOutput
+
+
+class _Text(NamedTuple):
+    """One part of a choice's output (its answer or its thinking) as DeltaTracker reads it."""
+
+    text: str
+    token_ids: Any
+    finish_reason: str | None
+    index: int
 
 
 class ChatServing:
@@ -35,8 +44,13 @@ class ChatServing:
         params = self.server.sampling_params(req)
         await self.server.check_structured(req, params)
         mode = self._tool_mode(req)
-        conversation = messages_for_template(req.conversation())
-        chars = sum(len(m["content"]) for m in conversation)
+        if mode == "auto" and self.server.tool_parser.special_tokens:
+            params = params.clone(skip_special_tokens=False)  # (the calls' markers)
+        fmt = "openai" if self.server.content_format == "openai" else "string"
+        conversation = messages_for_template(req.conversation(fmt))
+        chars = sum(len(m["content"]) if isinstance(m["content"], str)
+                    else sum(len(p.get("text") or "") for p in m["content"])
+                    for m in conversation)
         at_least, limit = chars // self.server.llm.tokenizer.max_token_chars, self.server.llm.max_model_len
         if at_least > limit and params.truncate_prompt_tokens is None:
             # refused without rendering or tokenizing it
@@ -44,14 +58,18 @@ class ChatServing:
                            f"longer than the model's maximum context length of {limit} tokens.",
                            400, "messages")
         try:
-            extra = {**self.server.default_chat_template_kwargs,
-                     **(req.chat_template_kwargs or {})}
+            template_kwargs = {**self.server.default_chat_template_kwargs,
+                               **(req.chat_template_kwargs or {})}
+            extra = dict(template_kwargs)
             if req.tools:
                 extra["tools"] = req.tools
+            if req.documents is not None:
+                extra["documents"] = req.documents
             ids = await asyncio.to_thread(
                 self.server.llm.tokenizer.apply_chat_template, conversation,
-                chat_template=req.chat_template, add_generation_prompt=req.add_generation_prompt,
-                **extra)
+                chat_template=req.chat_template or self.server.chat_template,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, **extra)
         except Exception as e:  # template errors are the request's fault
             raise APIError(f"could not render the chat template: {e}", 400, "messages") from None
         ids = self.server.llm.processor.truncate(ids, params)
@@ -64,15 +82,20 @@ class ChatServing:
         self.server.check_min_tokens(len(ids), params)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+        processor = self.server.llm.processor
+        # A reasoning model's thinking (--reasoning-parser): where each choice's output starts.
+        thinking = processor.starts_thinking(ids, template_kwargs) \
+            if processor.reasoning is not None else None
         (ticket,) = self.server.admit(1, params)
-        gen = self.server.run(ids, params, base, ticket, req)
+        gen = self.server.run(ids, params, base, ticket, req,
+                              chat_template_kwargs=template_kwargs)
         top_n = req.top_logprobs or 0
         if not req.stream:
             (out,) = await self.server.with_disconnect(raw, self.server.collect([gen]))
             completion = sum(len(c.token_ids) for c in out.outputs)
             choices = []
             for c in out.outputs:
-                message, finish = self._chat_message(req, mode, c)
+                message, finish = self._chat_message(req, mode, c, thinking)
                 choices.append({"index": c.index, "message": message,
                                 "logprobs": self._chat_logprobs(c, 0, top_n),
                                 "finish_reason": finish, "stop_reason": c.stop_reason})
@@ -89,6 +112,7 @@ class ChatServing:
 
         async def events():
             tracker = DeltaTracker(params.stop)
+            thoughts = DeltaTracker(params.stop)  # the reasoning text sent, per choice
             call_ids: dict[int, str] = {}
             for k in range(params.n):
                 yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
@@ -97,14 +121,25 @@ class ChatServing:
             async for _, out in self.server.merge([gen]):
                 for c in out.outputs:
                     done = c.finish_reason is not None
+                    thought = None
+                    if thinking is not None:  # the answer is what follows the thinking
+                        split = processor.reasoning.split(c.text, thinking, done)
+                        thought = split.reasoning
+                        c_all, c = c, _Text(split.content or "", c.token_ids, c.finish_reason,
+                                            c.index)
                     limit = None
-                    if mode == "auto" and not done:  # a call may be starting: hold it back
+                    if mode == "auto":  # a call may be starting: hold it back (at the end,
+                        # what follows the calls' start goes out below, as calls or content)
                         limit = self.server.tool_parser.safe_prefix(c.text)
                     elif mode == "forced" and named is None:  # required: the calls at the end
                         limit = 0
                     d = tracker.next(c.index, c, limit)
                     if d is None:
                         continue
+                    if thinking is not None:
+                        dr = thoughts.next(c.index, _Text(thought or "", c.token_ids,
+                                                          c.finish_reason, c.index))
+                        c = c_all
                     piece, t0, k0 = d.text, d.start, d.start_tokens
                     finish = c.finish_reason
                     delta: dict[str, Any] = {}
@@ -119,15 +154,20 @@ class ChatServing:
                                                     "function": {"arguments": piece}}]
                     elif piece:
                         delta["content"] = piece
+                    if thinking is not None and dr is not None and dr.text \
+                            and req.include_reasoning:
+                        delta = {"reasoning": dr.text, "reasoning_content": dr.text, **delta}
                     if done and mode != "none" and named is None:
-                        message, finish = self._chat_message(req, mode, c)
+                        message, finish = self._chat_message(req, mode, c, thinking)
                         calls = message.get("tool_calls")
                         if calls:
                             delta["tool_calls"] = [{"index": i, **call}
                                                    for i, call in enumerate(calls)]
                             rest = (message["content"] or "")[tracker.sent(c.index):]
                         else:
-                            rest = c.text[tracker.sent(c.index):]
+                            answer = c.text if thinking is None else (
+                                processor.reasoning.split(c.text, thinking, True).content or "")
+                            rest = answer[tracker.sent(c.index):]
                         if rest:
                             delta["content"] = delta.get("content", "") + rest
                     yield chunk([{"index": c.index, "delta": delta,
@@ -177,11 +217,17 @@ class ChatServing:
             return "auto"
         return "none"
 
-    def _chat_message(self, req, mode: str, c: CompletionOutput) -> tuple[dict, str | None]:
-        """The assistant message and finish_reason of one finished choice."""
+    def _chat_message(self, req, mode: str, c: CompletionOutput, thinking: bool | None = None
+                      ) -> tuple[dict, str | None]:
+        """The assistant message and finish_reason of one finished choice (`thinking`: under
+        a reasoning parser, whether the output started in the thinking section)."""
         text, finish = c.text, c.finish_reason
+        reasoning = None
+        if thinking is not None:
+            reasoning, text = self.server.llm.processor.reasoning.split(text, thinking, True)
+            text = text or ""
         calls: list[dict] = []
-        content: str | None = text
+        content: str | None = text if text or thinking is None else None
         if mode == "forced":
             try:
                 calls = forced_tool_calls(text, req.tool_choice)
@@ -189,10 +235,12 @@ class ChatServing:
             except (ValueError, KeyError, TypeError):  # cut short (length): not a whole call
                 calls = []
         elif mode == "auto":
-            content, calls = self.server.tool_parser.parse(text)
+            content, calls = self.server.tool_parser.parse(text, req._tools)
         if calls and req.parallel_tool_calls is False:
             calls = calls[:1]
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if thinking is not None and req.include_reasoning:
+            message["reasoning"] = message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
             if finish == "stop" and (mode == "auto" or req.tool_choice == "required"):

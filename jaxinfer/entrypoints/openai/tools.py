@@ -5,8 +5,10 @@
   Named: the output is the function's arguments. Required: a JSON array of
   {"name", "parameters"} objects (at most one when parallel_tool_calls is false).
 - `tool_choice` "auto" (the default when tools are given): the model decides; a tool-call parser
-  chosen at start-up (`--enable-auto-tool-choice --tool-call-parser hermes|llama3_json`) finds
-  the calls in the text. Without those flags "auto" with tools is refused, as in vLLM.
+  chosen at start-up (`--enable-auto-tool-choice --tool-call-parser NAME`: hermes,
+  llama3_json, qwen3_coder / qwen3_xml, pythonic, mistral, deepseek_v3 / deepseek_v31) finds
+  the calls in the text; streamed, the text from a call's marker on is held back and the calls
+  go out when the choice ends. Without those flags "auto" with tools is refused, as in vLLM.
 - finish_reason is "tool_calls" when auto or required produced calls, "stop" for a named one.
 """
 
@@ -103,20 +105,25 @@ def forced_tool_calls(text: str, tool_choice) -> list[dict]:
             for c in json.loads(text)]
 
 
-def _call(name: str, arguments: str) -> dict:
-    return {"id": make_tool_call_id(), "type": "function",
+def _call(name: str, arguments: str, call_id: str | None = None) -> dict:
+    return {"id": call_id or make_tool_call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
 # -- parsers for tool_choice="auto" --------------------------------------------------------------
 class ToolParser:
     """Finds tool calls in a model's text. `start` is the marker of a call: streaming holds the
-    text back from where it (or a prefix of it) appears."""
+    text back from where it (or a prefix of it) appears, and sends the calls when the choice
+    ends. `special_tokens`: the markers are special tokens, so the text is decoded with them
+    (skip_special_tokens=False, as vLLM's parsers of such formats ask)."""
 
     start = ""
+    special_tokens = False
 
-    def parse(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content, calls)."""
+    def parse(self, text: str, tools: dict[str, dict] | None = None
+              ) -> tuple[str | None, list[dict]]:
+        """(content, calls); tools: name -> parameters schema, for formats whose arguments
+        come as text and are typed by the schema."""
         raise NotImplementedError
 
     def safe_prefix(self, text: str) -> int:
@@ -136,7 +143,7 @@ class HermesToolParser(ToolParser):
     start = "<tool_call>"
     _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 
-    def parse(self, text):
+    def parse(self, text, tools=None):
         if self.start not in text:
             return text, []
         calls = []
@@ -157,7 +164,7 @@ class Llama3JsonToolParser(ToolParser):
 
     start = "{"
 
-    def parse(self, text):
+    def parse(self, text, tools=None):
         body = text.strip().removeprefix("<|python_tag|>").strip()
         if not body.startswith("{"):
             return text, []
@@ -179,7 +186,182 @@ class Llama3JsonToolParser(ToolParser):
             else len(text)
 
 
-TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+class Qwen3CoderToolParser(ToolParser):
+    """Qwen3-Coder / Qwen3.5 XML calls:
+    <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>...</function>\n
+    </tool_call>. Values are text, typed by the tool's schema (integer, number, boolean,
+    object, array, null: parsed as JSON / Python literals; else the string)."""
+
+    start = "<tool_call>"
+    _function = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+    _parameter = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)",
+                            re.S)
+
+    def parse(self, text, tools=None):
+        i = text.find(self.start)
+        j = text.find("<function=")
+        if j < 0:
+            return text, []
+        cut = i if 0 <= i <= j else j
+        calls = []
+        for name, body in self._function.findall(text[cut:]):
+            name = name.strip()
+            props = ((tools or {}).get(name) or {}).get("properties") or {}
+            args = {}
+            for key, value in self._parameter.findall(body):
+                key = key.strip()
+                args[key] = _typed(value, (props.get(key) or {}).get("type"))
+            calls.append(_call(name, json.dumps(args, ensure_ascii=False)))
+        if not calls:
+            return text, []
+        return text[:cut].rstrip() or None, calls
+
+    def safe_prefix(self, text):
+        return min(super().safe_prefix(text), _held(text, "<function="))
+
+
+class PythonicToolParser(ToolParser):
+    """Llama 3.2 / Llama 4 pythonic calls: [get_weather(city="Oslo"), get_time()] (a Python
+    list of calls with literal keyword arguments; Llama 4 may wrap it in <|python_start|>
+    ... <|python_end|>)."""
+
+    start = "["
+
+    def parse(self, text, tools=None):
+        import ast
+
+        body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>")
+        body = body.strip()
+        if not body.startswith("["):
+            return text, []
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return text, []
+            calls = []
+            for node in tree.elts:
+                if not isinstance(node, ast.Call) or node.args or not re.fullmatch(
+                        r"[A-Za-z_][\w.]*", ast.unparse(node.func)):
+                    return text, []
+                args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+                if None in args:  # (**kwargs)
+                    return text, []
+                calls.append(_call(ast.unparse(node.func),
+                                   json.dumps(args, ensure_ascii=False)))
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            return text, []
+        return None, calls
+
+    def safe_prefix(self, text):
+        lead = text.lstrip().removeprefix("<|python_start|>").lstrip()
+        return 0 if lead[:1] in ("[", "") or "<|python_start|>".startswith(text.lstrip()) \
+            else len(text)
+
+
+class MistralToolParser(ToolParser):
+    """Mistral: [TOOL_CALLS] then either a JSON array of {"name", "arguments"} (tokenizers
+    before v11) or NAME[ARGS]{...} per call (v11 and later). Call ids are 9 alphanumerics, as
+    Mistral's templates require."""
+
+    start = "[TOOL_CALLS]"
+    special_tokens = True
+
+    def parse(self, text, tools=None):
+        i = text.find(self.start)
+        if i < 0:
+            return text, []
+        rest = text[i:]
+        calls = []
+        try:
+            for part in rest.split(self.start)[1:]:
+                part = part.strip()
+                if not part:
+                    continue
+                if part.startswith("["):
+                    for obj in json.loads(part):
+                        calls.append(_call(obj["name"], json.dumps(
+                            obj.get("arguments", {}), ensure_ascii=False), _mistral_id()))
+                    continue
+                name, sep, args = part.partition("[ARGS]")
+                if not sep:
+                    return text, []
+                obj = json.JSONDecoder().raw_decode(args.strip())[0]
+                calls.append(_call(name.strip(), json.dumps(obj, ensure_ascii=False),
+                                   _mistral_id()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return text, []
+        if not calls:
+            return text, []
+        return text[:i].rstrip() or None, calls
+
+
+class DeepSeekV3ToolParser(ToolParser):
+    """DeepSeek-V3 / R1: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+    ```json ARGS ```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>; V3.1's NAME<｜tool▁sep｜>ARGS
+    without the type and the fence is read too."""
+
+    start = "<｜tool▁calls▁begin｜>"
+    special_tokens = True
+    _one = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.S)
+    _fenced = re.compile(r"\s*(\S+?)\s*\n```(?:json)?\s*\n(.*?)\n```\s*$", re.S)
+
+    def parse(self, text, tools=None):
+        i = text.find(self.start)
+        if i < 0:
+            return text, []
+        calls = []
+        try:
+            for head, body in self._one.findall(text[i:]):
+                fenced = self._fenced.match(body) if head.strip() == "function" else None
+                name, args = (fenced.group(1), fenced.group(2)) if fenced else (head, body)
+                obj = json.loads(args.strip())
+                calls.append(_call(name.strip(), json.dumps(obj, ensure_ascii=False)))
+        except (ValueError, TypeError):
+            return text, []
+        if not calls:
+            return text, []
+        return text[:i].rstrip() or None, calls
+
+
+TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
+                "qwen3_coder": Qwen3CoderToolParser, "qwen3_xml": Qwen3CoderToolParser,
+                "pythonic": PythonicToolParser, "mistral": MistralToolParser,
+                "deepseek_v3": DeepSeekV3ToolParser, "deepseek_v31": DeepSeekV3ToolParser}
+
+
+def _held(text: str, marker: str) -> int:
+    """How much of `text` comes before `marker` or a start of it at the end."""
+    i = text.find(marker)
+    if i >= 0:
+        return i
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
+def _typed(value: str, kind) -> Any:
+    """A parameter's text as its schema's type says (vLLM's Qwen3-Coder rule: what does not
+    parse stays the string)."""
+    kinds = kind if isinstance(kind, list) else [kind]
+    if value.strip() == "null" and "null" in kinds:
+        return None
+    if any(k in ("integer", "number", "boolean", "object", "array") for k in kinds):
+        import ast
+
+        for load in (json.loads, ast.literal_eval):
+            try:
+                return load(value.strip())
+            except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
+                continue
+    return value
+
+
+def _mistral_id() -> str:
+    import secrets
+    import string
+
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 def template_renders_tools(template: str | None) -> bool:
