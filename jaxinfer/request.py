@@ -103,6 +103,10 @@ class Request:
         # these ids (core/stop.py advance_grammar), None once it applies.
         self.reasoning_end_ids = list(reasoning_end_ids) if reasoning_end_ids else None
         self.grammar_future = None
+        # allowed_token_ids / bad_words: the step masks this request's row (core/token_masks);
+        # the allowed tokens' row is built on first use.
+        self.uses_token_mask = sampling_params.uses_token_mask
+        self.allowed_row = None
         self.grammar_deadline = 0.0
         # Skip prefix-cache hits when every prompt position's logits are needed, or when
         # penalties need every token to pass through the step (cached tokens do not).

@@ -7,8 +7,9 @@ import json as _json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from jaxinfer.validation import (FLOAT32_MAX, INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS,
-                                 MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+from jaxinfer.validation import (FLOAT32_MAX, INT32_MAX, INT64_MAX, INT64_MIN,
+                                 MAX_BAD_WORD_CHARS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS,
+                                 MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                  FieldError, check_float, check_int, is_int, max_n_sequences)
 
 __all__ = ["SamplingParams", "StructuredOutputsParams", "max_n_sequences"]
@@ -121,6 +122,16 @@ class SamplingParams:
     # Keep only the prompt's last k tokens (vLLM's left truncation); -1: max_model_len.
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit before
+    # sampling (-100 in effect bans it, +100 in effect forces it); applied on the device.
+    logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled (a mask row on the device).
+    allowed_token_ids: Sequence[int] | None = None
+    # vLLM's: words never generated: the front end tokenizes each (as is and after a space)
+    # into bad_words_token_ids; a word's last token is masked whenever the output ends with
+    # the rest of it (a one-token word always).
+    bad_words: Sequence[str] | None = None
+    bad_words_token_ids: Sequence[Sequence[int]] | None = None
     # Per-request data for engine extensions (vLLM's extra_args); jaxinfer reads only
     # "kv_transfer_params" (disaggregated prefill/decode), other keys are refused by name.
     extra_args: dict[str, Any] | None = None
@@ -189,6 +200,7 @@ class SamplingParams:
                 raise FieldError("stop_token_ids", f"SamplingParams.stop_token_ids[{i}] must be "
                                                    f"an integer in [0, {INT32_MAX}], got {t!r}")
         object.__setattr__(self, "stop_token_ids", ids)
+        self._check_token_controls(fail)
         so = self.structured_outputs
         if isinstance(so, dict):
             unknown = sorted(set(so) - {f.name for f in dataclasses.fields(
@@ -214,6 +226,62 @@ class SamplingParams:
         if self.temperature < 1e-5:
             # Greedy: the other sampling knobs do not apply (as in vLLM).
             object.__setattr__(self, "temperature", 0.0)
+
+    def _check_token_controls(self, fail) -> None:
+        """logit_bias, allowed_token_ids, bad_words (ranges here; token ids against the
+        model's vocabulary in validation.check_for_model)."""
+        own = "SamplingParams."
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                fail("logit_bias", "must be a dict of token id -> bias")
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise FieldError("logit_bias", f"SamplingParams.logit_bias has {len(bias)} "
+                                               f"entries, more than the limit of "
+                                               f"{MAX_LOGIT_BIAS}")
+            out = {}
+            for k, v in bias.items():
+                if not is_int(k) or not 0 <= k <= INT32_MAX:
+                    raise FieldError("logit_bias", f"SamplingParams.logit_bias keys must be "
+                                                   f"token ids (integers >= 0), got {k!r:.50}")
+                check_float(own, f"logit_bias[{k}]", v, -100.0, 100.0)
+                out[int(k)] = float(v)
+            object.__setattr__(self, "logit_bias", out or None)
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)) or not allowed:
+                fail("allowed_token_ids", "must be a non-empty list of token ids or None")
+            if len(allowed) > INT32_MAX or not all(is_int(t) and 0 <= t <= INT32_MAX
+                                                   for t in allowed):
+                fail("allowed_token_ids", "must hold token ids (integers >= 0)")
+            object.__setattr__(self, "allowed_token_ids", [int(t) for t in allowed])
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or len(words) > MAX_BAD_WORDS:
+                fail("bad_words", f"must be a list of at most {MAX_BAD_WORDS} strings")
+            for i, w in enumerate(words):
+                if not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS:
+                    raise FieldError("bad_words", f"SamplingParams.bad_words[{i}] must be a "
+                                                  f"non-blank string of at most "
+                                                  f"{MAX_BAD_WORD_CHARS} characters")
+            object.__setattr__(self, "bad_words", list(words) or None)
+        ids = self.bad_words_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or len(ids) > 2 * MAX_BAD_WORDS:
+                fail("bad_words", f"bad_words_token_ids must be a list of at most "
+                                  f"{2 * MAX_BAD_WORDS} token-id lists")
+            for w in ids:
+                if not isinstance(w, (list, tuple)) or not 0 < len(w) <= MAX_BAD_WORD_TOKENS \
+                        or not all(is_int(t) and 0 <= t <= INT32_MAX for t in w):
+                    raise FieldError("bad_words", f"SamplingParams.bad_words_token_ids: each "
+                                                  f"word is 1 to {MAX_BAD_WORD_TOKENS} token ids")
+            object.__setattr__(self, "bad_words_token_ids", [list(map(int, w)) for w in ids]
+                               or None)
+
+    @property
+    def uses_token_mask(self) -> bool:
+        """allowed_token_ids or bad words: the step masks this request's row."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     def validate(self) -> None:
         """Check every field again (ValueError naming it): the engine core does, for requests

@@ -30,6 +30,10 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
 MAX_CACHE_SALT_CHARS = 1024  # a salt is a secret of ~43 characters (256 bits, base64)
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request (the step carries them sparse)
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORD_TOKENS = 64  # tokens of one tokenized bad word
 DEFAULT_MAX_N_SEQUENCES = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024
 
@@ -133,6 +137,13 @@ def check_for_model(params, *, vocab_size: int, max_model_len: int) -> None:
         raise FieldError("top_k", f"SamplingParams.top_k must be at most the vocabulary size "
                                   f"{vocab_size} (0 or -1: all tokens), got {params.top_k}")
     check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size, "SamplingParams.")
+    if params.logit_bias:
+        check_token_ids("logit_bias", list(params.logit_bias), vocab_size, "SamplingParams.")
+    if params.allowed_token_ids is not None:
+        check_token_ids("allowed_token_ids", params.allowed_token_ids, vocab_size,
+                        "SamplingParams.")
+    for word in params.bad_words_token_ids or ():
+        check_token_ids("bad_words", word, vocab_size, "SamplingParams.")
     t = params.truncate_prompt_tokens
     if t is not None and t > max_model_len:
         raise FieldError("truncate_prompt_tokens", f"SamplingParams.truncate_prompt_tokens "

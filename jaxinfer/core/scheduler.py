@@ -17,6 +17,7 @@ from jaxinfer.core.kv_cache_manager import KVCacheManager
 from jaxinfer.core.kv_transfer import apply_connector_output, start_kv_load
 from jaxinfer.core.request_queue import make_queue
 from jaxinfer.core.stop import advance_grammar, check_stop, take_drafts
+from jaxinfer.core.token_masks import step_bitmask
 from jaxinfer.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput,
                               SchedulerOutput)
 from jaxinfer.request import FinishReason, Request, RequestStatus
@@ -29,8 +30,11 @@ _BLOCKED = (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING_FOR_REMOTE_KVS)
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 kv_connector=None, structured_output_manager=None, speculative_config=None):
+                 kv_connector=None, structured_output_manager=None, speculative_config=None,
+                 vocab_size: int = 0):
         self.config = config
+        # Token bitmask words per row ([n, ceil(V/32)]: grammars, allowed_token_ids, bad_words).
+        self.bitmask_width = (vocab_size + 31) // 32
         # Speculative decoding (None: off): drafts arrive via update_draft_token_ids.
         self.speculative_config = speculative_config
         self.num_lookahead_tokens = (speculative_config.num_lookahead_tokens
@@ -383,7 +387,7 @@ class Scheduler:
             request.num_computed_tokens += n
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples a real token
-                if request.grammar is not None:
+                if request.grammar is not None or request.uses_token_mask:
                     structured.append(request)
         return out
 
@@ -470,14 +474,15 @@ class Scheduler:
         if not rows:
             return None
         errors: dict[str, str] = {}
-        bitmask = self.structured_output_manager.grammar_bitmask(rows, errors)
+        bitmask = step_bitmask(rows, self.structured_output_manager, self.bitmask_width, errors)
         self.step_failures.update(errors)  # (their rows allow EOS only; they end after the step)
         return [r.request_id for r in rows], bitmask
 
     def last_step_sampled_grammars(self) -> bool:
         """Some request with a grammar samples in the step scheduled last: the next step's
         masks need that step's tokens (async scheduling collects it first)."""
-        return bool(self._structured_rows)
+        return any(r.grammar is not None or r.sampling_params.bad_words_token_ids
+                   for r in self._structured_rows)
 
     # -- after the step -------------------------------------------------------------------------
     def update_from_output(self, so: SchedulerOutput, ro: RunnerOutput) -> list[EngineCoreOutput]:

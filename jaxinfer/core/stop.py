@@ -54,12 +54,14 @@ def advance_grammar(request: Request, token: int) -> bool:
 def take_drafts(request: Request, tokens: list[int], max_model_len: int) -> None:
     """Set the request's drafts for the next step from the proposer's `tokens`. Only running
     requests whose tokens are all computed (decoding, not mid-prefill) take them; requests
-    that sample under a grammar or with penalties take none (the verify path does not filter
-    drafts by grammar or count drafts in penalties yet). Drafts are capped so that accepting
-    them all plus the bonus token stays within max_tokens and max_model_len."""
+    that sample under a grammar, with penalties or with bad words take none (the verify path
+    does not filter drafts by grammar or bad words, or count drafts in penalties, yet).
+    Drafts are capped so that accepting them all plus the bonus token stays within
+    max_tokens and max_model_len."""
     if (request.status != RequestStatus.RUNNING or request.grammar is not None
             or request.num_computed_tokens != request.num_tokens - 1
-            or request.sampling_params.uses_penalties):
+            or request.sampling_params.uses_penalties
+            or request.sampling_params.bad_words_token_ids):
         return
     room = min(request.max_tokens - request.num_output_tokens,
                max_model_len - request.num_tokens) - 1

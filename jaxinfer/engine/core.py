@@ -83,7 +83,8 @@ class EngineCore:
         spec = cfg.speculative_config
         self.scheduler = Scheduler(sched, kv, kv_connector=kv_sched,
                                    structured_output_manager=self.structured_output_manager,
-                                   speculative_config=spec)
+                                   speculative_config=spec,
+                                   vocab_size=self.model_config.vocab_size)
         if kvt is not None:
             self.scheduler.kv_load_failure_policy = kvt.kv_load_failure_policy
         pp = rc.parallel.pipeline_parallel_size

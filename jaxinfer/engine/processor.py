@@ -12,7 +12,8 @@ from typing import Any
 
 from jaxinfer.engine.messages import EngineCoreRequest
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
-from jaxinfer.validation import (INT64_MAX, INT64_MIN, check_cache_salt, check_for_model,
+from jaxinfer.validation import (INT64_MAX, INT64_MIN, FieldError, check_cache_salt,
+                                 check_for_model,
                                  check_int)
 
 PromptType = str | dict[str, Any] | list[int]
@@ -76,6 +77,22 @@ class Processor:
         """The limits that depend on this model (vocabulary, context): FieldError naming the
         field."""
         check_for_model(params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+
+    def tokenize_bad_words(self, words) -> list[list[int]]:
+        """Each bad word as token ids, as written (leading spaces dropped) and, where the
+        tokenizer has a separate form for it, after a space (mid-text), as vLLM does."""
+        if self.tokenizer is None:
+            raise FieldError("bad_words", "bad_words need the tokenizer, but the engine was "
+                                          "started with skip_tokenizer_init=True; pass "
+                                          "bad_words_token_ids instead")
+        out: list[list[int]] = []
+        for word in words:
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(alone)
+            if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return [w for w in out if w]
 
     def truncate(self, ids: list[int], params: SamplingParams | None) -> list[int]:
         """truncate_prompt_tokens: keep the prompt's last k tokens (vLLM's left truncation)."""
@@ -156,6 +173,8 @@ class Processor:
         if self.tokenizer is None and params.stop:
             raise ValueError("stop: stop strings need the tokenizer, but the engine was started "
                              "with skip_tokenizer_init=True; use stop_token_ids")
+        if params.bad_words:
+            params = params.clone(bad_words_token_ids=self.tokenize_bad_words(params.bad_words))
         self.check_params(params)
         check_int("", "priority", priority, INT64_MIN, INT64_MAX)
         if isinstance(prompt, dict) and "cache_salt" in prompt:  # (vLLM's place for it)

@@ -39,6 +39,9 @@ class InputBatch:
         self.num_logprobs = np.full(max_num_reqs, -1, np.int32)  # -1: not requested
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, np.int32)
         self.needs_reset = np.zeros(max_num_reqs, bool)  # penalty state to clear next step
+        # logit_bias of the slots that have one: (token ids int32, values float32)
+        self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.num_logit_bias = np.zeros(max_num_reqs, np.int32)
         self.req_id_to_slot: dict[str, int] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
 
@@ -71,6 +74,12 @@ class InputBatch:
         self.num_logprobs[s] = -1 if p.logprobs is None else p.logprobs
         self.num_prompt_logprobs[s] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.needs_reset[s] = True
+        self.logit_bias.pop(s, None)
+        self.num_logit_bias[s] = 0
+        if p.logit_bias:
+            self.logit_bias[s] = (np.fromiter(p.logit_bias.keys(), np.int32),
+                                  np.fromiter(p.logit_bias.values(), np.float32))
+            self.num_logit_bias[s] = len(p.logit_bias)
         return s
 
     def remove(self, req_id: str) -> None:

@@ -123,7 +123,8 @@ class ModelRunner:
         """Lower one bucket and variant (any thread: the background compiler too). The state
         goes in as shapes: the live KV caches and sampler state may be donated meanwhile."""
         example = self.program.place(self.builder.new_buffers(
-            t, r, features.prompt_logprobs, features.structured, features.verify))
+            t, r, features.prompt_logprobs, features.structured, features.verify,
+            features.bias))
         return self.program.lower(t, r, features, abstract(self.state), example)
 
     @property

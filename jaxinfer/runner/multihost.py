@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxinfer.runner.step_inputs import PLAIN, StepBatch, StepFeatures
 
-_HEADER = 9  # t, r, six feature flags, stop
+_HEADER = 10  # t, r, six feature flags, the logit_bias bucket, stop
 
 
 def broadcast_step(batch: StepBatch | None, features: StepFeatures = PLAIN) -> None:
@@ -16,11 +16,12 @@ def broadcast_step(batch: StepBatch | None, features: StepFeatures = PLAIN) -> N
     from jax.experimental import multihost_utils
 
     if batch is None:
-        header = np.array([0, 0, 0, 0, 0, 0, 0, 0, 1], np.int32)
+        header = np.array([0, 0, 0, 0, 0, 0, 0, 0, 0, 1], np.int32)
     else:
         header = np.array([batch.input_ids.shape[0], batch.req_slots.shape[0],
                            features.logprobs, features.penalties, features.prompt_logprobs,
-                           features.structured, features.spec, features.verify, 0], np.int32)
+                           features.structured, features.spec, features.verify,
+                           features.bias, 0], np.int32)
     multihost_utils.broadcast_one_to_all(header)
     if batch is not None:
         multihost_utils.broadcast_one_to_all(batch)
@@ -31,11 +32,11 @@ def receive_step(new_buffers) -> tuple[StepBatch, StepFeatures] | None:
     structured, verify) makes the host buffers of its shape), or None when process 0 stops."""
     from jax.experimental import multihost_utils
 
-    t, r, lp, pen, plp, st, sp, vf, stop = (
+    t, r, lp, pen, plp, st, sp, vf, bias, stop = (
         int(x) for x in multihost_utils.broadcast_one_to_all(np.zeros(_HEADER, np.int32)))
     if stop:
         return None
-    features = StepFeatures(bool(lp), bool(pen), bool(plp), bool(st), bool(sp), bool(vf))
+    features = StepFeatures(bool(lp), bool(pen), bool(plp), bool(st), bool(sp), bool(vf), bias)
     batch = multihost_utils.broadcast_one_to_all(new_buffers(t, r, bool(plp), bool(st),
-                                                             bool(vf)))
+                                                             bool(vf), bias))
     return batch, features

@@ -13,6 +13,7 @@ import numpy as np
 from jaxinfer.outputs import SchedulerOutput
 from jaxinfer.runner.input_batch import InputBatch
 from jaxinfer.runner.step_inputs import (StepBatch, StepFeatures, empty_step_batch,
+                                         logit_bias_bucket,
                                          fill_step_inputs, fill_verify_inputs, reset_step_batch)
 
 logger = logging.getLogger(__name__)
@@ -53,13 +54,14 @@ class StepBuilder:
         self._host_buffers: dict[tuple, list[StepBatch]] = {}
 
     def new_buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool = False,
-                    verify: bool = False) -> StepBatch:
+                    verify: bool = False, bias: int = 0) -> StepBatch:
         return empty_step_batch(t, r, self.max_blocks, self.num_slots, prompt_logprobs,
-                                self.bitmask_width if structured else 0, self.num_spec, verify)
+                                self.bitmask_width if structured else 0, self.num_spec, verify,
+                                bias)
 
     def _buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool,
-                 verify: bool) -> StepBatch:
-        key = (t, r, prompt_logprobs, structured, verify)
+                 verify: bool, bias: int) -> StepBatch:
+        key = (t, r, prompt_logprobs, structured, verify, bias)
         ring = self._host_buffers.get(key)
         if ring is None:
             ring = self._host_buffers[key] = [self.new_buffers(*key)
@@ -120,11 +122,18 @@ class StepBuilder:
         structured = grammar is not None
         spec = so.scheduled_spec_decode_tokens
         verify = bool(self.num_spec and spec and any(rid in spec for rid in req_ids))
+        bias = logit_bias_bucket(int(b.num_logit_bias[slots].max()))
         features = StepFeatures(logprobs=bool(np.any(b.num_logprobs[slots] >= 0)),
                                 penalties=penalties, prompt_logprobs=wants_pl,
-                                structured=structured, spec=self.num_spec > 0, verify=verify)
+                                structured=structured, spec=self.num_spec > 0, verify=verify,
+                                bias=bias)
         t, r = choose_bucket(n_tok, n_req, features)
-        batch = self._buffers(t, r, wants_pl, structured, verify)
+        batch = self._buffers(t, r, wants_pl, structured, verify, bias)
+        if bias:
+            for i in np.flatnonzero(b.num_logit_bias[slots]):
+                ids, vals = b.logit_bias[int(slots[i])]
+                batch.bias_ids[i, :len(ids)] = ids
+                batch.bias_vals[i, :len(ids)] = vals
         num_drafts = self._take_drafts(spec, req_ids, slots) if self.num_spec else None
         if structured:
             grammar_ids, grammar_bitmask = grammar

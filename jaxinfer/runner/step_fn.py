@@ -57,6 +57,10 @@ def step_tail(model, hidden, input_ids, sampler: SamplerState, batch: StepBatch,
         raw_logits = apply_token_bitmask(raw_logits,
                                          batch.bitmask[rows] if spec else batch.bitmask)
     logits = raw_logits
+    if features.bias:  # logit_bias: added after the mask, before penalties (as in vLLM)
+        ids = batch.bias_ids[rows] if spec else batch.bias_ids
+        vals = batch.bias_vals[rows] if spec else batch.bias_vals
+        logits = logits.at[jnp.arange(ids.shape[0])[:, None], ids].add(vals)
     counts, prompt_mask = sampler.counts, sampler.prompt_mask
     if features.penalties:  # (spec: requests with penalties get no drafts, only j = 0)
         counts, prompt_mask = _update_penalty_state(sampler, input_ids, batch)

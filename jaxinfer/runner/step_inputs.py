@@ -29,10 +29,21 @@ class StepFeatures:
     # (spec) some row verifies drafts: N = min(T, R * (K+1)) verify positions; else N = R,
     # so a step without drafts computes the LM head on R rows only, as a plain step does.
     verify: bool = False
+    # logit_bias: entries per row, a bucket of LOGIT_BIAS_BUCKETS (0: no row has any)
+    bias: int = 0
 
     def __str__(self) -> str:
-        on = [f.name for f in dataclasses.fields(self) if getattr(self, f.name)]
+        on = [f.name if f.name != "bias" else f"bias{self.bias}"
+              for f in dataclasses.fields(self) if getattr(self, f.name)]
         return "+".join(on) or "plain"
+
+
+# logit_bias entries a step carries per row: the smallest bucket that holds every row's.
+LOGIT_BIAS_BUCKETS = (16, 128, 1024)
+
+
+def logit_bias_bucket(n: int) -> int:
+    return 0 if n == 0 else next(k for k in LOGIT_BIAS_BUCKETS if k >= n)
 
 
 PLAIN = StepFeatures()
@@ -70,13 +81,17 @@ class StepBatch:
     # device patches in each sampling row's last emitted token), and which rows sample.
     draft_input_ids: np.ndarray | None = None  # int32 [T]
     sample_rows: np.ndarray | None = None  # bool [R]
+    # logit_bias (StepFeatures.bias = K): each row's token ids and the values added to their
+    # logits; padding entries are (0, 0.0), which add nothing.
+    bias_ids: np.ndarray | None = None  # int32 [R, K]
+    bias_vals: np.ndarray | None = None  # float32 [R, K]
 
 
 def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
                      prompt_logprobs: bool = False, bitmask_width: int = 0,
-                     num_spec: int = 0, verify: bool = False) -> StepBatch:
+                     num_spec: int = 0, verify: bool = False, bias: int = 0) -> StepBatch:
     """Host buffers of an all-padding (T=t, R=r) step (num_spec: K of speculative decoding,
-    0 = off; verify: room for drafts)."""
+    0 = off; verify: room for drafts; bias: logit_bias entries per row)."""
     zi = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     n = min(t, r * (num_spec + 1)) if verify else r
     return StepBatch(
@@ -104,6 +119,8 @@ def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
         num_drafts=zi(r) if num_spec else None,
         draft_input_ids=zi(t) if num_spec else None,
         sample_rows=np.zeros(r, bool) if num_spec else None,
+        bias_ids=zi(r, bias) if bias else None,
+        bias_vals=np.zeros((r, bias), np.float32) if bias else None,
     )
 
 

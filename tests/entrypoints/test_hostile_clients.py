@@ -263,7 +263,8 @@ BOUNDARY = [0, -1, 1, 2, 2**31 - 1, 2**31, -(2**31) - 1, 2**63 - 1, 2**63, -(2**
             "x", "\ud800", "a\udc00b", "\x00", "\U0001F600", "\u202e\u0301", "x" * 5000, [],
             [0], [-1], [2**31], [2**64], [""], [None], ["x"] * 300, list(range(2000)), {},
             {"type": "text"}, {"type": "json_schema"}, [[1] * 70], [[]], [["x"]], [[1], "x"],
-            {"enable_thinking": False}, {"messages": []}]
+            {"enable_thinking": False}, {"messages": []}, {"0": 100.0}, {"-1": 1},
+            {"5": float("nan")}, {str(2**40): 1}]
 
 
 def _nested(depth):
@@ -345,7 +346,9 @@ CHAT_PLACES = COMPLETION_PLACES + ["messages[0].role", "messages[0].content",
 
 # Requests the server must accept, run before the generated ones (so that both outcomes are
 # always exercised, whatever the generated examples happen to be); the newer fields in them.
-VALID = [({"seed": 7}, False), ({"cache_salt": "fuzz-salt", "priority": 0}, True)]
+VALID = [({"seed": 7}, False), ({"cache_salt": "fuzz-salt", "priority": 0}, True),
+         ({"logit_bias": {"5": 100, "6": -100}, "allowed_token_ids": [5, 6, 7],
+           "bad_words": ["x", "y z"]}, True)]
 CHAT_VALID = VALID + [({"chat_template_kwargs": {"enable_thinking": False}}, False),
                       ({"include_reasoning": False, "documents": [{"title": "t", "text": "x"}],
                         "messages[1].reasoning_content": "thought"}, True),

@@ -271,7 +271,7 @@ def test_fields_are_honoured_ignored_by_list_or_refused_by_name(server):
         ("/v1/chat/completions", chat | {"messages": [{"role": "user", "content": "x",
                                                        "colour": "red"}]}, "messages.colour"),
         ("/v1/chat/completions", chat | {"tool_choice": "required"}, "tool_choice"),
-        ("/v1/completions", base | {"logit_bias": {"50": 5}}, "logit_bias"),
+        ("/v1/completions", base | {"logit_bias": {"fifty": 5}}, "logit_bias"),
         ("/v1/completions", base | {"best_of": 3}, "best_of"),
         ("/v1/completions", base | {"suffix": "end"}, "suffix"),
         ("/v1/completions", base | {"frobnicate": 1}, "frobnicate"),
@@ -994,4 +994,39 @@ def test_tool_parsers_through_the_server(server, client, monkeypatch, parser, te
     # (streamed, the newline before a call's marker went out before the marker came)
     assert content.rstrip() == (r.message.content or "") == ("" if parser == "pythonic"
                                                               else "Checking.")
+    wait_idle(server)
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(server, client):
+    """OpenAI's logit_bias through the SDK (token ids as strings, values clamped to
+    [-100, 100] as vLLM does) and vLLM's allowed_token_ids / bad_words through extra_body;
+    bad values are 400s naming the field."""
+    common = dict(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0,
+                  extra_body={"ignore_eos": True})
+    r = client.completions.create(logit_bias={"1000": 100}, **common)
+    assert server.llm.tokenizer.encode(r.choices[0].text, add_special_tokens=False) \
+        == [1000] * 5
+    chat = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "Hi"}],
+                                          logit_bias={"1000": 250})  # (clamped to 100)
+    assert chat.choices[0].message.content == server.llm.tokenizer.decode([1000] * 4)
+    allowed = [1000, 2000]
+    r = client.completions.create(**{**common, "extra_body": {
+        "ignore_eos": True, "allowed_token_ids": allowed}})
+    assert set(server.llm.tokenizer.encode(r.choices[0].text, add_special_tokens=False)) \
+        <= set(allowed)
+    plain = client.completions.create(**common).choices[0].text
+    word = plain.split()[0]
+    r = client.completions.create(**{**common, "extra_body": {"ignore_eos": True,
+                                                             "bad_words": [word]}})
+    assert word not in r.choices[0].text.split()
+    v = server.llm.llm_engine.model_config.vocab_size if hasattr(server.llm, "llm_engine") \
+        else server.llm.processor.vocab_size
+    for body, param in (({"logit_bias": {str(v): 1}}, "logit_bias"),
+                        ({"logit_bias": {"one": 1}}, "logit_bias"),
+                        ({"allowed_token_ids": []}, "allowed_token_ids"),
+                        ({"allowed_token_ids": [v]}, "allowed_token_ids"),
+                        ({"bad_words": [""]}, "bad_words")):
+        r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "x", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     wait_idle(server)

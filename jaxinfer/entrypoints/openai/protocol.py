@@ -9,8 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation, 
 from jaxinfer.entrypoints.openai.tools import (ToolError, named_tool, tool_choice_schema,
                                                validate_tools)
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
-from jaxinfer.validation import (FLOAT32_MAX, INT32_MAX, INT64_MAX, INT64_MIN,
-                                 MAX_CACHE_SALT_CHARS, MAX_LOGPROBS, MAX_STOP_STRING_CHARS,
+from jaxinfer.validation import (FLOAT32_MAX, INT32_MAX, INT64_MAX, INT64_MIN, MAX_BAD_WORDS,
+                                 MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
+                                 MAX_STOP_STRING_CHARS,
                                  MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOOLS)
 
 # The documented ranges (what /openapi.json shows, so generated requests probe the edges):
@@ -56,6 +57,7 @@ class _Common(BaseModel):
     # strict: a value of the wrong JSON type is a 400 ("0.5" is not a temperature), not coerced.
     model_config = ConfigDict(extra="allow", strict=True)
     _structured: Any = PrivateAttr(default=None)
+    _logit_bias: dict = PrivateAttr(default_factory=dict)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
@@ -94,9 +96,13 @@ class _Common(BaseModel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
-    # Accepted only at their no-op values (None, empty): a request that needs them gets a 400
-    # naming the field instead of output that ignores them.
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's: token id (as a string) -> bias, clamped to [-100, 100] as vLLM does.
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    # vLLM's: only these tokens may be sampled; words never to generate.
+    allowed_token_ids: Annotated[list[Int32], Field(min_length=1)] | None = None
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
+    # Accepted only at their no-op values (None, equal to n): a request that needs them gets a
+    # 400 naming the field instead of output that ignores them.
     best_of: int | None = Field(None, ge=1, le=INT32_MAX)
     # Disaggregated prefill/decode (vLLM's field): {"do_remote_decode": true} asks a prefill
     # instance to keep the prompt's KV for a decode instance; the params a prefill instance
@@ -115,7 +121,16 @@ class _Common(BaseModel):
                                    "'{\"backend\": ...}')")
         self._structured = self._structured_outputs()
         if self.logit_bias:
-            raise UnsupportedField("logit_bias", "logit_bias is not supported")
+            try:
+                bias = {int(k): min(100.0, max(-100.0, float(v)))
+                        for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise UnsupportedField("logit_bias", "logit_bias keys must be token ids "
+                                       "(integers as strings)") from None
+            if any(not 0 <= k <= INT32_MAX for k in bias) or any(v != v for v in bias.values()):
+                raise UnsupportedField("logit_bias", "logit_bias maps token ids >= 0 to finite "
+                                       "numbers")
+            self._logit_bias = bias
         if self.kv_transfer_params is not None and self.n != 1:
             raise UnsupportedField("kv_transfer_params", "kv_transfer_params needs n=1 (one "
                                    "KV transfer per request)")
@@ -197,6 +212,8 @@ class _Common(BaseModel):
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            logit_bias=self._logit_bias or None, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             structured_outputs=StructuredOutputsParams(**self._structured[1])
             if self._structured else None,
             extra_args=None if self.kv_transfer_params is None
