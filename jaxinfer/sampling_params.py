@@ -132,8 +132,9 @@ class SamplingParams:
     # the rest of it (a one-token word always).
     bad_words: Sequence[str] | None = None
     bad_words_token_ids: Sequence[Sequence[int]] | None = None
-    # Per-request data for engine extensions (vLLM's extra_args); jaxinfer reads only
-    # "kv_transfer_params" (disaggregated prefill/decode), other keys are refused by name.
+    # Per-request data for engine extensions (vLLM's extra_args): "kv_transfer_params"
+    # (disaggregated prefill/decode) and the keys the engine's logits processors read; the
+    # engine refuses other keys by name (validation.check_extra_args).
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self):
@@ -213,10 +214,8 @@ class SamplingParams:
         if self.extra_args is not None:
             if not isinstance(self.extra_args, dict):
                 fail("extra_args", "must be a dict or None")
-            unknown = sorted(set(self.extra_args) - {"kv_transfer_params"})
-            if unknown:
-                raise ValueError(f"SamplingParams.extra_args: unknown key(s) {unknown}; "
-                                 "jaxinfer reads only 'kv_transfer_params'")
+            if not all(isinstance(k, str) for k in self.extra_args):
+                fail("extra_args", "must have string keys")
             ktp = self.extra_args.get("kv_transfer_params")
             if ktp is not None and not isinstance(ktp, dict):
                 raise ValueError("SamplingParams.extra_args['kv_transfer_params'] must be a "

@@ -129,6 +129,16 @@ def check_token_ids(field: str, ids: Any, vocab_size: int, owner: str = "") -> l
     return list(ids)
 
 
+def check_extra_args(params, known: frozenset[str] = frozenset()) -> None:
+    """SamplingParams.extra_args: only keys something in the engine reads (kv_transfer_params,
+    and `known`: the keys its logits processors read)."""
+    unknown = sorted(set(params.extra_args or ()) - {"kv_transfer_params"} - known)
+    if unknown:
+        raise FieldError("extra_args", f"SamplingParams.extra_args: unknown key(s) {unknown}; "
+                                       f"this engine reads "
+                                       f"{sorted({'kv_transfer_params'} | known)}")
+
+
 def check_for_model(params, *, vocab_size: int, max_model_len: int) -> None:
     """The SamplingParams limits that depend on the model (FieldError naming the field):
     top_k at most the vocabulary, stop token ids in it, truncate_prompt_tokens at most the
@@ -151,7 +161,8 @@ def check_for_model(params, *, vocab_size: int, max_model_len: int) -> None:
                          "smaller truncation size")
 
 
-def check_core_request(req, *, vocab_size: int, max_model_len: int) -> None:
+def check_core_request(req, *, vocab_size: int, max_model_len: int,
+                       extra_args_keys: frozenset[str] = frozenset()) -> None:
     """What the engine core checks of an EngineCoreRequest before its scheduler sees it: the
     front end checked all of it already, but a request that bypassed a front end (or a bug in
     one) must fail alone instead of failing a step. ValueError naming the field."""
@@ -160,6 +171,7 @@ def check_core_request(req, *, vocab_size: int, max_model_len: int) -> None:
     params = req.sampling_params
     params.validate()
     check_for_model(params, vocab_size=vocab_size, max_model_len=max_model_len)
+    check_extra_args(params, extra_args_keys)
     ids = req.prompt_token_ids
     if not isinstance(ids, (list, tuple)) or not ids:
         raise FieldError("prompt_token_ids", "prompt_token_ids must be a non-empty list")

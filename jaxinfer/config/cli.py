@@ -102,6 +102,9 @@ FLAGS: dict[str, dict] = {
                                    "many stages, each on its own devices"),
     "pp_layer_partition": dict(type=str, help="layers per stage, e.g. 4,4,5,3 (or "
                                               "JAXINFER_PP_LAYER_PARTITION)"),
+    "logits_processors": dict(type=str, nargs="+", help="custom logits processors, as import "
+                              "paths (module:Class or module.Class) of LogitsProcessor "
+                              "subclasses"),
     "reasoning_parser": dict(type=str, choices=tuple(REASONING_PARSERS),
                              help="split a reasoning model's thinking into reasoning_content "
                                   "(chat route); structured outputs apply after it"),
@@ -135,6 +138,8 @@ def add_engine_args(parser, *, defaults: dict | None = None, skip=()) -> None:
             kw["type"] = kind
             if "choices" in spec:
                 kw["choices"] = list(spec["choices"])
+            if "nargs" in spec:
+                kw["nargs"] = spec["nargs"]
         parser.add_argument(*names, **kw)
 
 

@@ -185,6 +185,10 @@ class EngineConfig:
     # The chat route splits a choice's thinking into reasoning_content; structured outputs
     # constrain only the text after the thinking ends. None: off.
     reasoning_parser: str | None = None
+    # vLLM's logits_processors: LogitsProcessor subclasses or their import paths
+    # (jaxinfer/logits_processors.py), applied in batch inside the step to the requests
+    # whose parameters ask for them; kept as 'module:QualName' paths.
+    logits_processors: tuple | list | None = None
 
     def parallel_config(self) -> ParallelConfig:
         """The parallel sizes above as the ParallelConfig the engine is built from (checked:
@@ -200,6 +204,14 @@ class EngineConfig:
 
     def __post_init__(self):
         self.parallel_config()  # (checked at construction; built once more when resolved)
+        if self.logits_processors is not None:
+            from jaxinfer.logits_processors import processor_path
+
+            procs = self.logits_processors
+            if isinstance(procs, (str, type)) or not isinstance(procs, (list, tuple)):
+                procs = [procs]
+            object.__setattr__(self, "logits_processors",
+                               tuple(processor_path(p) for p in procs) or None)
         if self.reasoning_parser is not None:
             from jaxinfer.reasoning import get_reasoning_parser
 

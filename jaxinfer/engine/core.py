@@ -155,7 +155,8 @@ class EngineCore:
         same functions: validation.check_core_request), so that a request that bypassed a
         front end fails alone (ValueError, that request only) instead of failing a step."""
         check_core_request(req, vocab_size=self.model_config.vocab_size,
-                           max_model_len=self.resolved.max_model_len)
+                           max_model_len=self.resolved.max_model_len,
+                           extra_args_keys=self.runner.extra_args_keys)
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,

@@ -28,7 +28,8 @@ def make_processor(rc, tokenizer, info: dict) -> Processor:
                      seed=rc.engine.seed, num_usable_kv_blocks=info["num_usable_kv_blocks"],
                      block_size=info["block_size"],
                      structured_outputs_config=rc.engine.structured_outputs_config,
-                     reasoning_parser=rc.engine.reasoning_parser)
+                     reasoning_parser=rc.engine.reasoning_parser,
+                     logits_processors=rc.engine.logits_processors)
 
 
 def in_process_only() -> bool:

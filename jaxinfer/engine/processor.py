@@ -13,8 +13,7 @@ from typing import Any
 from jaxinfer.engine.messages import EngineCoreRequest
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxinfer.validation import (INT64_MAX, INT64_MIN, FieldError, check_cache_salt,
-                                 check_for_model,
-                                 check_int)
+                                 check_extra_args, check_for_model, check_int)
 
 PromptType = str | dict[str, Any] | list[int]
 # A prompt dict's keys (vLLM's TextPrompt / TokensPrompt, text-only)
@@ -25,8 +24,16 @@ class Processor:
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int,
                  eos_token_id: int | None, extra_eos_token_ids: tuple[int, ...] = (),
                  seed: int = 0, num_usable_kv_blocks: int | None = None, block_size: int = 16,
-                 structured_outputs_config=None, reasoning_parser: str | None = None):
+                 structured_outputs_config=None, reasoning_parser: str | None = None,
+                 logits_processors=None):
         self.tokenizer = tokenizer
+        # Custom logits processors' classes: each checks a request's params; their extra_args
+        # keys are the ones a request may use beside kv_transfer_params.
+        from jaxinfer.logits_processors import load_processor
+
+        self.logits_processors = [load_processor(p) for p in logits_processors or ()]
+        self.extra_args_keys = frozenset(k for c in self.logits_processors
+                                         for k in c.extra_args_keys)
         # A reasoning model's thinking section (jaxinfer/reasoning.py): the split of the chat
         # route's text, and where a request's grammar starts.
         self.reasoning = None
@@ -77,6 +84,9 @@ class Processor:
         """The limits that depend on this model (vocabulary, context): FieldError naming the
         field."""
         check_for_model(params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        check_extra_args(params, self.extra_args_keys)
+        for cls in self.logits_processors:
+            cls.validate_params(params)
 
     def tokenize_bad_words(self, words) -> list[list[int]]:
         """Each bad word as token ids, as written (leading spaces dropped) and, where the

@@ -10,7 +10,8 @@ from jaxinfer.outputs import NewRequestData
 class InputBatch:
     """Token ids, block table and sampling parameters of every request the runner holds."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int):
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+                 logits_processors=()):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), np.int32)  # [S, L+1]
@@ -42,6 +43,12 @@ class InputBatch:
         # logit_bias of the slots that have one: (token ids int32, values float32)
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.num_logit_bias = np.zeros(max_num_reqs, np.int32)
+        # Custom logits processors: each one's row per slot and whether the slot uses it.
+        self.logits_processors = tuple(logits_processors)
+        self.lp_rows = tuple(np.zeros((max_num_reqs, *p.row_shape), p.row_dtype)
+                             for p in self.logits_processors)
+        self.lp_active = tuple(np.zeros(max_num_reqs, bool) for _ in self.logits_processors)
+        self.uses_processor = np.zeros(max_num_reqs, bool)
         self.req_id_to_slot: dict[str, int] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
 
@@ -80,6 +87,13 @@ class InputBatch:
             self.logit_bias[s] = (np.fromiter(p.logit_bias.keys(), np.int32),
                                   np.fromiter(p.logit_bias.values(), np.float32))
             self.num_logit_bias[s] = len(p.logit_bias)
+        self.uses_processor[s] = False
+        for proc, rows, active in zip(self.logits_processors, self.lp_rows, self.lp_active):
+            row = proc.row(p)
+            active[s] = row is not None
+            if row is not None:
+                rows[s] = row
+                self.uses_processor[s] = True
         return s
 
     def remove(self, req_id: str) -> None:

@@ -45,9 +45,10 @@ class ModelRunner:
     def __init__(self, program: StepProgram, *, num_kv_blocks: int, block_size: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, kv_dtype,
                  buckets: BucketTable | None = None, speculative_config=None,
-                 pipeline_depth: int = 1):
+                 pipeline_depth: int = 1, logits_processors=()):
         """program: how steps are compiled and run (step_program.make_step_program);
-        pipeline_depth: step batches in flight at most (P under pipeline parallelism)."""
+        pipeline_depth: step batches in flight at most (P under pipeline parallelism);
+        logits_processors: custom LogitsProcessor instances (jaxinfer/logits_processors.py)."""
         self.program = program
         self.model_config = cfg = program.model_config
         self.mesh = program.mesh
@@ -58,7 +59,11 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks
         self.buckets = buckets or BucketTable.build(max_num_batched_tokens, max_num_seqs)
         self.state = program.init_state(num_kv_blocks, block_size, kv_dtype, max_num_seqs)
-        self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks)
+        self.logits_processors = tuple(logits_processors)
+        self.extra_args_keys = frozenset(k for p in self.logits_processors
+                                         for k in p.extra_args_keys)
+        self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks,
+                                self.logits_processors)
         # Speculative decoding: K drafts at most per request; every step verifies (the spec
         # variant). A draft model or EAGLE head drafts inside the step (its drafts come back
         # with the sampled tokens); else an n-gram proposer drafts from the tokens on the host.
@@ -77,7 +82,8 @@ class ModelRunner:
                                    num_slots=max_num_seqs, bitmask_width=(cfg.vocab_size + 31) // 32,
                                    num_spec=self.num_spec,
                                    eagle=drafter is not None and drafter.kind == "eagle",
-                                   num_host_buffers=pipeline_depth + 1)
+                                   num_host_buffers=pipeline_depth + 1,
+                                   logits_processors=self.logits_processors)
         # Requests whose inputs could not be prepared (request id -> error), left out of the
         # step that dispatch() launched; the engine core finishes them with that error.
         self.failed_requests: dict[str, str] = {}
@@ -106,7 +112,7 @@ class ModelRunner:
     def serve_remote_steps(self) -> None:
         """On processes > 0: run process 0's steps until it stops them."""
         while True:
-            step = receive_step(self.builder.new_buffers)
+            step = receive_step(self.builder.new_buffers, self.logits_processors)
             if step is None:
                 return
             batch, features = step
@@ -124,7 +130,7 @@ class ModelRunner:
         goes in as shapes: the live KV caches and sampler state may be donated meanwhile."""
         example = self.program.place(self.builder.new_buffers(
             t, r, features.prompt_logprobs, features.structured, features.verify,
-            features.bias))
+            features.bias, bool(features.logits_processors)))
         return self.program.lower(t, r, features, abstract(self.state), example)
 
     @property

@@ -42,7 +42,7 @@ class BuiltStep:
 class StepBuilder:
     def __init__(self, batch: InputBatch, *, block_size: int, max_blocks: int,
                  num_slots: int, bitmask_width: int, num_spec: int, eagle: bool,
-                 num_host_buffers: int = 2):
+                 num_host_buffers: int = 2, logits_processors=()):
         """num_spec: K drafts at most per request (0: no speculative decoding); eagle: rows
         also carry the token after each one (an EAGLE head drafts from them);
         num_host_buffers: buffers per shape used in turn (a buffer is refilled only after the
@@ -51,17 +51,18 @@ class StepBuilder:
         self.block_size, self.max_blocks, self.num_slots = block_size, max_blocks, num_slots
         self.bitmask_width, self.num_spec, self.eagle = bitmask_width, num_spec, eagle
         self.num_host_buffers = num_host_buffers
+        self.logits_processors = tuple(logits_processors)
         self._host_buffers: dict[tuple, list[StepBatch]] = {}
 
     def new_buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool = False,
-                    verify: bool = False, bias: int = 0) -> StepBatch:
+                    verify: bool = False, bias: int = 0, processors: bool = False) -> StepBatch:
         return empty_step_batch(t, r, self.max_blocks, self.num_slots, prompt_logprobs,
                                 self.bitmask_width if structured else 0, self.num_spec, verify,
-                                bias)
+                                bias, self.logits_processors if processors else ())
 
     def _buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool,
-                 verify: bool, bias: int) -> StepBatch:
-        key = (t, r, prompt_logprobs, structured, verify, bias)
+                 verify: bool, bias: int, processors: bool) -> StepBatch:
+        key = (t, r, prompt_logprobs, structured, verify, bias, processors)
         ring = self._host_buffers.get(key)
         if ring is None:
             ring = self._host_buffers[key] = [self.new_buffers(*key)
@@ -123,12 +124,19 @@ class StepBuilder:
         spec = so.scheduled_spec_decode_tokens
         verify = bool(self.num_spec and spec and any(rid in spec for rid in req_ids))
         bias = logit_bias_bucket(int(b.num_logit_bias[slots].max()))
+        processors = bool(b.uses_processor[slots].any())
         features = StepFeatures(logprobs=bool(np.any(b.num_logprobs[slots] >= 0)),
                                 penalties=penalties, prompt_logprobs=wants_pl,
                                 structured=structured, spec=self.num_spec > 0, verify=verify,
-                                bias=bias)
+                                bias=bias,
+                                logits_processors=self.logits_processors if processors else ())
         t, r = choose_bucket(n_tok, n_req, features)
-        batch = self._buffers(t, r, wants_pl, structured, verify, bias)
+        batch = self._buffers(t, r, wants_pl, structured, verify, bias, processors)
+        if processors:
+            for rows, active, all_rows, all_active in zip(batch.lp_rows, batch.lp_active,
+                                                          b.lp_rows, b.lp_active):
+                rows[:n_req] = all_rows[slots]
+                active[:n_req] = all_active[slots]
         if bias:
             for i in np.flatnonzero(b.num_logit_bias[slots]):
                 ids, vals = b.logit_bias[int(slots[i])]

@@ -61,6 +61,11 @@ def step_tail(model, hidden, input_ids, sampler: SamplerState, batch: StepBatch,
         ids = batch.bias_ids[rows] if spec else batch.bias_ids
         vals = batch.bias_vals[rows] if spec else batch.bias_vals
         logits = logits.at[jnp.arange(ids.shape[0])[:, None], ids].add(vals)
+    for proc, p_rows, p_active in zip(features.logits_processors, batch.lp_rows or (),
+                                      batch.lp_active or ()):  # custom, in batch
+        if spec:
+            p_rows, p_active = p_rows[rows], p_active[rows]
+        logits = proc.apply(logits, p_rows, p_active)
     counts, prompt_mask = sampler.counts, sampler.prompt_mask
     if features.penalties:  # (spec: requests with penalties get no drafts, only j = 0)
         counts, prompt_mask = _update_penalty_state(sampler, input_ids, batch)

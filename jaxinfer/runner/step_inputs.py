@@ -31,6 +31,9 @@ class StepFeatures:
     verify: bool = False
     # logit_bias: entries per row, a bucket of LOGIT_BIAS_BUCKETS (0: no row has any)
     bias: int = 0
+    # The engine's custom logits processors, when some row uses one (else empty): the step
+    # traces their apply() in.
+    logits_processors: tuple = ()
 
     def __str__(self) -> str:
         on = [f.name if f.name != "bias" else f"bias{self.bias}"
@@ -85,13 +88,19 @@ class StepBatch:
     # logits; padding entries are (0, 0.0), which add nothing.
     bias_ids: np.ndarray | None = None  # int32 [R, K]
     bias_vals: np.ndarray | None = None  # float32 [R, K]
+    # Custom logits processors (StepFeatures.logits_processors): each one's rows
+    # [R, *row_shape] and which rows use it, bool [R].
+    lp_rows: tuple | None = None
+    lp_active: tuple | None = None
 
 
 def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
                      prompt_logprobs: bool = False, bitmask_width: int = 0,
-                     num_spec: int = 0, verify: bool = False, bias: int = 0) -> StepBatch:
+                     num_spec: int = 0, verify: bool = False, bias: int = 0,
+                     logits_processors=()) -> StepBatch:
     """Host buffers of an all-padding (T=t, R=r) step (num_spec: K of speculative decoding,
-    0 = off; verify: room for drafts; bias: logit_bias entries per row)."""
+    0 = off; verify: room for drafts; bias: logit_bias entries per row; logits_processors:
+    room for their rows)."""
     zi = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     n = min(t, r * (num_spec + 1)) if verify else r
     return StepBatch(
@@ -121,6 +130,10 @@ def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
         sample_rows=np.zeros(r, bool) if num_spec else None,
         bias_ids=zi(r, bias) if bias else None,
         bias_vals=np.zeros((r, bias), np.float32) if bias else None,
+        lp_rows=tuple(np.zeros((r, *p.row_shape), p.row_dtype) for p in logits_processors)
+        if logits_processors else None,
+        lp_active=tuple(np.zeros(r, bool) for _ in logits_processors)
+        if logits_processors else None,
     )
 
 

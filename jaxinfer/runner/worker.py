@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxinfer.config import ResolvedConfig
 from jaxinfer.config.dtypes import dtype as array_dtype
+from jaxinfer.logits_processors import load_processor
 from jaxinfer.runner.buckets import BucketTable
 from jaxinfer.runner.compile_cache import CompileCacheCounter, enable_compilation_cache
 from jaxinfer.runner.kv_cache import kv_cache_bytes_per_block
@@ -208,7 +209,9 @@ class Worker:
                            max_num_batched_tokens=sched.max_num_batched_tokens,
                            kv_dtype=self.kv_dtype, buckets=buckets,
                            speculative_config=cfg.speculative_config,
-                           pipeline_depth=len(self.model) if isinstance(self.model, list) else 1)
+                           pipeline_depth=len(self.model) if isinstance(self.model, list) else 1,
+                           logits_processors=[load_processor(p)(rc)
+                                              for p in cfg.logits_processors or ()])
 
     @property
     def step_compilation(self) -> str:

@@ -1030,3 +1030,38 @@ def test_logit_bias_allowed_token_ids_and_bad_words(server, client):
         r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "x", **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     wait_idle(server)
+
+
+def test_vllm_xargs_reach_the_logits_processors(server, monkeypatch):
+    """vLLM's vllm_xargs become SamplingParams.extra_args: keys the engine's processors read
+    pass (checked by them), others are 400s naming vllm_xargs."""
+    from tests.engine.logits_processor_examples import BanToken
+
+    proc = server.llm.processor
+    seen = []
+    generate = server.llm.generate
+
+    def spy(prompt, params, request_id=None, **kwargs):
+        seen.append(params.extra_args)
+        return generate(prompt, params, request_id, **kwargs)
+
+    monkeypatch.setattr(server.llm, "generate", spy)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    r = _post(server, "/v1/completions", {**body, "vllm_xargs": {"ban_token": 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs", r.text
+    # An engine with the processor reads the key (here only the front end's check is swapped:
+    # this server's engine core has no processors, so the request stops at the front end's
+    # validate_params for a bad value and at the core for a good one).
+    monkeypatch.setattr(proc, "logits_processors", [BanToken])
+    monkeypatch.setattr(proc, "extra_args_keys", frozenset({"ban_token"}))
+    r = _post(server, "/v1/completions", {**body, "vllm_xargs": {"ban_token": "x"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs", r.text
+    assert "ban_token must be a token id" in r.json()["error"]["message"]
+    r = _post(server, "/v1/completions", {**body, "vllm_xargs": {"kv_transfer_params": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs"
+    assert seen == []
+    scripted = _script(server, monkeypatch, ["ok"])  # (the engine's answer, scripted)
+    r = _post(server, "/v1/completions", {**body, "vllm_xargs": {"ban_token": 5}})
+    assert r.status_code == 200, r.text
+    assert scripted["params"].extra_args == {"ban_token": 5}
+    wait_idle(server)

@@ -284,8 +284,10 @@ def test_kv_transfer_config_errors_name_the_field(tmp_path):
             EngineConfig(kv_transfer_config=cfg)
     with pytest.raises(ValueError, match="n must be 1"):
         SamplingParams(n=2, extra_args={"kv_transfer_params": {}})
+    from jaxinfer.validation import check_extra_args
+
     with pytest.raises(ValueError, match=r"extra_args: unknown key\(s\) \['foo'\]"):
-        SamplingParams(extra_args={"foo": 1})
+        check_extra_args(SamplingParams(extra_args={"foo": 1}))  # (what every engine checks)
     from jaxinfer.entrypoints.cli import build_parser
 
     store = json.dumps(_storage(tmp_path))

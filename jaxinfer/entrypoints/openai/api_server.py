@@ -183,6 +183,8 @@ class OpenAIServer:
         except ValueError as e:
             field = e.field if isinstance(e, FieldError) else \
                 str(e).split(" ")[0].removeprefix("SamplingParams.")
+            if field.startswith("extra_args"):  # (the request's name for them)
+                field = "vllm_xargs"
             raise APIError(str(e), 400, field) from None
         if req.priority and self.llm.resolved.engine.scheduling_policy != "priority":
             raise APIError(f"priority={req.priority}: priority scheduling is not enabled "

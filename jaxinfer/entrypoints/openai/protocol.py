@@ -108,6 +108,10 @@ class _Common(BaseModel):
     # instance to keep the prompt's KV for a decode instance; the params a prefill instance
     # answers with tell the decode instance where to pull it from.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: parameters for custom extensions (the engine's logits processors), passed as
+    # SamplingParams.extra_args; a key no processor reads is a 400 naming it.
+    vllm_xargs: Annotated[dict[str, str | int | float | list[str | int | float]],
+                          Field(max_length=64)] | None = None
 
     @model_validator(mode="after")
     def _refuse_what_is_not_honoured(self):
@@ -131,6 +135,9 @@ class _Common(BaseModel):
                 raise UnsupportedField("logit_bias", "logit_bias maps token ids >= 0 to finite "
                                        "numbers")
             self._logit_bias = bias
+        if "kv_transfer_params" in (self.vllm_xargs or {}):
+            raise UnsupportedField("vllm_xargs", "vllm_xargs.kv_transfer_params: use the "
+                                   "request's kv_transfer_params field")
         if self.kv_transfer_params is not None and self.n != 1:
             raise UnsupportedField("kv_transfer_params", "kv_transfer_params needs n=1 (one "
                                    "KV transfer per request)")
@@ -216,8 +223,13 @@ class _Common(BaseModel):
             bad_words=self.bad_words,
             structured_outputs=StructuredOutputsParams(**self._structured[1])
             if self._structured else None,
-            extra_args=None if self.kv_transfer_params is None
-            else {"kv_transfer_params": self.kv_transfer_params})
+            extra_args=self._extra_args())
+
+    def _extra_args(self) -> dict | None:
+        extra = dict(self.vllm_xargs or {})
+        if self.kv_transfer_params is not None:
+            extra["kv_transfer_params"] = self.kv_transfer_params
+        return extra or None
 
 
 class CompletionRequest(_Common):
