@@ -17,7 +17,7 @@ from jaxinfer.core.kv_cache_manager import KVCacheManager
 from jaxinfer.core.kv_transfer import apply_connector_output, start_kv_load
 from jaxinfer.core.request_queue import make_queue
 from jaxinfer.core.stop import advance_grammar, check_stop, take_drafts
-from jaxinfer.core.token_masks import step_bitmask
+from jaxinfer.core.token_masks import needs_last_tokens, step_bitmask
 from jaxinfer.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput,
                               SchedulerOutput)
 from jaxinfer.request import FinishReason, Request, RequestStatus
@@ -33,8 +33,7 @@ class Scheduler:
                  kv_connector=None, structured_output_manager=None, speculative_config=None,
                  vocab_size: int = 0):
         self.config = config
-        # Token bitmask words per row ([n, ceil(V/32)]: grammars, allowed_token_ids, bad_words).
-        self.bitmask_width = (vocab_size + 31) // 32
+        self.bitmask_width = (vocab_size + 31) // 32  # int32 words per token-bitmask row
         # Speculative decoding (None: off): drafts arrive via update_draft_token_ids.
         self.speculative_config = speculative_config
         self.num_lookahead_tokens = (speculative_config.num_lookahead_tokens
@@ -479,10 +478,9 @@ class Scheduler:
         return [r.request_id for r in rows], bitmask
 
     def last_step_sampled_grammars(self) -> bool:
-        """Some request with a grammar samples in the step scheduled last: the next step's
-        masks need that step's tokens (async scheduling collects it first)."""
-        return any(r.grammar is not None or r.sampling_params.bad_words_token_ids
-                   for r in self._structured_rows)
+        """Some request with a grammar (or bad words) samples in the step scheduled last: the
+        next step's masks need that step's tokens (async scheduling collects it first)."""
+        return needs_last_tokens(self._structured_rows)
 
     # -- after the step -------------------------------------------------------------------------
     def update_from_output(self, so: SchedulerOutput, ro: RunnerOutput) -> list[EngineCoreOutput]:

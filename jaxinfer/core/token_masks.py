@@ -71,3 +71,8 @@ def step_bitmask(rows: list, grammars, width: int, errors: dict[str, str]) -> np
     for i in masked:
         apply_request_masks(bitmask[i], rows[i])
     return bitmask
+
+
+def needs_last_tokens(rows: list) -> bool:
+    """Some row's mask depends on the tokens sampled last (a grammar, bad words)."""
+    return any(r.grammar is not None or r.sampling_params.bad_words_token_ids for r in rows)
