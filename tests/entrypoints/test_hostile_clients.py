@@ -348,7 +348,8 @@ CHAT_PLACES = COMPLETION_PLACES + ["messages[0].role", "messages[0].content",
 # always exercised, whatever the generated examples happen to be); the newer fields in them.
 VALID = [({"seed": 7}, False), ({"cache_salt": "fuzz-salt", "priority": 0}, True),
          ({"logit_bias": {"5": 100, "6": -100}, "allowed_token_ids": [5, 6, 7],
-           "bad_words": ["x", "y z"]}, True)]
+           "bad_words": ["x", "y z"]}, True),
+         ({"prompt_logprobs": 2, "return_tokens_as_token_ids": True}, False)]
 CHAT_VALID = VALID + [({"chat_template_kwargs": {"enable_thinking": False}}, False),
                       ({"include_reasoning": False, "documents": [{"title": "t", "text": "x"}],
                         "messages[1].reasoning_content": "thought"}, True),

@@ -1065,3 +1065,36 @@ def test_vllm_xargs_reach_the_logits_processors(server, monkeypatch):
     assert r.status_code == 200, r.text
     assert scripted["params"].extra_args == {"ban_token": 5}
     wait_idle(server)
+
+
+def test_prompt_logprobs_and_tokens_as_ids(server, client):
+    """vLLM's prompt_logprobs (per prompt position, the first null; not with stream) and
+    return_tokens_as_token_ids (logprob tokens as "token_id:<id>"), on both routes."""
+    tok = server.llm.tokenizer
+    prompt_ids = tok.encode("The sky is blue", add_special_tokens=False)
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": prompt_ids, "max_tokens": 2,
+                                          "prompt_logprobs": 2, "logprobs": 1,
+                                          "return_tokens_as_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == len(prompt_ids) and plp[0] is None
+    for tid, d in zip(prompt_ids[1:], plp[1:]):
+        assert str(tid) in d and 1 <= len(d) <= 3  # the prompt's token and the top 2
+        assert all(v["logprob"] <= 0 and v["decoded_token"] == f"token_id:{k}"
+                   for k, v in d.items())
+        assert min(v["rank"] for v in d.values()) == 1
+    assert all(t.startswith("token_id:") for t in choice["logprobs"]["tokens"])
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Hi"}], logprobs=True,
+        top_logprobs=2, extra_body={"prompt_logprobs": 1, "return_tokens_as_token_ids": True})
+    assert chat.model_extra["prompt_logprobs"][0] is None
+    content = chat.choices[0].logprobs.content
+    ids = [int(c.token.split(":")[1]) for c in content]
+    assert tok.decode(ids, skip_special_tokens=True) == chat.choices[0].message.content
+    assert all(c.token.startswith("token_id:") and
+               all(t.token.startswith("token_id:") for t in c.top_logprobs) for c in content)
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True,
+                                          "prompt_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    wait_idle(server)

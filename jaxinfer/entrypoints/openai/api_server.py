@@ -191,6 +191,18 @@ class OpenAIServer:
                            "(--scheduling-policy priority)", 400, "priority")
         return params
 
+    @staticmethod
+    def prompt_logprobs(req, out) -> dict:
+        """vLLM's prompt_logprobs response field, when the request asked for it: per prompt
+        position (the first: null) token id -> {logprob, rank, decoded_token}."""
+        if req.prompt_logprobs is None:
+            return {}
+        as_ids = bool(req.return_tokens_as_token_ids)
+        return {"prompt_logprobs": [None if d is None else {
+            str(t): {"logprob": max(p.logprob, -9999.0), "rank": p.rank,
+                     "decoded_token": f"token_id:{t}" if as_ids else p.decoded_token}
+            for t, p in d.items()} for d in out.prompt_logprobs or []]}
+
     def check_prompt(self, ids: list[int]) -> None:
         """What the Processor would refuse once the response had started (a stream's 200):
         an empty prompt, one the whole KV cache cannot hold."""

@@ -108,6 +108,10 @@ class _Common(BaseModel):
     # instance to keep the prompt's KV for a decode instance; the params a prefill instance
     # answers with tell the decode instance where to pull it from.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: the prompt's logprobs (top k at each position) in the response; not streamed.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: logprob tokens as "token_id:<id>" (for tokens that are not valid text alone)
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's: parameters for custom extensions (the engine's logits processors), passed as
     # SamplingParams.extra_args; a key no processor reads is a 400 naming it.
     vllm_xargs: Annotated[dict[str, str | int | float | list[str | int | float]],
@@ -135,6 +139,9 @@ class _Common(BaseModel):
                 raise UnsupportedField("logit_bias", "logit_bias maps token ids >= 0 to finite "
                                        "numbers")
             self._logit_bias = bias
+        if self.prompt_logprobs is not None and self.stream:
+            raise UnsupportedField("prompt_logprobs", "`prompt_logprobs` are not available when "
+                                   "`stream=True`.")
         if "kv_transfer_params" in (self.vllm_xargs or {}):
             raise UnsupportedField("vllm_xargs", "vllm_xargs.kv_transfer_params: use the "
                                    "request's kv_transfer_params field")
@@ -216,7 +223,8 @@ class _Common(BaseModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=value("repetition_penalty", 1.0),
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             logit_bias=self._logit_bias or None, allowed_token_ids=self.allowed_token_ids,
@@ -261,7 +269,7 @@ class CompletionRequest(_Common):
         params = self._sampling_params(1 if self.prompt_only else self.max_tokens,
                                        self.logprobs, defaults or {})
         if self.echo and self.logprobs is not None:
-            params = params.clone(prompt_logprobs=self.logprobs)
+            params = params.clone(prompt_logprobs=max(self.logprobs, self.prompt_logprobs or 0))
         return params
 
 

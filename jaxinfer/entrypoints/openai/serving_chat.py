@@ -97,14 +97,14 @@ class ChatServing:
             for c in out.outputs:
                 message, finish = self._chat_message(req, mode, c, thinking)
                 choices.append({"index": c.index, "message": message,
-                                "logprobs": self._chat_logprobs(c, 0, top_n),
+                                "logprobs": self._chat_logprobs(c, 0, top_n, req),
                                 "finish_reason": finish, "stop_reason": c.stop_reason})
             check_kv_transfer([out])
             return {"id": base, "object": "chat.completion", "created": created,
                     "model": self.server.model_name, "choices": choices,
                     "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
                               "total_tokens": len(ids) + completion},
-                    **self.server.kv_params([out])}
+                    **self.server.prompt_logprobs(req, out), **self.server.kv_params([out])}
 
         def chunk(choices, **extra):
             return sse({"id": base, "object": "chat.completion.chunk", "created": created,
@@ -171,7 +171,7 @@ class ChatServing:
                         if rest:
                             delta["content"] = delta.get("content", "") + rest
                     yield chunk([{"index": c.index, "delta": delta,
-                                  "logprobs": self._chat_logprobs(c, k0, top_n),
+                                  "logprobs": self._chat_logprobs(c, k0, top_n, req),
                                   "finish_reason": finish, "stop_reason": c.stop_reason}])
             if req.stream_options and req.stream_options.include_usage:
                 completion = tracker.completion_tokens
@@ -182,20 +182,24 @@ class ChatServing:
         return StreamingResponse(guard(events()), media_type="text/event-stream")
 
     # -- chat -----------------------------------------------------------------------------------
-    def _chat_logprobs(self, c: CompletionOutput, start: int, top_n: int):
+    def _chat_logprobs(self, c: CompletionOutput, start: int, top_n: int, req=None):
         if c.logprobs is None:
             return None
+        as_ids = req is not None and bool(req.return_tokens_as_token_ids)
+
+        def name(tid, p):  # its text, or "token_id:<id>" (return_tokens_as_token_ids)
+            return f"token_id:{tid}" if as_ids else p.decoded_token or ""
+
         content = []
         for tid, d in zip(c.token_ids[start:], c.logprobs[start:]):
             chosen = d[tid]
-            tok = chosen.decoded_token or ""
+            tok = name(tid, chosen)
             tops = sorted(d.items(), key=lambda kv: kv[1].rank or 0)[:top_n]
             content.append({"token": tok, "logprob": chosen.logprob,
                             "bytes": list(tok.encode()),
-                            "top_logprobs": [{"token": p.decoded_token or "",
-                                              "logprob": p.logprob,
-                                              "bytes": list((p.decoded_token or "").encode())}
-                                             for _, p in tops]})
+                            "top_logprobs": [{"token": name(t, p), "logprob": p.logprob,
+                                              "bytes": list(name(t, p).encode())}
+                                             for t, p in tops]})
         return {"content": content}
 
     def _tool_mode(self, req: ChatCompletionRequest) -> str:

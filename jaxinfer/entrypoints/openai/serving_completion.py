@@ -54,9 +54,9 @@ class CompletionServing:
                     text = echo if req.prompt_only else echo + c.text
                     lps = None
                     if req.logprobs is not None:
-                        lps = self._completion_logprobs(c, 0, len(echo))
+                        lps = self._completion_logprobs(c, 0, len(echo), req)
                         if req.echo:
-                            lps_p = self._prompt_logprobs(out)
+                            lps_p = self._prompt_logprobs(out, req)
                             if not req.prompt_only:
                                 for key in lps_p:
                                     lps_p[key] += lps[key]
@@ -64,7 +64,8 @@ class CompletionServing:
                     choices.append({"index": i * n + c.index, "text": text, "logprobs": lps,
                                     "finish_reason": "length" if req.prompt_only
                                     else c.finish_reason,
-                                    "stop_reason": None if req.prompt_only else c.stop_reason})
+                                    "stop_reason": None if req.prompt_only else c.stop_reason,
+                                    **self.server.prompt_logprobs(req, out)})
             completion = 0 if req.prompt_only else sum(
                 len(c.token_ids) for o in outs for c in o.outputs)
             check_kv_transfer(outs)
@@ -85,7 +86,7 @@ class CompletionServing:
                         continue
                     text = prompts[i][0] or self.server.llm.tokenizer.decode(prompts[i][1])
                     echo_len[i] = len(text)
-                    lps = self._prompt_logprobs(out) if req.logprobs is not None else None
+                    lps = self._prompt_logprobs(out, req) if req.logprobs is not None else None
                     for k in range(n):
                         yield sse({"id": base, "object": "text_completion", "created": created,
                                     "model": self.server.model_name, "choices": [{
@@ -102,7 +103,7 @@ class CompletionServing:
                                 "model": self.server.model_name, "choices": [{
                                     "index": i * n + c.index, "text": d.text,
                                     "logprobs": self._completion_logprobs(
-                                        c, d.start_tokens, d.start + echo_len.get(i, 0)),
+                                        c, d.start_tokens, d.start + echo_len.get(i, 0), req),
                                     "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason}]})
             if req.stream_options and req.stream_options.include_usage:
@@ -129,15 +130,24 @@ class CompletionServing:
             return [(p, cut(await self.server.encode(p, truncate), params)) for p in prompt]
         return [(None, cut(list(p), params)) for p in prompt]
 
-    def _prompt_logprobs(self, out: RequestOutput) -> dict:
+    @staticmethod
+    def _namer(req):
+        """How a logprob's token is shown: its text, or "token_id:<id>"
+        (return_tokens_as_token_ids)."""
+        if req.return_tokens_as_token_ids:
+            return lambda tid, text: f"token_id:{tid}"
+        return lambda tid, text: text
+
+    def _prompt_logprobs(self, out: RequestOutput, req) -> dict:
         """echo + logprobs: the prompt's tokens with their logprobs (the first has none), in
         the completions logprobs shape, as vLLM returns them."""
         tok = self.server.llm.tokenizer
+        name = self._namer(req)
         tokens, token_lps, tops, offsets = [], [], [], []
         off = 0
         for tid, d in zip(out.prompt_token_ids, out.prompt_logprobs or []):
             text = tok.decode([tid])
-            tokens.append(text)
+            tokens.append(name(tid, text))
             offsets.append(off)
             off += len(text)
             if d is None:
@@ -145,21 +155,22 @@ class CompletionServing:
                 tops.append(None)
                 continue
             token_lps.append(d[tid].logprob)
-            tops.append({p.decoded_token: p.logprob for p in d.values()})
+            tops.append({name(t, p.decoded_token): p.logprob for t, p in d.items()})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
-    def _completion_logprobs(self, c: CompletionOutput, start: int, text_offset: int):
+    def _completion_logprobs(self, c: CompletionOutput, start: int, text_offset: int, req):
         if c.logprobs is None:
             return None
+        name = self._namer(req)
         tokens, token_lps, tops, offsets = [], [], [], []
         off = text_offset
         for tid, d in zip(c.token_ids[start:], c.logprobs[start:]):
             chosen = d[tid]
-            tokens.append(chosen.decoded_token)
+            tokens.append(name(tid, chosen.decoded_token))
             token_lps.append(chosen.logprob)
-            tops.append({p.decoded_token: p.logprob for t, p in d.items() if t != tid
-                         or len(d) == 1} | {chosen.decoded_token: chosen.logprob})
+            tops.append({name(t, p.decoded_token): p.logprob for t, p in d.items() if t != tid
+                         or len(d) == 1} | {name(tid, chosen.decoded_token): chosen.logprob})
             offsets.append(off)
             off += len(chosen.decoded_token or "")
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
