@@ -68,3 +68,35 @@ def test_pallas_native_engine_matches_hf(tmp_path, hidden, heads, kv_heads, extr
     for p, o in zip(prompts, outs):
         assert list(o.outputs[0].token_ids) == hf_greedy(hf, p, N_TOKENS), len(p)
     assert_no_leaks(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["pallas", "xla"])
+def test_token_controls_and_processors_on_gpu(tmp_path, backend):
+    """The step's newer features compiled for CUDA: logit_bias (bans, forces), allowed_token_ids
+    and bad-word rows in the token bitmask, a custom logits processor, beside a plain row."""
+    import jax
+
+    from jaxinfer import LLM, SamplingParams
+    from tests.engine.logits_processor_examples import BanToken
+
+    assert jax.default_backend() == "gpu"
+    _tiny_llama(tmp_path, 256, 4, 2)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=256, max_num_seqs=8,
+              max_num_batched_tokens=64, warmup=False, num_kv_blocks=64,
+              attention_backend=backend, skip_tokenizer_init=True, enable_multiprocessing=False,
+              logits_processors=[BanToken])
+    prompt = {"prompt_token_ids": [5, 17, 40, 3, 70, 9]}
+
+    def run(**kw):
+        p = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True, **kw)
+        return list(llm.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids)
+
+    base = run()
+    assert base[0] not in run(logit_bias={base[0]: -100.0})
+    assert run(logit_bias={300: 100.0}) == [300] * N_TOKENS
+    assert set(run(allowed_token_ids=[7, 8, 9])) <= {7, 8, 9}
+    assert base[0] not in run(bad_words_token_ids=[[base[0]]])
+    assert base[0] not in run(extra_args={"ban_token": base[0]})
+    assert run() == base
+    assert_no_leaks(llm)
