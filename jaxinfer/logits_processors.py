@@ -14,24 +14,8 @@ A step compiles the processors in only when one of its rows uses one. Engines ta
 `--logits-processors` on the command line); each class declares the `extra_args` keys it
 reads, so that a request with a key no processor reads is refused by name.
 
-    class BanToken(LogitsProcessor):
-        '''extra_args={"ban_token": id}: that token is never sampled.'''
-        extra_args_keys = ("ban_token",)
-        row_shape, row_dtype = (), "int32"
-
-        @classmethod
-        def validate_params(cls, params):
-            tok = (params.extra_args or {}).get("ban_token")
-            if tok is not None and not (isinstance(tok, int) and tok >= 0):
-                raise ValueError("extra_args.ban_token must be a token id")
-
-        def row(self, params):
-            tok = (params.extra_args or {}).get("ban_token")
-            return None if tok is None else np.int32(tok)
-
-        def apply(self, logits, rows, active):
-            hit = (jnp.arange(logits.shape[1])[None, :] == rows[:, None]) & active[:, None]
-            return jnp.where(hit, -jnp.inf, logits)
+An example, run by the tests: tests/engine/logits_processor_examples.py (docs/logits_processors.md
+shows it with its use).
 """
 
 from __future__ import annotations
