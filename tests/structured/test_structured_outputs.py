@@ -387,6 +387,7 @@ def test_padded_model_vocab_is_masked(backend, smollm2_dir):
 
     class Req:  # what the manager reads of a request
         structured_backend, eos_token_id = backend, tok.eos_token_id
+        reasoning_end_ids = None  # (not behind a reasoning model's thinking)
 
     req = Req()
     be = manager.get(backend)
