@@ -356,7 +356,7 @@ CHAT_VALID = VALID + [({"chat_template_kwargs": {"enable_thinking": False}}, Fal
                       ({"continue_final_message": True, "add_generation_prompt": False}, False)]
 
 
-def _fuzz(live, route, model, make_body, places, valid):
+def _fuzz(live, route, model, make_body, places, valid, examples=EXAMPLES):
     fields = _fields(model) + places
     seen = {"2xx": 0, "4xx": 0}
 
@@ -374,7 +374,7 @@ def _fuzz(live, route, model, make_body, places, valid):
         r = run(overrides, stream)
         assert r.status_code == 200, (overrides, r.text)
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(st.dictionaries(st.sampled_from(fields), VALUES, min_size=1, max_size=3),
            st.booleans())
@@ -398,6 +398,29 @@ def test_fuzz_chat_completions(live):
 
     _fuzz(live, "/v1/chat/completions", ChatCompletionRequest, _chat_body, CHAT_PLACES,
           CHAT_VALID)
+
+
+def test_fuzz_chat_behind_reasoning_and_tool_parsers(tiny_dir):
+    """The chat route of a server with --reasoning-parser and --tool-call-parser: every answer
+    goes through the thinking split, every grammar waits for the end of the thinking (this
+    model never writes it), and the tool parser is armed."""
+    from jaxinfer.engine.async_engine import AsyncLLM
+    from jaxinfer.entrypoints.openai.protocol import ChatCompletionRequest
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("JAXINFER_MAX_N_SEQUENCES", str(MAX_N))
+    llm = AsyncLLM(EngineConfig(model=tiny_dir, reasoning_parser="qwen3", **ENGINE))
+    live = LiveServer(llm, MODEL, max_prompts_per_request=MAX_PROMPTS,
+                      enable_auto_tool_choice=True, tool_call_parser="qwen3_coder")
+    try:
+        _fuzz(live, "/v1/chat/completions", ChatCompletionRequest, _chat_body, CHAT_PLACES,
+              CHAT_VALID, examples=max(EXAMPLES // 3, 1))
+        r = post(live, "/v1/chat/completions", _chat_body({}))
+        message = r.json()["choices"][0]["message"]  # (the split is on: the thinking is there)
+        assert r.status_code == 200 and "reasoning_content" in message, r.text
+    finally:
+        live.close()
+        mp.undo()
 
 
 # -- a dead engine ------------------------------------------------------------------------------
