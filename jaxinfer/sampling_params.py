@@ -117,6 +117,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
+    # (the `tokenizers` detokenizer joins special tokens without spaces: what vLLM's fast
+    # detokenizer gives for either value)
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Keep only the prompt's last k tokens (vLLM's left truncation); -1: max_model_len.

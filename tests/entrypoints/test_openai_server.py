@@ -1098,3 +1098,24 @@ def test_prompt_logprobs_and_tokens_as_ids(server, client):
                                           "prompt_logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
     wait_idle(server)
+
+
+def test_special_tokens_in_the_text(server):
+    """skip_special_tokens false keeps them; spaces_between_special_tokens gives the text
+    vLLM's fast detokenizer gives for either value: joined without spaces."""
+    special = server.llm.tokenizer.encode("<|im_start|>", add_special_tokens=False)
+    assert len(special) == 1
+    texts = []
+    for spaces in (True, False):
+        r = _post(server, "/v1/completions", {
+            "model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True,
+            "logit_bias": {str(special[0]): 100}, "skip_special_tokens": False,
+            "spaces_between_special_tokens": spaces})
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    assert texts == ["<|im_start|>" * 3] * 2
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3,
+                                          "ignore_eos": True,
+                                          "logit_bias": {str(special[0]): 100}})
+    assert r.json()["choices"][0]["text"] == ""  # (skipped by default)
+    wait_idle(server)

@@ -76,6 +76,9 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     skip_special_tokens: bool = True
+    # vLLM's. The `tokenizers` detokenizer joins special tokens without spaces, which is what
+    # vLLM's fast detokenizer gives for either value (its slow path alone differs).
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's: lower runs first under --scheduling-policy priority (must be 0 otherwise).
     priority: Int64 = 0
@@ -225,6 +228,7 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
             logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             logit_bias=self._logit_bias or None, allowed_token_ids=self.allowed_token_ids,
