@@ -81,7 +81,7 @@ class ReasoningParser:
             return Split(body[:i], None)
         if finished:
             return Split(body, None)
-        return Split(body[:len(body) - _partial_suffix(body, self.end)], None)
+        return Split(body[:before_marker(body, self.end)], None)
 
 
 class Qwen3ReasoningParser(ReasoningParser):
@@ -147,3 +147,10 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:k]):
             return k
     return 0
+
+
+def before_marker(text: str, marker: str) -> int:
+    """How much of a streamed text surely comes before `marker`: up to where it appears, or
+    up to an end that may be its start (the rest is held back until the text is longer)."""
+    i = text.find(marker)
+    return i if i >= 0 else len(text) - _partial_suffix(text, marker)

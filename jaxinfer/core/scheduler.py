@@ -17,7 +17,7 @@ from jaxinfer.core.kv_cache_manager import KVCacheManager
 from jaxinfer.core.kv_transfer import apply_connector_output, start_kv_load
 from jaxinfer.core.request_queue import make_queue
 from jaxinfer.core.stop import advance_grammar, check_stop, take_drafts
-from jaxinfer.core.token_masks import needs_last_tokens, step_bitmask
+from jaxinfer.core.token_masks import bitmask_width, needs_last_tokens, step_bitmask
 from jaxinfer.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput,
                               SchedulerOutput)
 from jaxinfer.request import FinishReason, Request, RequestStatus
@@ -33,7 +33,7 @@ class Scheduler:
                  kv_connector=None, structured_output_manager=None, speculative_config=None,
                  vocab_size: int = 0):
         self.config = config
-        self.bitmask_width = (vocab_size + 31) // 32  # int32 words per token-bitmask row
+        self.bitmask_width = bitmask_width(vocab_size)
         # Speculative decoding (None: off): drafts arrive via update_draft_token_ids.
         self.speculative_config = speculative_config
         self.num_lookahead_tokens = (speculative_config.num_lookahead_tokens

@@ -9,6 +9,11 @@ from __future__ import annotations
 import numpy as np
 
 
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per bitmask row."""
+    return (vocab_size + 31) // 32
+
+
 def allowed_row(token_ids, width: int) -> np.ndarray:
     """The row allowing exactly `token_ids`."""
     row = np.zeros(width, np.uint32)

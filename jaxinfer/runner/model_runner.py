@@ -18,6 +18,7 @@ import logging
 import jax
 import numpy as np
 
+from jaxinfer.core.token_masks import bitmask_width
 from jaxinfer.outputs import RunnerOutput, SchedulerOutput
 from jaxinfer.runner.buckets import BucketTable
 from jaxinfer.runner.compiled_steps import CompiledSteps, background_compile_enabled
@@ -79,7 +80,7 @@ class ModelRunner:
         self._drafts: np.ndarray | None = None  # [R, K] of the step collected last
         self._last_sampled_rows: tuple[list[str], np.ndarray] = ([], np.zeros(0, np.int32))
         self.builder = StepBuilder(self.batch, block_size=block_size, max_blocks=self.max_blocks,
-                                   num_slots=max_num_seqs, bitmask_width=(cfg.vocab_size + 31) // 32,
+                                   num_slots=max_num_seqs, bitmask_width=bitmask_width(cfg.vocab_size),
                                    num_spec=self.num_spec,
                                    eagle=drafter is not None and drafter.kind == "eagle",
                                    num_host_buffers=pipeline_depth + 1,

@@ -20,13 +20,10 @@ from typing import Any
 import numpy as np
 
 from jaxinfer.config import StructuredOutputsConfig
+from jaxinfer.core.token_masks import bitmask_width
 from jaxinfer.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
-
-
-def bitmask_width(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
 
 
 class Grammar:

@@ -19,6 +19,8 @@ import re
 import uuid
 from typing import Any
 
+from jaxinfer.reasoning import before_marker
+
 
 class ToolError(ValueError):
     def __init__(self, field: str, message: str):
@@ -128,13 +130,7 @@ class ToolParser:
 
     def safe_prefix(self, text: str) -> int:
         """How much of a partial output is surely content (streamable as is)."""
-        i = text.find(self.start)
-        if i >= 0:
-            return i
-        for k in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if self.start.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
+        return before_marker(text, self.start)
 
 
 class HermesToolParser(ToolParser):
@@ -217,7 +213,7 @@ class Qwen3CoderToolParser(ToolParser):
         return text[:cut].rstrip() or None, calls
 
     def safe_prefix(self, text):
-        return min(super().safe_prefix(text), _held(text, "<function="))
+        return min(super().safe_prefix(text), before_marker(text, "<function="))
 
 
 class PythonicToolParser(ToolParser):
@@ -327,17 +323,6 @@ TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
                 "qwen3_coder": Qwen3CoderToolParser, "qwen3_xml": Qwen3CoderToolParser,
                 "pythonic": PythonicToolParser, "mistral": MistralToolParser,
                 "deepseek_v3": DeepSeekV3ToolParser, "deepseek_v31": DeepSeekV3ToolParser}
-
-
-def _held(text: str, marker: str) -> int:
-    """How much of `text` comes before `marker` or a start of it at the end."""
-    i = text.find(marker)
-    if i >= 0:
-        return i
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)
 
 
 def _typed(value: str, kind) -> Any:
