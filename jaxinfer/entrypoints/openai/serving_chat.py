@@ -113,6 +113,18 @@ class ChatServing:
         async def events():
             tracker = DeltaTracker(params.stop)
             thoughts = DeltaTracker(params.stop)  # the reasoning text sent, per choice
+            answer_at: dict[int, tuple] = {}  # choice -> (its thinking, where its answer starts)
+
+            def split(c, done):
+                """(thinking, answer or None) of a choice's text so far; once the answer has
+                started its start is known, so later chunks do not scan the text again."""
+                known = answer_at.get(c.index)
+                if known is not None:
+                    return known[0], c.text[known[1]:]
+                thought, answer = processor.reasoning.split(c.text, thinking, done)
+                if answer is not None:
+                    answer_at[c.index] = (thought, len(c.text) - len(answer))
+                return thought, answer
             call_ids: dict[int, str] = {}
             for k in range(params.n):
                 yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
@@ -123,9 +135,8 @@ class ChatServing:
                     done = c.finish_reason is not None
                     thought = None
                     if thinking is not None:  # the answer is what follows the thinking
-                        split = processor.reasoning.split(c.text, thinking, done)
-                        thought = split.reasoning
-                        c_all, c = c, _Text(split.content or "", c.token_ids, c.finish_reason,
+                        thought, answer = split(c, done)
+                        c_all, c = c, _Text(answer or "", c.token_ids, c.finish_reason,
                                             c.index)
                     limit = None
                     if mode == "auto":  # a call may be starting: hold it back (at the end,
@@ -165,8 +176,7 @@ class ChatServing:
                                                    for i, call in enumerate(calls)]
                             rest = (message["content"] or "")[tracker.sent(c.index):]
                         else:
-                            answer = c.text if thinking is None else (
-                                processor.reasoning.split(c.text, thinking, True).content or "")
+                            answer = c.text if thinking is None else split(c, True)[1] or ""
                             rest = answer[tracker.sent(c.index):]
                         if rest:
                             delta["content"] = delta.get("content", "") + rest
