@@ -721,6 +721,19 @@ def test_cache_salt_keys_the_prefix_cache_apart(server, client):
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 
 
+def _spy(server, monkeypatch) -> list:
+    """(params, keyword arguments) of every request the server hands the engine."""
+    seen = []
+    generate = server.llm.generate
+
+    def spy(prompt, params, request_id=None, **kwargs):
+        seen.append((params, kwargs))
+        return generate(prompt, params, request_id, **kwargs)
+
+    monkeypatch.setattr(server.llm, "generate", spy)
+    return seen
+
+
 def test_priority_and_cache_salt_reach_the_engine(server, monkeypatch):
     """The request fields the engine acts on are passed to it, not only validated."""
     import dataclasses
@@ -728,21 +741,15 @@ def test_priority_and_cache_salt_reach_the_engine(server, monkeypatch):
     rc = server.llm.resolved
     monkeypatch.setattr(server.llm, "resolved", dataclasses.replace(
         rc, engine=dataclasses.replace(rc.engine, scheduling_policy="priority")))
-    seen = []
-    generate = server.llm.generate
-
-    def spy(prompt, params, request_id=None, **kwargs):
-        seen.append(kwargs)
-        return generate(prompt, params, request_id, **kwargs)
-
-    monkeypatch.setattr(server.llm, "generate", spy)
+    seen = _spy(server, monkeypatch)
     for path, body in (("/v1/completions", {"prompt": "hi"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
         r = _post(server, path, {"model": MODEL, "max_tokens": 1, "priority": -5,
                                  "cache_salt": "s", **body})
         assert r.status_code == 200, r.text
-    assert seen == [{"priority": -5, "cache_salt": "s"},
-                    {"priority": -5, "cache_salt": "s", "chat_template_kwargs": {}}]
+    assert [kw for _, kw in seen] == [
+        {"priority": -5, "cache_salt": "s"},
+        {"priority": -5, "cache_salt": "s", "chat_template_kwargs": {}}]
     wait_idle(server)
 
 
@@ -755,19 +762,12 @@ def test_generation_config_defaults_fill_unset_fields(server, monkeypatch):
     rc = server.llm.resolved
     monkeypatch.setattr(server.llm, "resolved", dataclasses.replace(
         rc, default_sampling={"top_k": 1, "max_tokens": 3}))
-    seen = []
-    generate = server.llm.generate
-
-    def spy(prompt, params, request_id=None, **kwargs):
-        seen.append(params)
-        return generate(prompt, params, request_id, **kwargs)
-
-    monkeypatch.setattr(server.llm, "generate", spy)
+    seen = _spy(server, monkeypatch)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     for body in (chat, {**chat, "top_k": 7, "max_tokens": 2}, {**chat, "max_tokens": 9}):
         r = _post(server, "/v1/chat/completions", body)
         assert r.status_code == 200, r.text
-    assert [(p.top_k, p.max_tokens) for p in seen] == [(1, 3), (7, 2), (1, 3)]
+    assert [(p.top_k, p.max_tokens) for p, _ in seen] == [(1, 3), (7, 2), (1, 3)]
     wait_idle(server)
 
 
@@ -1024,6 +1024,7 @@ def test_logit_bias_allowed_token_ids_and_bad_words(server, client):
         else server.llm.processor.vocab_size
     for body, param in (({"logit_bias": {str(v): 1}}, "logit_bias"),
                         ({"logit_bias": {"one": 1}}, "logit_bias"),
+                        ({"logit_bias": {"-1": 1}}, "logit_bias"),
                         ({"allowed_token_ids": []}, "allowed_token_ids"),
                         ({"allowed_token_ids": [v]}, "allowed_token_ids"),
                         ({"bad_words": [""]}, "bad_words")):
@@ -1038,14 +1039,7 @@ def test_vllm_xargs_reach_the_logits_processors(server, monkeypatch):
     from tests.engine.logits_processor_examples import BanToken
 
     proc = server.llm.processor
-    seen = []
-    generate = server.llm.generate
-
-    def spy(prompt, params, request_id=None, **kwargs):
-        seen.append(params.extra_args)
-        return generate(prompt, params, request_id, **kwargs)
-
-    monkeypatch.setattr(server.llm, "generate", spy)
+    seen = _spy(server, monkeypatch)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
     r = _post(server, "/v1/completions", {**body, "vllm_xargs": {"ban_token": 5}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs", r.text
