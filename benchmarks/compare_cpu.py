@@ -2,9 +2,15 @@
 
 Workloads (`--workloads NxINxOUT,...`; default the issue's three: 32x128x128, 8x1024x128 and
 1x128x128): N requests of random token ids, IN prompt / OUT output tokens, greedy, EOS ignored,
-all submitted at once; float32 weights of the default SmolLM2-135M-Instruct. Each engine runs in
-its own subprocess, one after another, every workload in turn after an untimed warm-up of it:
-  jaxinfer   LLM(...).generate (this environment; every bucket compiled before timing)
+all submitted at once; float32 weights of the default SmolLM2-135M-Instruct, or (--model
+benchmarks/configs/qwen3-0.6b: a config without weights) random ones, load_format="dummy" in
+jaxinfer and vLLM alike (HF and llama.cpp are skipped: no checkpoint). Each engine runs in its
+own subprocess, every workload in turn after an untimed warm-up of it; --repeats rounds (default
+3) run every engine once each, in turn, and the median run is reported beside every run's rate:
+  jaxinfer   LLM(...).generate (this environment; every bucket compiled before timing, then,
+             after the warm-up, the background thread left to fuse the buckets used: the
+             steady state of a server, docs/startup.md)
+  jaxinfer-layerwise  the same with background compilation off: layer-wise programs only
   jaxinfer-whole  the same with step_compilation="whole" (one program per step; not a default
              on CPU, where layer-wise steps start in seconds: docs/startup.md)
   hf         HF transformers static batch (benchmarks/baselines/hf_transformers.py)
@@ -23,7 +29,8 @@ random prompts, so no run is helped by the prefix cache; decode ms/token = (wall
 the time per generated token). Prints a table per workload with ratios to jaxinfer, writes JSON.
 Setting up the peers is manual (see benchmarks/README.md). Usage:
   PYTHONPATH=. .venv/bin/python benchmarks/compare_cpu.py [--vllm-python P] [--llama-cpp-bin D]
-      [--workloads 32x128x128,8x1024x128,1x128x128] [--output-json F]
+      [--workloads 32x128x128,8x1024x128,1x128x128] [--repeats 3] [--model DIR]
+      [--output-json F]
 """
 
 from __future__ import annotations
@@ -80,18 +87,24 @@ def run_engine(engine: str, args) -> dict:
         kwargs = dict(warmup_buckets="all")  # steady state: no compile inside the timing
         if engine == "jaxinfer-whole":  # whole-step programs (the GPU default; slow start-up)
             kwargs["step_compilation"] = "whole"
+        # ("jaxinfer-layerwise": JAXINFER_BACKGROUND_COMPILE=0, set by the parent: layer-wise
+        # programs never fused)
         threading = {"xla_cpu_threads": "default (one per core)", "cores": NCPU,
                      "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if _dummy(args.model):  # a config without weights: random ones, no tokenizer (both engines)
+        kwargs.update(load_format="dummy", skip_tokenizer_init=True)
     llm = LLM(args.model, dtype="float32", max_model_len=max_len, max_num_seqs=max_seqs,
               **kwargs)
     if engine.startswith("jaxinfer"):
         threading["attention_backend"] = llm.llm_engine.attention_backend
-    vocab = 49152 if engine == "vllm" else llm.llm_engine.model_config.vocab_size
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
 
     def timed(max_tokens: int, batch) -> tuple[float, int]:
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            detokenize=False)
         t0 = time.perf_counter()
         outs = llm.generate(batch, sp, use_tqdm=False)
         return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
@@ -104,12 +117,26 @@ def run_engine(engine: str, args) -> dict:
         warm, first, main = ([{"prompt_token_ids": p} for p in _prompts(n, i, vocab, seed)]
                              for seed in (100 * w + 1, 100 * w + 2, 100 * w))
         timed(4, warm)  # warm-up: every shape of this workload
+        if engine == "jaxinfer":  # the steady state: the buckets used fused (idle engine)
+            deadline = time.time() + 600
+            while (not llm.llm_engine.call_utility("get_stats")["background_settled"]
+                   and time.time() < deadline):
+                time.sleep(0.5)
         ttft, _ = timed(1, first)
         elapsed, n_out = timed(o, main)
-        results[_name((n, i, o))] = {"elapsed_s": elapsed, "output_tokens": n_out,
-                                     "batch_ttft_s": ttft,
-                                     "decode_ms_per_token": 1e3 * (elapsed - ttft) / (o - 1)}
+        results[_name((n, i, o))] = r = {"elapsed_s": elapsed, "output_tokens": n_out,
+                                         "batch_ttft_s": ttft,
+                                         "decode_ms_per_token": 1e3 * (elapsed - ttft) / (o - 1)}
+        if engine.startswith("jaxinfer"):  # how its steps ran, all runs so far
+            stats = llm.llm_engine.call_utility("get_stats")
+            r["steps"] = {k: stats.get(k) for k in ("num_steps", "num_layerwise_steps",
+                                                    "num_fused_buckets", "num_padded_up_steps")}
     return {"workloads": results, "threading": threading}
+
+
+def _dummy(model: str) -> bool:
+    """A model folder with a config and no weights (benchmarks/configs/...)."""
+    return not any(f.endswith((".safetensors", ".bin", ".gguf")) for f in os.listdir(model))
 
 
 def run_hf(args, w) -> dict:
@@ -180,6 +207,59 @@ def _subprocess(engine: str, python: str, args, extra_env=None) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def _median_run(rs: list[dict]) -> dict:
+    """The run of median output tok/s (the lower middle of an even count), with every run's
+    rate beside it."""
+    ranked = sorted(rs, key=lambda r: r["output_tok_s"])
+    r = dict(ranked[(len(ranked) - 1) // 2])
+    r["output_tok_s_runs"] = [x["output_tok_s"] for x in rs]
+    return r
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def _run_peer(engine: str, args, workloads, record, dummy: bool) -> None:
+    if engine in ("jaxinfer", "jaxinfer-layerwise", "jaxinfer-whole", "vllm"):
+        if engine == "vllm" and not args.vllm_python:
+            print("vllm: skipped (no --vllm-python)")
+            return
+        py, env = ((sys.executable, None) if engine != "vllm"
+                   else (args.vllm_python, VLLM_THREAD_ENV))
+        if engine == "jaxinfer-layerwise":  # layer-wise programs, never fused
+            env = {"JAXINFER_BACKGROUND_COMPILE": "0"}
+        out = _subprocess(engine, py, args, env)
+        for wname, r in out["workloads"].items():
+            record(engine, wname, dict(r, threading=out["threading"]))
+    elif engine == "hf":
+        if dummy:
+            print("hf: skipped (dummy weights)")
+            return
+        for w in workloads:
+            record("hf", _name(w), run_hf(args, w))
+    elif engine == "llama.cpp":
+        if not args.llama_cpp_bin or dummy:
+            print("llama.cpp: skipped (" + ("dummy weights: no GGUF of them" if dummy
+                                            else "no --llama-cpp-bin") + ")")
+            return
+        if not args.gguf:
+            from benchmarks.peers.gguf_f32 import rewrite_f32
+            from jaxinfer.checkpoints.default_model import find_default_gguf
+
+            args.gguf = rewrite_f32(find_default_gguf(), os.path.join(args.tmp, "f32.gguf"))
+        for w in workloads:
+            for kv_type in args.llama_kv_type.split(","):
+                record(f"llama.cpp kv={kv_type}", _name(w), run_llama_cpp(args, w, kv_type))
+    else:
+        raise SystemExit(f"unknown engine {engine!r}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")
@@ -194,6 +274,8 @@ def main():
     ap.add_argument("--gguf", default=None, help="F32 GGUF (default: made from the embedded one)")
     ap.add_argument("--llama-kv-type", default="f32,f16",
                     help="llama.cpp KV cache types to run (f32 = ours; f16 = its default)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds: every engine once per round, in turn; the median is reported")
     ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
@@ -206,51 +288,29 @@ def main():
 
     from jaxinfer.checkpoints.default_model import ensure_default_model
 
-    args.model = args.model or ensure_default_model()
+    args.model = os.path.abspath(args.model or ensure_default_model())
     args.tmp = tempfile.mkdtemp(prefix="jaxinfer-compare-")
     workloads = parse_workloads(args.workloads)
-    results: dict[str, dict[str, dict]] = {_name(w): {} for w in workloads}
+    runs: dict[str, dict[str, list[dict]]] = {_name(w): {} for w in workloads}
     threading: dict[str, dict] = {}
 
     def record(engine, wname, r):
         r = dict(r)
         threading.setdefault(engine, r.pop("threading", {}))
         r["output_tok_s"] = r["output_tokens"] / r["elapsed_s"]
-        results[wname][engine] = r
+        runs[wname].setdefault(engine, []).append(r)
         print(f"{wname} {engine}: {r['output_tok_s']:.1f} output tok/s, decode "
               f"{r['decode_ms_per_token']:.1f} ms/token", flush=True)
 
-    for engine in args.engines.split(","):
-        try:
-            if engine in ("jaxinfer", "jaxinfer-whole", "vllm"):
-                if engine == "vllm" and not args.vllm_python:
-                    print("vllm: skipped (no --vllm-python)")
-                    continue
-                py, env = ((sys.executable, None) if engine != "vllm"
-                           else (args.vllm_python, VLLM_THREAD_ENV))
-                out = _subprocess(engine, py, args, env)
-                threading[engine] = out["threading"]
-                for wname, r in out["workloads"].items():
-                    record(engine, wname, r)
-            elif engine == "hf":
-                for w in workloads:
-                    record("hf", _name(w), run_hf(args, w))
-            elif engine == "llama.cpp":
-                if not args.llama_cpp_bin:
-                    print("llama.cpp: skipped (no --llama-cpp-bin)")
-                    continue
-                if not args.gguf:
-                    from benchmarks.peers.gguf_f32 import rewrite_f32
-                    from jaxinfer.checkpoints.default_model import find_default_gguf
-
-                    args.gguf = rewrite_f32(find_default_gguf(), os.path.join(args.tmp, "f32.gguf"))
-                for w in workloads:
-                    for kv_type in args.llama_kv_type.split(","):
-                        record(f"llama.cpp kv={kv_type}", _name(w), run_llama_cpp(args, w, kv_type))
-            else:
-                raise SystemExit(f"unknown engine {engine!r}")
-        except subprocess.CalledProcessError as e:
-            print(f"{engine}: FAILED ({e})\n{(e.stderr or '')[-2000:]}")
+    dummy = _dummy(args.model)
+    for round_ in range(args.repeats):  # engines alternate: each round runs every one once
+        print(f"-- round {round_ + 1} of {args.repeats}", flush=True)
+        for engine in args.engines.split(","):
+            try:
+                _run_peer(engine, args, workloads, record, dummy)
+            except subprocess.CalledProcessError as e:
+                print(f"{engine}: FAILED ({e})\n{(e.stderr or '')[-2000:]}")
+    results = {w: {e: _median_run(rs) for e, rs in rows.items()} for w, rows in runs.items()}
 
     ratios = {}
     for wname, rows in results.items():
@@ -271,10 +331,13 @@ def main():
                 print(f"{'  llama-bench tg':<18} {r['llama_bench_tg_tok_s']:>13.1f} {'-':>13} "
                       f"{r['llama_bench_decode_ms_per_token']:>14.2f}")
     result = {"benchmark": "compare_cpu", "workloads": [_name(w) for w in workloads],
-              "dtype": "float32", "results": results, "jaxinfer_over_peer": ratios,
+              "model": os.path.basename(os.path.normpath(args.model)),
+              "weights": "dummy (random)" if dummy else "checkpoint",
+              "dtype": "float32", "repeats": args.repeats,
+              "results": results, "jaxinfer_over_peer": ratios, "runs": runs,
               "threading": threading, "command": " ".join(sys.argv),
               "environment": {"python": platform.python_version(), "cpus": NCPU,
-                              "machine": platform.machine()}}
+                              "machine": platform.machine(), "cpu": _cpu_name()}}
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

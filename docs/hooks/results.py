@@ -51,15 +51,34 @@ def _source(name: str, d: dict) -> str:
 
 def _compare_cpu(d: dict) -> str:
     parts = []
+    env = d.get("environment", {})
+    if env.get("cpu") or d.get("repeats"):  # (runs from 2026-11-26 on say which CPU, and
+        # report the median of alternated rounds)
+        parts.append(f"{d.get('model', 'SmolLM2-135M-Instruct')} ({d.get('weights', '')}), "
+                     f"{env.get('cpus')} cores of {env.get('cpu')}; median of "
+                     f"{d.get('repeats', 1)} alternated rounds")
     for w in d["workloads"]:
         res, ratio = d["results"].get(w, {}), d["jaxinfer_over_peer"].get(w, {})
         n, i, o = w.split("x")
         rows = [[eng, r.get("output_tok_s"), r.get("batch_ttft_s"), r.get("decode_ms_per_token"),
-                 f"{ratio[eng]:.2f}x" if eng in ratio else "-"] for eng, r in res.items()]
+                 f"{ratio[eng]:.2f}x" if eng in ratio else "-",
+                 r.get("output_tok_s_runs", "-")] for eng, r in res.items()]
         parts.append(f"**{n} requests x {i} prompt / {o} output tokens**\n\n" + _table(
             ["engine", "output tok/s", "batch TTFT s", "decode ms/token",
-             "jaxinfer / engine"], rows))
+             "jaxinfer / engine", "every run's tok/s"], rows))
     return "\n\n".join(parts)
+
+
+def _bench_defaults(d: dict) -> str:
+    w = d["workload"]
+    first = next(iter(d["median_output_tok_s"]))
+    rows = [[e, m, f"{d['ratio_to_first'][e]:.2f}x",
+             [r["output_tok_s"] for r in d["runs"][e]],
+             d["runs"][e][0].get("steps", "-")] for e, m in d["median_output_tok_s"].items()]
+    return (f"{w['num_prompts']} x {w['input_len']}/{w['output_len']} random, {d['dtype']}, "
+            f"{d['cpus']} cores of {d['cpu']}\n\n" + _table(
+                ["command", "median output tok/s", f"{first} / it", "every run",
+                 "steps of the first run"], rows))
 
 
 def _quantization(d: dict) -> str:
@@ -140,7 +159,7 @@ def _flatten(v, prefix: str) -> list[list]:
 
 
 RENDERERS = {"compare_cpu": _compare_cpu, "quantization": _quantization, "startup": _startup,
-             "kernels": _kernels}
+             "kernels": _kernels, "bench_defaults": _bench_defaults}
 
 
 def render(name: str) -> str:

@@ -72,7 +72,32 @@ def run_latency(args) -> dict:
           f"out {args.output_len})")
     for p in PERCENTILES:
         print(f"{p}% percentile latency: {np.percentile(lat, p):.4f} s")
+    result["roofline"] = _decode_roofline(llm, args, float(lat.mean()))
     return write_result(args.output_json, result)
+
+
+def _decode_roofline(llm, args, latency_s: float) -> dict:
+    """The run beside its floor: the weights as held plus the KV at the middle context, read
+    once per step at the measured read bandwidth (jaxinfer/bench/roofline.py). The time per
+    step includes the prefill's share: a floor the run cannot reach, but the gap it shows."""
+    from jaxinfer.bench.roofline import decode_floor, measure_read_bandwidth
+    from jaxinfer.config.dtypes import dtype as array_dtype
+
+    eng = llm.llm_engine
+    weight_bytes = eng.get_stats().get("weight_bytes_per_device")
+    if not weight_bytes:
+        return {}
+    bandwidth = measure_read_bandwidth()
+    floor = decode_floor(weight_bytes, eng.model_config,
+                         array_dtype(eng.resolved.kv_cache_dtype).itemsize, args.batch_size,
+                         args.input_len + args.output_len // 2, bandwidth)
+    per_step = latency_s / args.output_len
+    print(f"Roofline: {per_step * 1e3:.2f} ms per output step (prefill's share included) vs "
+          f"a {floor * 1e3:.2f} ms decode floor ({weight_bytes / 2**20:.0f} MiB of weights + "
+          f"KV read at {bandwidth / 1e9:.1f} GB/s): {floor / per_step:.0%} of the floor")
+    return {"ms_per_output_step": per_step * 1e3, "decode_floor_ms": floor * 1e3,
+            "read_bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
+            "fraction_of_floor": floor / per_step}
 
 
 def run_throughput(args) -> dict:
@@ -95,22 +120,33 @@ def run_throughput(args) -> dict:
     params = [SamplingParams(temperature=0 if args.greedy else 1.0, top_p=1.0,
                              max_tokens=r.output_len, ignore_eos=True, detokenize=False)
               for r in reqs]
+    before = llm.llm_engine.get_stats()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     elapsed = time.perf_counter() - t0
+    stats = llm.llm_engine.get_stats()
     n_in = sum(len(r.prompt_token_ids) for r in reqs)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    # How the timed steps ran: compiled on the spot, padded up to a larger ready bucket
+    # while their own compiled, or as several layer-wise programs (not yet fused).
+    steps = {k: stats.get(k, 0) - before.get(k, 0)
+             for k in ("num_steps", "num_compilations", "num_padded_up_steps",
+                       "num_layerwise_steps", "num_fused_buckets")}
     result = {"benchmark": "throughput", "dataset": args.dataset, "num_requests": len(reqs),
               "total_prompt_tokens": n_in, "total_output_tokens": n_out,
               "elapsed_time": elapsed, "requests_per_second": len(reqs) / elapsed,
               "tokens_per_second": (n_in + n_out) / elapsed,
               "output_tokens_per_second": n_out / elapsed,
-              "num_preemptions": llm.llm_engine.get_stats()["num_preemptions"],
+              "num_preemptions": stats["num_preemptions"], "steps": steps,
               "environment": environment(llm)}
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
           f"{result['tokens_per_second']:.2f} total tokens/s, "
           f"{result['output_tokens_per_second']:.2f} output tokens/s "
           f"({len(reqs)} requests, {n_in} prompt + {n_out} output tokens in {elapsed:.2f} s)")
+    print(f"Steps: {steps['num_steps']}, of which {steps['num_padded_up_steps']} padded up to "
+          f"a larger bucket and {steps['num_layerwise_steps']} on layer-wise programs; "
+          f"{steps['num_compilations']} compiled and {steps['num_fused_buckets']} fused "
+          f"meanwhile")
     return write_result(args.output_json, result)
 
 

@@ -94,6 +94,32 @@ def prefill_flops(cfg: ModelConfig, num_tokens: int, context: int = 0) -> float:
     return float(dense + attn)
 
 
+def measure_read_bandwidth() -> float:
+    """Bytes/s of a sum streaming an array larger than any last-level cache (what a decode step
+    does to weights and KV): the best of 5."""
+    import jax
+    import jax.numpy as jnp
+
+    n_bytes = (1 << 30) if jax.default_backend() == "gpu" else (1 << 28)
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    fn = jax.jit(jnp.sum)
+    jax.block_until_ready(fn(x))
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        ts.append(time.perf_counter() - t0)
+    return n_bytes / min(ts)
+
+
+def decode_floor(weight_bytes: int, cfg: ModelConfig, kv_dtype_bytes: int, batch: int,
+                 context: int, bandwidth: float) -> float:
+    """Seconds a decode step of `batch` rows at `context` tokens cannot beat: the weights as
+    held (quantized ones at their own size) and the KV read once."""
+    kv = batch * context * kv_bytes_per_token(cfg, kv_dtype_bytes)
+    return (weight_bytes + kv) / bandwidth
+
+
 def measure_device(dtype: str = "bfloat16", size: int = 4096,
                    decode_shape: tuple[int, int, int] | None = None) -> dict[str, float]:
     """Measured read bandwidth (bytes/s, a sum), copy bandwidth (read+write) and dense matmul

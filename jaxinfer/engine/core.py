@@ -278,7 +278,13 @@ class EngineCore:
         stats["num_compilations"] = self.runner.num_compilations
         stats["compile_seconds"] = self.runner.compile_seconds
         stats["num_buckets_compiling_in_background"] = self.runner.compiled.background_left
-        stats["num_padded_up_steps"] = self.runner.compiled.num_padded_steps
+        compiled = self.runner.compiled
+        stats["num_padded_up_steps"] = compiled.num_padded_steps
+        stats["num_steps"] = compiled.num_steps
+        stats["num_layerwise_steps"] = compiled.num_layerwise_steps  # (not yet fused)
+        stats["num_fused_buckets"] = compiled.num_fused
+        stats["fuse_seconds"] = compiled.fuse_seconds
+        stats["background_settled"] = compiled.settled()  # (nothing left to compile or fuse)
         stats.update(self.worker.cache_counts())
         som = self.structured_output_manager
         if som is not None:

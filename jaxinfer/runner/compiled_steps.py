@@ -1,7 +1,8 @@
 """CompiledSteps: the compiled step functions of a runner, keyed by (T, R, StepFeatures):
 lowering on demand (through the runner's `lower`), compiling, the cache, the counts, the
 warm-up that compiles the start-up buckets ahead of time and the background thread that
-compiles the others while the engine serves.
+compiles the others while the engine serves, and, for layer-wise programs, fuses the buckets
+steps use into whole-step programs swapped in as they become ready (most used first).
 
 Any thread may compile a key; a key being compiled by one thread is waited for by the others,
 never compiled twice. A step whose bucket is not ready may pad up to a ready larger one
@@ -25,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 def background_compile_enabled() -> bool:
     """JAXINFER_BACKGROUND_COMPILE: "1" (default) compiles buckets nobody asked for yet when
-    the engine is idle; "0" only the buckets steps ask for. Anything else is refused."""
+    the engine is idle and fuses layer-wise steps into whole programs; "0" only the buckets
+    steps ask for, as they were built. Anything else is refused."""
     value = os.environ.get("JAXINFER_BACKGROUND_COMPILE", "1").strip()
     if value not in ("0", "1"):
         raise ValueError(f"JAXINFER_BACKGROUND_COMPILE={value!r}: use 0 or 1")
@@ -33,6 +35,10 @@ def background_compile_enabled() -> bool:
 
 
 _STOP = object()
+# Held while a step is traced and lowered (never while XLA compiles): tracing holds the GIL, so
+# threads gain nothing by doing it at once, and a fused step traced beside another lowering
+# was seen to fail inside JAX (KeyError on a jaxpr variable) once.
+TRACE_LOCK = threading.RLock()
 # Engines with a background compiler: stopped at interpreter exit, before daemon threads are
 # torn down mid-compile (an abort). Weak: an engine dropped without shutdown goes away.
 _LIVE: "weakref.WeakSet[CompiledSteps]" = weakref.WeakSet()
@@ -52,12 +58,20 @@ def _background_loop(ref) -> None:
         steps = ref()
         if steps is None:
             return
-        key = steps._next_key(wait=1.0)
-        if key is _STOP:
+        job = steps._next_job(wait=1.0)
+        if job is _STOP:
             steps.background_left = 0
             return
-        if key is not None:
-            steps._compile_in_background(key)
+        if job is not None:
+            what, key = job
+            steps._working = True
+            try:
+                if what == "fuse":
+                    steps._fuse(key)
+                else:
+                    steps._compile_in_background(key)
+            finally:
+                steps._working = False
         del steps
 
 
@@ -73,11 +87,19 @@ def _lower_this_threads_priority() -> None:
 
 class CompiledSteps:
     def __init__(self, lower: Callable[[int, int, StepFeatures], object],
-                 base_features: StepFeatures, multiprocess: bool = False):
+                 base_features: StepFeatures, multiprocess: bool = False,
+                 lower_fused: Callable[[int, int, StepFeatures], object] | None = None,
+                 hot_steps: int = 64):
         """lower(t, r, features): the lowered step of that bucket and variant (its
         .compile() gives the callable). base_features: the variant every step of this engine
-        starts from (plain, or spec); others are logged when they compile on first use."""
+        starts from (plain, or spec); others are logged when they compile on first use.
+        lower_fused(t, r, features): the same step lowered as one whole program, for steps
+        that run as several (layer-wise: their `.fused` takes it once compiled); None: no
+        fusing. hot_steps: a bucket that has run this many steps is fused even while the
+        engine is busy (others wait for an idle engine)."""
         self._lower = lower
+        self._lower_fused = lower_fused
+        self.hot_steps = hot_steps
         self.base_features = base_features
         self.multiprocess = multiprocess  # (multi-host: compile in turn, in step with peers)
         self._compiled: dict[tuple[int, int, StepFeatures], object] = {}
@@ -96,6 +118,14 @@ class CompiledSteps:
         self._todo: list[tuple[int, int, StepFeatures]] = []  # background, when idle
         self._idle_seconds = 0.5
         self._background_done = 0
+        self._uses: dict[tuple[int, int, StepFeatures], int] = {}  # steps run per key
+        self._hot: list[tuple[int, int, StepFeatures]] = []  # to fuse, busy or not
+        self._fuse_tried: set[tuple[int, int, StepFeatures]] = set()
+        self.num_steps = 0
+        self.num_layerwise_steps = 0  # steps that ran as several programs (not yet fused)
+        self.num_fused = 0
+        self.fuse_seconds = 0.0
+        self._working = False  # the background thread is at a job
 
     def __contains__(self, key) -> bool:
         return key in self._compiled
@@ -120,7 +150,9 @@ class CompiledSteps:
             return compiled if compiled is not None else self.compile(t, r, features)
         try:
             t0 = time.perf_counter()
-            compiled = self._lower(t, r, features).compile()
+            with TRACE_LOCK:
+                lowered = self._lower(t, r, features)
+            compiled = lowered.compile()
             self._add(key, compiled, time.perf_counter() - t0)
             logger.debug("compiled T=%d R=%d %s in %.2fs (%s)", t, r, features,
                          time.perf_counter() - t0, threading.current_thread().name)
@@ -136,11 +168,21 @@ class CompiledSteps:
             self.compile_seconds += seconds
 
     def get(self, t: int, r: int, features: StepFeatures):
-        compiled = self._compiled.get((t, r, features))
+        """The compiled step of this key, for a step about to run (counted)."""
+        key = (t, r, features)
+        compiled = self._compiled.get(key)
         if compiled is None:
             if dataclasses.replace(features, verify=False) != self.base_features:
                 logger.info("compiling step variant T=%d R=%d %s on first use", t, r, features)
             compiled = self.compile(t, r, features)
+        self.num_steps += 1
+        if getattr(compiled, "fused", False) is None:  # (several programs, not fused yet)
+            self.num_layerwise_steps += 1
+            uses = self._uses[key] = self._uses.get(key, 0) + 1
+            if uses == self.hot_steps and self._lower_fused is not None:
+                with self._wake:
+                    self._hot.append(key)
+                    self._wake.notify()
         return compiled
 
     def choose(self, t: int, r: int, features: StepFeatures, max_growth: int = 2
@@ -200,18 +242,61 @@ class CompiledSteps:
                                             name="jaxinfer-bg-compile", daemon=True)
         self._background.start()
 
-    def _next_key(self, wait: float):
-        """The next key to compile, None if there is none within `wait` seconds, or _STOP."""
+    def _next_job(self, wait: float):
+        """The next job, ("compile" | "fuse", key), None if there is none within `wait`
+        seconds, or _STOP. In order: buckets steps asked for; hot buckets to fuse; once the
+        engine is idle, buckets nobody asked for yet, then the other buckets steps used
+        (most steps first) to fuse."""
         with self._wake:
             if self._stop.is_set():
                 return _STOP
             if self._demanded:
-                return self._demanded.pop(0)
+                return "compile", self._demanded.pop(0)
+            if self._hot:
+                return "fuse", self._hot.pop(0)
             idle = self._idle_for()
-            if self._todo and idle >= self._idle_seconds:
-                return self._todo.pop(0)
-            self._wake.wait(min(wait, self._idle_seconds - idle) if self._todo else wait)
+            if idle >= self._idle_seconds:
+                if self._todo:
+                    return "compile", self._todo.pop(0)
+                used = self._to_fuse()
+                if used:
+                    return "fuse", used[0]
+            later = self._todo or self._to_fuse()
+            self._wake.wait(min(wait, max(self._idle_seconds - idle, 0.01)) if later
+                            else wait)
             return _STOP if self._stop.is_set() else None
+
+    def _to_fuse(self) -> list[tuple[int, int, StepFeatures]]:
+        """Keys steps ran on as several programs, not fused (nor tried), most used first."""
+        if self._lower_fused is None:
+            return []
+        uses = dict(self._uses)  # (a copy: steps count into it meanwhile)
+        return sorted((k for k in uses if k not in self._fuse_tried), key=lambda k: -uses[k])
+
+    def _fuse(self, key) -> None:
+        """Compile `key`'s step as one program and swap it in (its `.fused`): the steps
+        dispatched after that run it. A failure leaves the step as it was."""
+        with self._wake:
+            if key in self._fuse_tried:
+                return
+            self._fuse_tried.add(key)
+        step = self._compiled.get(key)
+        if step is None or getattr(step, "fused", False) is not None:
+            return
+        try:
+            t0 = time.perf_counter()
+            with TRACE_LOCK:
+                lowered = self._lower_fused(*key)
+            fused = lowered.compile()
+        except Exception:  # noqa: BLE001 - the bucket keeps running as it did
+            logger.exception("fusing the step of bucket %s failed", key[:2])
+            return
+        step.fused = fused
+        with self._lock:
+            self.num_fused += 1
+            self.fuse_seconds += time.perf_counter() - t0
+        logger.debug("fused T=%d R=%d %s into one program in %.2fs", key[0], key[1], key[2],
+                     time.perf_counter() - t0)
 
     def _compile_in_background(self, key) -> None:
         try:
@@ -225,6 +310,16 @@ class CompiledSteps:
             logger.info("compiled %d more buckets in the background",
                         self._background_done)
             self._background_done = 0
+
+    def settled(self) -> bool:
+        """Nothing left for the background thread: every bucket compiled and every bucket
+        steps used fused (or no background thread). Benchmarks wait for it to time the
+        steady state an engine reaches."""
+        if self._background is None or not self._background.is_alive():
+            return True
+        with self._wake:
+            return not (self._working or self._demanded or self._hot or self._todo
+                        or self._to_fuse())
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the background compilation (after the bucket it is at)."""

@@ -36,6 +36,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.layers import module_list
+from jaxinfer.runner.compiled_steps import TRACE_LOCK
 from jaxinfer.runner.spec_step import InStepDrafter
 from jaxinfer.runner.step_fn import step_input_ids, step_tail
 from jaxinfer.runner.step_inputs import StepBatch, StepFeatures
@@ -159,6 +160,29 @@ def _tail(shell_graphdef, drafter, shell_state, draft_params, draft_kv, sampler,
                      draft_kv=draft_kv, max_model_len=max_model_len)
 
 
+def _fused(shell_graphdef, drafter, runs, mesh, aux_layers, weights, carry, batch: StepBatch, *,
+           features: StepFeatures, max_model_len: int):
+    """A whole step over the layer-wise layout: the head, every run of layers and the tail
+    in one program (what LayerwiseStep dispatches one by one), reading the same weights
+    (shell state, per-layer leaves) and donating the same carry. runs: ((a, b), kind) each."""
+    (shell_state, layer_leaves), draft_params = weights
+    kv, draft_kv, sampler = carry
+    ids, x, cos, sin = _head(shell_graphdef, shell_state, sampler.last_sampled,
+                             batch.input_ids, batch.from_last_sampled, batch.token_slots,
+                             batch.positions)
+    aux, new_kv = {}, []
+    for (a, b), kind in runs:
+        if a in aux_layers:
+            aux[a] = x
+        x, caches = _layers(kind, mesh, layer_leaves[a:b], x, cos, sin, kv[a:b], batch.attn)
+        new_kv.extend(caches)
+    out, draft_kv, sampler = _tail(shell_graphdef, drafter, shell_state, draft_params,
+                                   draft_kv, sampler, batch, x, ids,
+                                   tuple(aux[i] for i in aux_layers), features=features,
+                                   max_model_len=max_model_len)
+    return out, (new_kv, draft_kv, sampler)
+
+
 class LayerwiseProgram:
     """Layer-wise steps of one model (step_program.py's interface): its params in the state
     are (shell state, per-layer leaves); the head and layer executables of a bucket are
@@ -198,8 +222,11 @@ class LayerwiseProgram:
             if got is None:
                 head_args, (x, cos, sin, kv_caches, md) = args
                 lm = self.lm
-                head = jax.jit(partial(_head, lm.shell_graphdef)).lower(*head_args).compile()
-                layers = [lo.compile() for lo in _lower_runs(lm, x, cos, sin, kv_caches, md)]
+                with TRACE_LOCK:
+                    head = jax.jit(partial(_head, lm.shell_graphdef)).lower(*head_args)
+                    runs = _lower_runs(lm, x, cos, sin, kv_caches, md)
+                head = head.compile()
+                layers = [lo.compile() for lo in runs]
                 got = self._shared[(t, r)] = (head, layers)
             return got
 
@@ -222,6 +249,17 @@ class LayerwiseProgram:
                              example, x, ids, tuple(x for _ in self.aux_layers))
         return LayerwiseLowered(self, (t, r), (head_args, layer_args), lowered)
 
+    def lower_fused(self, features: StepFeatures, state: StepState, example: StepBatch):
+        """The bucket of `example` as one whole program over this layout (_fused): what a
+        LayerwiseStep swaps in once it is compiled (compiled_steps.py compiles it in the
+        background). `.compile()` gives fn(weights, carry, batch) -> (outputs, carry)."""
+        lm = self.lm
+        runs = tuple((run, lm.kinds[k]) for run, k in zip(lm.runs, lm.run_kind))
+        fn = jax.jit(partial(_fused, lm.shell_graphdef, self.drafter, runs, lm.mesh,
+                             self.aux_layers, features=features,
+                             max_model_len=self.max_model_len), donate_argnums=(1,))
+        return fn.lower(state.weights, state.carry, example)
+
 
 class LayerwiseLowered:
     def __init__(self, program: LayerwiseProgram, bucket, shared_args, tail_lowered):
@@ -241,8 +279,15 @@ class LayerwiseStep:
         self.head, self.layers, self.tail = head, layers, tail
         self.runs = _bind_runs(program.lm, layers)  # per run: its executable, its layers
         self.aux_layers = program.aux_layers
+        # The same step as one program (LayerwiseProgram.lower_fused), once compiled: then
+        # one dispatch per step instead of L / group + 2.
+        self.fused = None
 
     def __call__(self, state: StepState, batch: StepBatch):
+        fused = self.fused
+        if fused is not None:
+            out, carry = fused(state.weights, state.carry, batch)
+            return out, state.with_carry(carry)
         shell_state, layer_leaves = state.params
         ids, x, cos, sin = self.head(shell_state, state.sampler.last_sampled, batch.input_ids,
                                      batch.from_last_sampled, batch.token_slots,

@@ -90,7 +90,11 @@ class ModelRunner:
         self.failed_requests: dict[str, str] = {}
         self.kv_connector = None  # a KV connector's worker side (set_kv_connector)
         self.step_compilation = program.kind
-        self.compiled = CompiledSteps(self._lower, self.base_features, self._multiprocess)
+        # Layer-wise steps are fused into whole-step programs in the background, per bucket
+        # as steps use it (compiled_steps.py); not with background compilation off.
+        fusable = hasattr(program, "lower_fused") and background_compile_enabled()
+        self.compiled = CompiledSteps(self._lower, self.base_features, self._multiprocess,
+                                      lower_fused=self._lower_fused if fusable else None)
 
     # -- the state, by name (KV connectors, stats and tests read it) ----------------------------
     @property
@@ -126,13 +130,21 @@ class ModelRunner:
             broadcast_step(None)
 
     # -- compilation ----------------------------------------------------------------------------
+    def _example(self, t: int, r: int, features: StepFeatures):
+        return self.program.place(self.builder.new_buffers(
+            t, r, features.prompt_logprobs, features.structured, features.verify,
+            features.bias, bool(features.logits_processors)))
+
     def _lower(self, t: int, r: int, features: StepFeatures):
         """Lower one bucket and variant (any thread: the background compiler too). The state
         goes in as shapes: the live KV caches and sampler state may be donated meanwhile."""
-        example = self.program.place(self.builder.new_buffers(
-            t, r, features.prompt_logprobs, features.structured, features.verify,
-            features.bias, bool(features.logits_processors)))
-        return self.program.lower(t, r, features, abstract(self.state), example)
+        return self.program.lower(t, r, features, abstract(self.state),
+                                  self._example(t, r, features))
+
+    def _lower_fused(self, t: int, r: int, features: StepFeatures):
+        """The same bucket and variant as one whole program (layer-wise programs only)."""
+        return self.program.lower_fused(features, abstract(self.state),
+                                        self._example(t, r, features))
 
     @property
     def num_compilations(self) -> int:

@@ -26,6 +26,12 @@ def test_latency(tmp_path):
     assert r["benchmark"] == "latency" and len(r["latencies"]) == 2
     assert set(r["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
     assert r["avg_latency"] > 0 and r["environment"]["architecture"] == "LlamaForCausalLM"
+    roof = r["roofline"]  # the run beside its decode floor
+    assert roof["ms_per_output_step"] == pytest.approx(r["avg_latency"] / 4 * 1e3)
+    assert roof["weight_bytes"] > 0 and roof["read_bandwidth_bytes_per_s"] > 1e8
+    assert roof["decode_floor_ms"] > 1e3 * roof["weight_bytes"] / roof["read_bandwidth_bytes_per_s"]
+    assert roof["fraction_of_floor"] == pytest.approx(roof["decode_floor_ms"]
+                                                      / roof["ms_per_output_step"])
 
 
 def test_throughput_counts_add_up(tmp_path):
@@ -39,6 +45,12 @@ def test_throughput_counts_add_up(tmp_path):
     assert abs(r["requests_per_second"] * r["elapsed_time"] - 5) < 1e-6
     assert abs(r["output_tokens_per_second"] * r["elapsed_time"] - r["total_output_tokens"]) \
         < 1e-6
+    # How the timed steps ran: a layer-wise engine (the CPU default) with background
+    # compilation off (conftest) never fuses, so every step ran on layer-wise programs.
+    steps = r["steps"]
+    assert steps["num_steps"] >= 2 and steps["num_fused_buckets"] == 0
+    assert steps["num_layerwise_steps"] == steps["num_steps"]
+    assert 0 <= steps["num_padded_up_steps"] <= steps["num_steps"]
 
 
 def test_dataset_presets_shapes():

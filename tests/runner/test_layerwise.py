@@ -125,6 +125,53 @@ def _steps(delay=0.0):
     return CompiledSteps(lambda t, r, f: _FakeLowered(log, (t, r, f), delay), PLAIN), log
 
 
+class _FakeStep:
+    """A compiled step that can be fused (as a LayerwiseStep)."""
+
+    def __init__(self, key):
+        self.key, self.fused = key, None
+
+
+class _FakeStepLowered(_FakeLowered):
+    def compile(self):
+        self.log.append(self.key)
+        return _FakeStep(self.key)
+
+
+def test_steps_are_fused_hot_buckets_first_then_the_most_used_when_idle():
+    """A bucket that ran hot_steps steps is fused while steps keep running; the others wait
+    for an idle engine, most used first; a failed fusing leaves its step as it was. Steps
+    count as layer-wise until their bucket is fused."""
+    log, fused = [], []
+
+    def lower_fused(t, r, f):
+        if (t, r) == (64, 4):
+            raise RuntimeError("no")
+        return _FakeLowered(fused, (t, r), 0.0)
+
+    steps = CompiledSteps(lambda t, r, f: _FakeStepLowered(log, (t, r, f), 0.0), PLAIN,
+                          lower_fused=lower_fused, hot_steps=3)
+    steps.start_background([], idle_seconds=0.3)
+    steps.step_started()  # busy from here on
+    for key, n in (((1, 1), 1), ((4, 4), 2), ((64, 4), 1), ((16, 16), 3)):
+        for _ in range(n):
+            steps.get(*key, PLAIN)
+    deadline = time.time() + 10
+    while not fused and time.time() < deadline:
+        time.sleep(0.01)
+    assert fused == [(16, 16)]  # hot: fused while busy ...
+    time.sleep(0.4)
+    assert fused == [(16, 16)]  # ... the others wait for an idle engine
+    steps.step_finished()
+    while not steps.settled() and time.time() < deadline:
+        time.sleep(0.01)
+    assert fused == [(16, 16), (4, 4), (1, 1)]  # most used first; (64, 4) failed
+    assert steps.num_fused == 3 and steps.get(64, 4, PLAIN).fused is None
+    assert steps.get(16, 16, PLAIN).fused is not None
+    assert steps.num_steps == 9 and steps.num_layerwise_steps == 8  # (+1: 64 x 4 again)
+    steps.close()
+
+
 def test_a_bucket_compiles_once_whoever_asks():
     steps, log = _steps(delay=0.2)
     results = []
@@ -334,3 +381,41 @@ def test_each_engine_uses_the_cache_directory_it_asks_for(tmp_path, smollm2_dir)
     llm = LLM(str(tmp_path / "m"), warmup=True, **{**opts, "max_num_seqs": 1})  # cache off
     llm.shutdown()
     assert files(tmp_path / "b") == before
+
+
+def test_fused_steps_swap_in_and_give_the_same_outputs(tmp_path, smollm2_dir, monkeypatch):
+    """Layer-wise buckets are fused into whole programs in the background: a hot bucket while
+    the engine is busy, the other used ones once it is idle. Steps then run fused (none on
+    layer-wise programs) with the same tokens and logprobs, penalties and prompt logprobs
+    included, and no KV block leaked."""
+    monkeypatch.setenv("JAXINFER_BACKGROUND_COMPILE", "1")  # (conftest turns it off)
+    make_tiny_model_dir(tmp_path, "qwen3", smollm2_dir, sharpen=2.0, num_hidden_layers=3)
+    prompts = [{"prompt_token_ids": [100 + 7 * i + j for j in range(9 + 17 * i)]}
+               for i in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3,
+                             prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=25, ignore_eos=True,
+                             repetition_penalty=1.3, presence_penalty=0.4),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=20,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+    llm = LLM(str(tmp_path), warmup=True, warmup_buckets="all", layers_per_program=2,
+              **OPTS)
+    compiled = llm.llm_engine.runner.compiled
+    compiled.hot_steps = 3
+    first = _outputs(llm, prompts, params)
+    stats = llm.llm_engine.get_stats()
+    assert stats["num_layerwise_steps"] > 0 and stats["num_steps"] >= stats["num_layerwise_steps"]
+    deadline = time.time() + 300  # (the idle engine fuses every bucket steps used)
+    while compiled.num_fused < len(compiled._uses) and time.time() < deadline:
+        time.sleep(0.1)
+    assert compiled.num_fused == len(compiled._uses) > 1 and not compiled._to_fuse()
+    layerwise_before = compiled.num_layerwise_steps
+    second = _outputs(llm, prompts, params)
+    assert compiled.num_layerwise_steps == layerwise_before  # every step ran fused
+    for a, b in zip(first, second):
+        assert a[:2] == b[:2]
+        for x, y in zip(a[2] + a[3], b[2] + b[3]):
+            _close(x, y)
+    assert_no_leaks(llm)
+    llm.shutdown()
