@@ -101,6 +101,8 @@ class EngineCore:
         t0 = time.perf_counter()
         if cfg.warmup:
             self.runner.warmup(buckets=cfg.warmup_buckets)
+        else:
+            self.runner.start_background()
         self.startup = dict(self.worker.timings, warmup_s=time.perf_counter() - t0,
                             warmup_compilations=self.runner.num_compilations,
                             step_compilation=self.runner.step_compilation)

@@ -172,6 +172,12 @@ class ModelRunner:
             rest = []  # (only the buckets steps ask for: the test suite's setting)
         self.compiled.start_background(rest)
 
+    def start_background(self) -> None:
+        """No warm-up: nothing compiled ahead, but (background compilation on) the thread
+        that fuses the buckets steps use, and compiles those they pad up from, still runs."""
+        if background_compile_enabled():
+            self.compiled.start_background([])
+
     def close(self) -> None:
         """Stop background compilation (the engine core's shutdown)."""
         self.compiled.close()
