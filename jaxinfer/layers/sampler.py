@@ -89,23 +89,56 @@ def _sampling_logits(logits, md: SamplingMetadata):
     return jax.lax.cond(needs_filter, _filtered_logits, unfiltered, logits, md)
 
 
+_BLOCK = 1024  # vocabulary entries per block of the inverse-CDF draw
+
+
+def _row_keys(seeds, output_index):
+    """Each row's PRNG key: (seed, output index) only, never the batch."""
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, output_index)
+
+
+def _draw(filtered, keys):
+    """One draw per row from softmax(filtered) (dropped entries -inf), by inverse CDF on one
+    uniform per row (from `keys`): first the block of _BLOCK entries the uniform falls in (a
+    cumulative sum over the blocks' masses), then the entry within it. One uniform per row
+    instead of a Gumbel variate per vocabulary entry (measured on a 2-core CPU, 32 rows of
+    49152: 4 ms instead of 11 for threefry noise alone), and the cumulative sums stay short
+    for float32. Always an entry of positive mass. Returns int32 [R] positions in `filtered`."""
+    r, v = filtered.shape
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+    mass = jnp.exp(filtered - jnp.max(filtered, axis=-1, keepdims=True))  # (-inf -> 0)
+    nb = -(-v // _BLOCK)
+    blocks = jnp.pad(mass, ((0, 0), (0, nb * _BLOCK - v))).reshape(r, nb, _BLOCK)
+
+    def pick(cum, target, has_mass):
+        """The first entry whose cumulative mass exceeds target, kept among those with mass
+        (float rounding can put target at either end)."""
+        n = cum.shape[-1]
+        first = jnp.argmax(has_mass, axis=-1)
+        last = n - 1 - jnp.argmax(has_mass[:, ::-1], axis=-1)
+        return jnp.clip(jnp.sum(cum <= target[:, None], axis=-1), first, last)
+
+    bsum = jnp.sum(blocks, axis=-1)  # [R, nb]
+    bcum = jnp.cumsum(bsum, axis=-1)
+    target = u * bcum[:, -1]
+    b = pick(bcum, target, bsum > 0)
+    before = jnp.take_along_axis(bcum - bsum, b[:, None], axis=1)[:, 0]
+    row = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]  # [R, _BLOCK]
+    j = pick(jnp.cumsum(row, axis=-1), target - before, row > 0)
+    return (b * _BLOCK + j).astype(jnp.int32)
+
+
 def sample_tokens(logits, md: SamplingMetadata):
     """logits float32 [R, V] (penalties already applied) -> sampled ids int32 [R].
 
-    Greedy rows take the argmax. The random path (temperature, filters, Gumbel noise over the
-    whole vocabulary) runs only when some row of the step samples: an all-greedy step skips it
-    at run time (lax.cond), so it pays for no noise and no sort."""
+    Greedy rows take the argmax. The random path (temperature, filters, one inverse-CDF draw
+    per row: _draw) runs only when some row of the step samples: an all-greedy step skips it
+    at run time (lax.cond), so it pays for no draw and no sort."""
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def random_path(logits, md):
         filtered, order = _sampling_logits(logits, md)
-
-        def gumbel(seed, index):
-            key = jax.random.fold_in(jax.random.key(seed), index)
-            return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
-
-        noise = jax.vmap(gumbel)(md.seeds, md.output_index)
-        pick = jnp.argmax(filtered + noise, axis=-1)
+        pick = _draw(filtered, _row_keys(md.seeds, md.output_index))
         random_ids = jnp.take_along_axis(order, pick[:, None], axis=1)[:, 0]
         return jnp.where(md.temperature > 0, random_ids, greedy_ids)
 
@@ -158,13 +191,10 @@ def rejection_sample(logits, drafts, md: SamplingMetadata, verify_req, verify_po
         is_draft = order == drafts[:, None]  # [N, V] (no position when drafts = -1)
         p_draft = jnp.sum(jnp.where(is_draft, jax.nn.softmax(filtered, axis=-1), 0.0), axis=-1)
 
-        def draws(seed, index):
-            key = jax.random.fold_in(jax.random.key(seed), index)
-            return (jax.random.gumbel(key, (logits.shape[-1],), jnp.float32),
-                    jax.random.uniform(jax.random.fold_in(key, 1), (), jnp.float32))
-
-        noise, u = jax.vmap(draws)(fmd.seeds, fmd.output_index)
-        pick = jnp.argmax(jnp.where(is_draft, _NEG_INF, filtered) + noise, axis=-1)
+        keys = _row_keys(fmd.seeds, fmd.output_index)
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (), jnp.float32))(
+            keys)
+        pick = _draw(jnp.where(is_draft, _NEG_INF, filtered), keys)
         random_ids = jnp.take_along_axis(order, pick[:, None], axis=1)[:, 0]
         rand = fmd.temperature > 0
         return (jnp.where(rand, random_ids, greedy_ids),

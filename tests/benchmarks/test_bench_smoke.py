@@ -38,7 +38,7 @@ def test_throughput_counts_add_up(tmp_path):
     out = tmp_path / "thr.json"
     assert cli(["bench", "throughput", "--dataset", "random", "--num-prompts", "5",
                 "--input-len", "8", "--output-len", "3", "--random-range-ratio", "0.5",
-                "--no-tqdm", *ENGINE, "--output-json", str(out)]) == 0
+                "--no-tqdm", "--num-warmups", "2", *ENGINE, "--output-json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["num_requests"] == 5 and 5 * 1 <= r["total_output_tokens"] <= 5 * 4
     assert 5 * 4 <= r["total_prompt_tokens"] <= 5 * 12

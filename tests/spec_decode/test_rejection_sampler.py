@@ -139,3 +139,38 @@ def test_draws_do_not_depend_on_batch_companions():
     e = int(alone[1][0])
     assert both[1][0] == e == moved[1][2]
     assert both[0][0, :e].tolist() == alone[0][0, :e].tolist() == moved[0][2, :e].tolist()
+
+
+def test_inverse_cdf_draw_across_blocks_never_picks_a_dropped_entry():
+    """sample_tokens' draw (one uniform per row, the block of 1024 entries first, then the
+    entry): over 2500 entries with a whole block and 30% of the others dropped (-inf), every
+    draw has mass, and the counts follow softmax (chi-square over the entries expected >= 5
+    times, the rest pooled; p = 0.001)."""
+    from scipy.stats import chi2
+
+    from jaxinfer.layers.sampler import _draw, _row_keys
+
+    rng = np.random.default_rng(0)
+    v, n = 2500, 40000
+    logits = (rng.normal(size=v) * 1.5).astype(np.float32)
+    logits[rng.random(v) < 0.3] = -np.inf
+    logits[1024:2048] = -np.inf  # an empty block between two with mass
+    p = np.exp(logits - logits[np.isfinite(logits)].max())
+    p /= p.sum()
+    keys = _row_keys(jnp.arange(n, dtype=jnp.uint32) % 101, jnp.arange(n, dtype=jnp.int32))
+    draws = np.asarray(jax.jit(lambda k: _draw(jnp.broadcast_to(jnp.asarray(logits), (n, v)),
+                                               k))(keys))
+    assert np.isfinite(logits[draws]).all()
+    assert (draws >= 2048).any() and (draws < 1024).any()  # both blocks with mass drawn
+    counts = np.bincount(draws, minlength=v)
+    big = p * n >= 5
+    obs = np.append(counts[big], n - counts[big].sum())
+    exp = np.append(p[big] * n, n - p[big].sum() * n)
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    assert stat < chi2.ppf(0.999, big.sum()), (stat, big.sum())
+    # A row with one entry of mass always draws it, at either end of a block.
+    for only in (0, 1023, 2047, 2499):
+        one = np.full(v, -np.inf, np.float32)
+        one[only] = 0.0
+        got = jax.jit(_draw)(jnp.broadcast_to(jnp.asarray(one), (64, v)), keys[:64])
+        assert (np.asarray(got) == only).all()
