@@ -331,19 +331,23 @@ class CompiledSteps:
             self._background.join(timeout)
 
     def warmup(self, keys: list[tuple[int, int, StepFeatures]], progress=None,
-               num_threads: int | None = None) -> None:
+               num_threads: int | None = None, fuse=()) -> None:
         """Compile `keys` ahead of time (into the persistent cache too), by `num_threads`
         threads (default: one per CPU core, at most 4): tracing takes the GIL, but XLA
-        compiles outside it, so on a 2-core machine start-up takes about half the time."""
+        compiles outside it, so on a 2-core machine start-up takes about half the time.
+        Then fuse the keys in `fuse` (no-op without fusing), with the same threads."""
         from concurrent.futures import ThreadPoolExecutor
 
         todo = [k for k in keys if k not in self._compiled]
+        fuse = [k for k in fuse if self._lower_fused is not None and not self.multiprocess]
         n = num_threads or min(os.cpu_count() or 1, 4)
         if n <= 1 or self.multiprocess:  # (multi-host: in turn, in step with the peers)
             for t, r, f in todo:
                 self.compile(t, r, f)
                 if progress:
                     progress(t, r)
+            for key in fuse:
+                self._fuse(key)
             return
         with ThreadPoolExecutor(n, thread_name_prefix="jaxinfer-compile") as pool:
             futures = [(key, pool.submit(self.compile, *key)) for key in todo]
@@ -351,3 +355,5 @@ class CompiledSteps:
                 fut.result()
                 if progress:
                     progress(key[0], key[1])
+            for fut in [pool.submit(self._fuse, key) for key in fuse]:
+                fut.result()

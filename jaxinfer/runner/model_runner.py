@@ -165,8 +165,12 @@ class ModelRunner:
             bases.append(dataclasses.replace(self.base_features, verify=True))
         pairs = self.buckets.all_pairs()
         first = pairs if buckets == "all" or self._multiprocess else self.buckets.start_pairs()
+        # "all": no compiling once serving, so the decode buckets (what nearly every step
+        # runs) are fused now too (layer-wise programs; see compiled_steps.py)
+        fuse = ([(t, r, f) for f in bases for t, r in self.buckets.start_pairs()]
+                if buckets == "all" else [])
         self.compiled.warmup([(t, r, f) for f in bases for t, r in first], progress,
-                             num_threads)
+                             num_threads, fuse=fuse)
         rest = [(t, r, f) for t, r in pairs for f in bases if (t, r) not in first]
         if not background_compile_enabled():
             rest = []  # (only the buckets steps ask for: the test suite's setting)

@@ -296,6 +296,9 @@ def test_engine_serves_during_background_compilation(tmp_path, smollm2_dir, capl
         pairs = runner.buckets.all_pairs()
         compiled = {k[:2] for k in runner.compiled.keys()}
         assert compiled == set(pairs if buckets == "all" else runner.buckets.start_pairs())
+        # ("all": the decode buckets are fused before serving too; "start": none yet)
+        assert runner.compiled.num_fused == (len(runner.buckets.start_pairs())
+                                             if buckets == "all" else 0)
         (line,) = [r.message for r in caplog.records if r.message.startswith("warm-up:")]
         assert f"{len(compiled)} step variants compiled" in line
         assert "from the persistent compilation cache" in line
@@ -399,8 +402,8 @@ def test_fused_steps_swap_in_and_give_the_same_outputs(tmp_path, smollm2_dir, mo
               SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=20,
                              ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
-    llm = LLM(str(tmp_path), warmup=True, warmup_buckets="all", layers_per_program=2,
-              **OPTS)
+    # (no warm-up: the buckets compile as steps ask; the background thread still fuses)
+    llm = LLM(str(tmp_path), warmup=False, layers_per_program=2, **OPTS)
     compiled = llm.llm_engine.runner.compiled
     compiled.hot_steps = 3
     first = _outputs(llm, prompts, params)
