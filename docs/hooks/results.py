@@ -89,6 +89,13 @@ def _quantization(d: dict) -> str:
                      w.get("1x128x128", {}).get("decode_ms_per_token"), m["decode_floor_ms"],
                      w.get("32x128x128", {}).get("output_tok_s"), m.get("agree_first_token"),
                      m.get("agree_all_16")])
+    peer = d.get("llama_cpp") or {}
+    if peer:  # llama.cpp on the same GGUF file, in the same run
+        p32 = peer.get("32x128x128", {})
+        rows.append(["llama.cpp (same GGUF)", "-", "-",
+                     peer.get("1x128x128", {}).get("decode_ms_per_token"), "-",
+                     p32["output_tokens"] / p32["elapsed_s"] if "elapsed_s" in p32
+                     else "failed", "-", "-"])
     return _table(["mode", "weights MiB", "KV blocks", "batch 1 ms/token",
                    "weight-read floor ms", "32 x 128 output tok/s",
                    "first token = float32's", "all 16 tokens = float32's"], rows)
