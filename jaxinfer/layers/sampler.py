@@ -102,8 +102,8 @@ def _draw(filtered, keys):
     uniform per row (from `keys`): first the block of _BLOCK entries the uniform falls in (a
     cumulative sum over the blocks' masses), then the entry within it. One uniform per row
     instead of a Gumbel variate per vocabulary entry (measured on a 2-core CPU, 32 rows of
-    49152: 4 ms instead of 11 for threefry noise alone), and the cumulative sums stay short
-    for float32. Always an entry of positive mass. Returns int32 [R] positions in `filtered`."""
+    49152: ~1.5 ms for the whole draw, ~11 ms for the threefry noise alone), and the
+    cumulative sums stay short for float32. Always an entry of positive mass. Returns int32 [R] positions in `filtered`."""
     r, v = filtered.shape
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
     mass = jnp.exp(filtered - jnp.max(filtered, axis=-1, keepdims=True))  # (-inf -> 0)

@@ -38,12 +38,9 @@ def _close(a, b, tol=2e-5):
         assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < tol for k in a)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
-def test_layerwise_equals_whole(tmp_path, smollm2_dir, arch):
-    """Same greedy tokens, logprobs and prompt logprobs, with penalties and seeded sampling,
-    through chunked prefill and preemption (a tight cache), as the whole-step engine."""
-    make_tiny_model_dir(tmp_path, arch, smollm2_dir, sharpen=2.0, num_hidden_layers=3,
-                        **({"sliding_window": 24} if arch == "mistral" else {}))
+def _mixed_requests():
+    """Four prompts of different lengths: logprobs and prompt logprobs, penalties, seeded
+    sampling and plain greedy."""
     prompts = [{"prompt_token_ids": [100 + 7 * i + j for j in range(9 + 17 * i)]}
                for i in range(4)]
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3,
@@ -53,6 +50,16 @@ def test_layerwise_equals_whole(tmp_path, smollm2_dir, arch):
               SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=20,
                              ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_layerwise_equals_whole(tmp_path, smollm2_dir, arch):
+    """Same greedy tokens, logprobs and prompt logprobs, with penalties and seeded sampling,
+    through chunked prefill and preemption (a tight cache), as the whole-step engine."""
+    make_tiny_model_dir(tmp_path, arch, smollm2_dir, sharpen=2.0, num_hidden_layers=3,
+                        **({"sliding_window": 24} if arch == "mistral" else {}))
+    prompts, params = _mixed_requests()
     got = {}
     for mode in ("whole", "layerwise"):
         llm = LLM(str(tmp_path), warmup=False, step_compilation=mode,
@@ -393,15 +400,7 @@ def test_fused_steps_swap_in_and_give_the_same_outputs(tmp_path, smollm2_dir, mo
     included, and no KV block leaked."""
     monkeypatch.setenv("JAXINFER_BACKGROUND_COMPILE", "1")  # (conftest turns it off)
     make_tiny_model_dir(tmp_path, "qwen3", smollm2_dir, sharpen=2.0, num_hidden_layers=3)
-    prompts = [{"prompt_token_ids": [100 + 7 * i + j for j in range(9 + 17 * i)]}
-               for i in range(4)]
-    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3,
-                             prompt_logprobs=2),
-              SamplingParams(temperature=0, max_tokens=25, ignore_eos=True,
-                             repetition_penalty=1.3, presence_penalty=0.4),
-              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=20,
-                             ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+    prompts, params = _mixed_requests()
     # (no warm-up: the buckets compile as steps ask; the background thread still fuses)
     llm = LLM(str(tmp_path), warmup=False, layers_per_program=2, **OPTS)
     compiled = llm.llm_engine.runner.compiled
