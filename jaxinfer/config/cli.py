@@ -74,7 +74,8 @@ FLAGS: dict[str, dict] = {
                         "buckets lazily)"),
     "warmup_buckets": dict(choices=WARMUP_BUCKETS, help="start: the decode buckets before "
                            "serving, the rest on first use or in the background; all: every "
-                           "bucket before serving"),
+                           "bucket before serving (layer-wise: the decode buckets fused "
+                           "too)"),
     "step_compilation": dict(choices=STEP_COMPILATIONS, help="whole: a step is one program, "
                              "every layer unrolled; layerwise: runs of layers compiled once "
                              "(compile time independent of depth); auto: layerwise on CPU, "

@@ -136,7 +136,8 @@ class EngineConfig:
     warmup: bool = True  # compile the start-up buckets before serving (see warmup_buckets)
     # "start": a few small buckets before serving, every other one in the background after
     # (a step whose bucket is not ready pads up to a ready one, or compiles it); "all": every
-    # bucket before serving (multi-host engines always do this: peers compile in step).
+    # bucket before serving, the decode buckets fused into whole programs too when layer-wise
+    # (multi-host engines always compile every bucket: peers compile in step).
     warmup_buckets: str = "start"
     # "whole": a step is one program, every decoder layer unrolled in it; "layerwise": one
     # layer compiled once and run L times (compile time independent of depth; a dispatch per
