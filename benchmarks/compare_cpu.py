@@ -118,10 +118,7 @@ def run_engine(engine: str, args) -> dict:
                              for seed in (100 * w + 1, 100 * w + 2, 100 * w))
         timed(4, warm)  # warm-up: every shape of this workload
         if engine == "jaxinfer":  # the steady state: the buckets used fused (idle engine)
-            deadline = time.time() + 600
-            while (not llm.llm_engine.call_utility("get_stats")["background_settled"]
-                   and time.time() < deadline):
-                time.sleep(0.5)
+            wait_settled(llm)
         ttft, _ = timed(1, first)
         elapsed, n_out = timed(o, main)
         results[_name((n, i, o))] = r = {"elapsed_s": elapsed, "output_tokens": n_out,
@@ -132,6 +129,15 @@ def run_engine(engine: str, args) -> dict:
             r["steps"] = {k: stats.get(k) for k in ("num_steps", "num_layerwise_steps",
                                                     "num_fused_buckets", "num_padded_up_steps")}
     return {"workloads": results, "threading": threading}
+
+
+def wait_settled(llm, timeout: float = 600.0) -> None:
+    """Until the engine's background thread has nothing left to compile or fuse (the steady
+    state a serving engine reaches: docs/startup.md)."""
+    deadline = time.time() + timeout
+    while (not llm.llm_engine.call_utility("get_stats")["background_settled"]
+           and time.time() < deadline):
+        time.sleep(0.2)
 
 
 def _dummy(model: str) -> bool:

@@ -38,7 +38,7 @@ KV_BUDGET = 256 << 20
 
 
 def run_mode(extra: dict, prompts_text: list[str]) -> dict:
-    from compare_cpu import _prompts
+    from compare_cpu import _prompts, wait_settled
 
     from jaxinfer import LLM, SamplingParams
 
@@ -57,10 +57,7 @@ def run_mode(extra: dict, prompts_text: list[str]) -> dict:
     for n, seed in ((1, 1), (32, 2)):
         batch = [{"prompt_token_ids": p} for p in _prompts(n, 128, 49152, seed)]
         timed(4, [{"prompt_token_ids": p} for p in _prompts(n, 128, 49152, seed + 10)])
-        deadline = time.time() + 300  # the steady state: the buckets used fused
-        while (not llm.llm_engine.call_utility("get_stats")["background_settled"]
-               and time.time() < deadline):
-            time.sleep(0.2)
+        wait_settled(llm)  # the steady state: the buckets used fused
         ttft, _ = timed(1, [{"prompt_token_ids": p} for p in _prompts(n, 128, 49152, seed + 20)])
         elapsed, outs = timed(128, batch)
         res[f"{n}x128x128"] = {"elapsed_s": elapsed, "output_tok_s": n * 128 / elapsed,

@@ -102,6 +102,8 @@ def _decode_roofline(llm, args, latency_s: float) -> dict:
 
 
 def run_throughput(args) -> dict:
+    if args.num_warmups < 0:
+        raise SystemExit(f"--num-warmups must be >= 0, got {args.num_warmups}")
     from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.bench.datasets import load_requests
 

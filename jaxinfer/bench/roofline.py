@@ -71,8 +71,7 @@ def decode_step_floor_s(cfg: ModelConfig, dtype_bytes: int, batch: int, context:
     p = param_count(cfg)
     weights = (p["total"] - p["embedding"] + (p["embedding"] if cfg.tie_word_embeddings else 0))
     weights -= p["moe_layers"] * p["expert"] * (cfg.num_experts - experts_touched(cfg, batch))
-    weight_bytes = weights * dtype_bytes
-    return (weight_bytes + batch * context * kv_bytes_per_token(cfg, dtype_bytes)) / bandwidth
+    return decode_floor(weights * dtype_bytes, cfg, dtype_bytes, batch, context, bandwidth)
 
 
 def decode_step_flops(cfg: ModelConfig, batch: int, context: int) -> float:
@@ -94,22 +93,34 @@ def prefill_flops(cfg: ModelConfig, num_tokens: int, context: int = 0) -> float:
     return float(dense + attn)
 
 
-def measure_read_bandwidth() -> float:
-    """Bytes/s of a sum streaming an array larger than any last-level cache (what a decode step
-    does to weights and KV): the best of 5."""
+def _best(fn, *a) -> float:
+    """Seconds of fn(*a), the best of 5 after one untimed call."""
     import jax
-    import jax.numpy as jnp
 
-    n_bytes = (1 << 30) if jax.default_backend() == "gpu" else (1 << 28)
-    x = jnp.ones((n_bytes // 4,), jnp.float32)
-    fn = jax.jit(jnp.sum)
-    jax.block_until_ready(fn(x))
+    jax.block_until_ready(fn(*a))
     ts = []
     for _ in range(5):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(x))
+        jax.block_until_ready(fn(*a))
         ts.append(time.perf_counter() - t0)
-    return n_bytes / min(ts)
+    return min(ts)
+
+
+def _probe_bytes() -> int:
+    """Larger than any last-level cache, so a probe streams from memory."""
+    import jax
+
+    return (1 << 30) if jax.default_backend() == "gpu" else (1 << 28)
+
+
+def measure_read_bandwidth() -> float:
+    """Bytes/s of a sum streaming an array larger than any last-level cache (what a decode step
+    does to weights and KV)."""
+    import jax
+    import jax.numpy as jnp
+
+    n_bytes = _probe_bytes()
+    return n_bytes / _best(jax.jit(jnp.sum), jnp.ones((n_bytes // 4,), jnp.float32))
 
 
 def decode_floor(weight_bytes: int, cfg: ModelConfig, kv_dtype_bytes: int, batch: int,
@@ -127,23 +138,14 @@ def measure_device(dtype: str = "bfloat16", size: int = 4096,
     import jax
     import jax.numpy as jnp
 
-    def best(fn, *a):
-        jax.block_until_ready(fn(*a))
-        ts = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*a))
-            ts.append(time.perf_counter() - t0)
-        return min(ts)
-
+    best = _best
     on_gpu = jax.default_backend() == "gpu"
-    # Larger than any last-level cache, so the probe streams from memory; "+ 1" (not "* 1",
-    # which XLA folds away) makes it read and write every byte.
-    n_bytes = (1 << 30) if on_gpu else (1 << 28)
+    # "+ 1" (not "* 1", which XLA folds away) makes the copy read and write every byte.
+    n_bytes = _probe_bytes()
     x = jnp.ones((n_bytes // 4,), jnp.float32)
     bw = 2 * n_bytes / best(jax.jit(lambda a: a + 1.0), x)
-    read_bw = n_bytes / best(jax.jit(jnp.sum), x)
     del x
+    read_bw = measure_read_bandwidth()
     n = size if on_gpu else 2048
     dt = jnp.dtype(dtype if on_gpu else "float32")
     key = jax.random.key(0)

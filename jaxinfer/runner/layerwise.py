@@ -170,12 +170,9 @@ def _fused(shell_graphdef, drafter, runs, mesh, aux_layers, weights, carry, batc
     ids, x, cos, sin = _head(shell_graphdef, shell_state, sampler.last_sampled,
                              batch.input_ids, batch.from_last_sampled, batch.token_slots,
                              batch.positions)
-    aux, new_kv = {}, []
-    for (a, b), kind in runs:
-        if a in aux_layers:
-            aux[a] = x
-        x, caches = _layers(kind, mesh, layer_leaves[a:b], x, cos, sin, kv[a:b], batch.attn)
-        new_kv.extend(caches)
+    aux = {}
+    x, new_kv = _run_all([(partial(_layers, kind, mesh), a, b) for (a, b), kind in runs],
+                         layer_leaves, x, cos, sin, kv, batch.attn, aux_layers, aux)
     out, draft_kv, sampler = _tail(shell_graphdef, drafter, shell_state, draft_params,
                                    draft_kv, sampler, batch, x, ids,
                                    tuple(aux[i] for i in aux_layers), features=features,

@@ -53,6 +53,11 @@ def test_throughput_counts_add_up(tmp_path):
     assert 0 <= steps["num_padded_up_steps"] <= steps["num_steps"]
 
 
+def test_negative_num_warmups_is_refused_by_name():
+    with pytest.raises(SystemExit, match="--num-warmups must be >= 0, got -1"):
+        cli(["bench", "throughput", "--num-warmups", "-1", *ENGINE])
+
+
 def test_dataset_presets_shapes():
     reqs = nano_vllm_requests(256, vocab_size=1000, seed=1)
     assert len(reqs) == 256
