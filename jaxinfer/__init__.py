@@ -3,12 +3,13 @@
 `from jaxinfer import LLM, SamplingParams` is light: the engine (and jax) load on first use.
 """
 
+from jaxinfer.lora.request import LoRARequest
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput"]
+           "CompletionOutput", "LoRARequest"]
 
 
 def __getattr__(name):

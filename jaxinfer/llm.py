@@ -23,7 +23,9 @@ class LLM:
     they build, else "xla"; "pallas" | "reference"), tensor_parallel_size, the KV-cache size (gpu_memory_utilization, num_kv_blocks or kv_cache_memory_bytes), and
     skip_tokenizer_init (token-id prompts in, token ids out: no tokenizer is loaded),
     enable_multiprocessing (default: the engine core in a child process; env var
-    JAXINFER_ENABLE_MULTIPROCESSING=0 turns it off) and async_scheduling.
+    JAXINFER_ENABLE_MULTIPROCESSING=0 turns it off), async_scheduling, and multi-LoRA
+    serving (enable_lora, max_loras, max_lora_rank, max_cpu_loras; generate / chat take
+    lora_request=LoRARequest(...)).
     """
 
     def __init__(self, model: str | None = None, **kwargs):
@@ -57,9 +59,10 @@ class LLM:
         return SamplingParams(**self.llm_engine.resolved.default_sampling)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None
-                 ) -> list[RequestOutput]:
-        """Generate for one prompt or many; outputs come back in input order."""
+                 | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request=None) -> list[RequestOutput]:
+        """Generate for one prompt or many; outputs come back in input order. lora_request:
+        a LoRARequest for every prompt, or a list of one (or None) per prompt (enable_lora)."""
         if self.llm_engine.is_worker:
             raise RuntimeError("this is a multi-host worker process: generate on process 0")
         if isinstance(prompts, (str, dict)) or (
@@ -76,13 +79,20 @@ class LLM:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        if isinstance(lora_request, (list, tuple)):
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
+        else:
+            loras = [lora_request] * len(prompts)
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = f"gen-{self._counter}"
                 self._counter += 1
                 self.llm_engine.add_request(rid, prompt, p,
-                                            priority=priority[i] if priority else 0)
+                                            priority=priority[i] if priority else 0,
+                                            lora_request=loras[i])
                 ids.append(rid)
         except Exception:
             self.llm_engine.abort_request(ids)  # nothing half-submitted stays behind
@@ -119,7 +129,8 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, lora_request=None
+             ) -> list[RequestOutput]:
         """Render conversations with the tokenizer's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
@@ -134,4 +145,5 @@ class LLM:
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)

@@ -19,6 +19,7 @@ class NewRequestData:
     block_ids: tuple[int, ...]  # every block of the request
     num_computed_tokens: int  # KV already in the cache (prefix hits) before this step
     sampling_seed: int = 0  # seed of the request's RNG stream
+    lora_int_id: int = 0  # the request's LoRA adapter (0: the base model)
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ class Request:
         structured_backend: str | None = None,
         parent_id: str | None = None,
         reasoning_end_ids: list[int] | None = None,
+        lora_request=None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -76,6 +77,8 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # its LoRARequest (None: the base model)
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
         self.sampling_seed = sampling_seed  # the seed of this request's RNG stream (uint32)
         # Resolved max_tokens (SamplingParams.max_tokens None -> the room left in max_model_len).
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
@@ -156,3 +159,20 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens})")
+
+
+def lora_fits(request: Request, loras: set[int], max_loras: int,
+              waiting: bool = False) -> bool:
+    """vLLM's rule: a step runs at most max_loras distinct adapters. Whether `request` may
+    join a step whose adapters so far are `loras` (its adapter is added when it may). Once a
+    waiting request finds no room, no later waiting request with an adapter joins that step
+    (marked by -1): the running adapters drain instead of starving it."""
+    i = request.lora_int_id
+    if not i:
+        return True
+    if -1 in loras or (i not in loras and len(loras) >= max_loras):
+        if waiting:
+            loras.add(-1)
+        return False
+    loras.add(i)
+    return True

@@ -109,6 +109,12 @@ FLAGS: dict[str, dict] = {
     "reasoning_parser": dict(type=str, choices=tuple(REASONING_PARSERS),
                              help="split a reasoning model's thinking into reasoning_content "
                                   "(chat route); structured outputs apply after it"),
+    "enable_lora": dict(help="serve LoRA adapters (PEFT folders) over the base model, mixed "
+                             "in one batch (serve: --lora-modules, /v1/load_lora_adapter)"),
+    "max_loras": dict(help="distinct LoRA adapters in one step (device slots)"),
+    "max_lora_rank": dict(help="the LoRA slots' rank: adapters of a higher rank are refused"),
+    "max_cpu_loras": dict(type=int, help="LoRA adapters kept loaded on the host (default: "
+                                         "max_loras)"),
     "generation_config": dict(help="auto: the model's generation_config.json sets the default "
                               "sampling parameters (a request's own values override them); "
                               "vllm: the built-in defaults; or a folder with a "

@@ -190,6 +190,14 @@ class EngineConfig:
     # (jaxinfer/logits_processors.py), applied in batch inside the step to the requests
     # whose parameters ask for them; kept as 'module:QualName' paths.
     logits_processors: tuple | list | None = None
+    # Multi-LoRA serving (vLLM's names): PEFT adapters over the base model, mixed in one
+    # batch; max_loras: distinct adapters in one step (device slots per projection);
+    # max_lora_rank: the slots' rank (adapters above it are refused); max_cpu_loras: adapters
+    # kept loaded on the host (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def parallel_config(self) -> ParallelConfig:
         """The parallel sizes above as the ParallelConfig the engine is built from (checked:
@@ -240,6 +248,7 @@ class EngineConfig:
         object.__setattr__(self, "structured_outputs_config", soc or StructuredOutputsConfig())
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        self._check_lora()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported "
                              f"(supported: {', '.join(KV_CACHE_DTYPES)})")
@@ -252,6 +261,25 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+
+    def _check_lora(self) -> None:
+        for name, low in (("max_loras", 1), ("max_lora_rank", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= 1024:
+                raise ValueError(f"{name} must be an integer in [{low}, 1024], got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (not isinstance(cpu, int) or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras ({cpu!r}) must be >= max_loras ({self.max_loras})")
+        if not self.enable_lora:
+            return
+        for name, bad, why in (
+                ("speculative_config", self.speculative_config is not None,
+                 "the drafter would run without the adapters"),
+                ("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1,
+                 "not tested with pipeline stages yet")):
+            if bad:
+                raise ValueError(f"enable_lora cannot be combined with {name} ({why})")
 
 
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas", "reference")

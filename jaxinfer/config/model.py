@@ -72,6 +72,15 @@ class ModelConfig:
     # An fp8 KV cache (set by the engine from kv_cache_dtype): each attention layer holds its
     # k_scale / v_scale (the checkpoint's self_attn.k_scale / v_scale, else 1.0).
     fp8_kv_cache: bool = False
+    # Multi-LoRA serving (set by the engine from enable_lora): adapter slots on the device
+    # per targetable projection and their padded rank; 0: no LoRA parameters.
+    lora_slots: int = 0
+    lora_rank: int = 0
+
+    @property
+    def lora(self) -> tuple[int, int] | None:
+        """(slots, rank) of the linear layers' LoRA parameters, or None."""
+        return (self.lora_slots, self.lora_rank) if self.lora_slots else None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

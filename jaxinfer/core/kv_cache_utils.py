@@ -1,8 +1,9 @@
 """Chained block hashes for prefix caching.
 
 hash(block i) = H(hash(block i-1), token ids of block i, extra keys), over full blocks only.
-Extra keys: the request's cache_salt on the first block (room is left for LoRA names and
-multimodal hashes). The root parent hash comes from a seed, so hashes are deterministic across
+Extra keys, on the first block (they chain onward): the request's cache_salt and its LoRA
+adapter's name (a base-model request and an adapter's never share KV; vLLM keys on the name
+too). Room is left for multimodal hashes. The root parent hash comes from a seed, so hashes are deterministic across
 processes for a fixed seed.
 """
 
@@ -37,11 +38,14 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int],
     raise ValueError(f"prefix_caching_hash_algo={algo!r} is not supported ({', '.join(HASH_ALGOS)})")
 
 
-def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple[Any, ...] | None:
-    """Extra keys of one block. Only the first block carries the salt (it chains onward)."""
-    if block_index == 0 and cache_salt:
-        return ("salt", cache_salt)
-    return None
+def block_extra_keys(block_index: int, cache_salt: str | None,
+                     lora_name: str | None = None) -> tuple[Any, ...] | None:
+    """Extra keys of one block. Only the first block carries the salt and the adapter."""
+    if block_index != 0:
+        return None
+    keys = (("salt", cache_salt) if cache_salt else ()) + (("lora", lora_name) if lora_name
+                                                           else ())
+    return keys or None
 
 
 def update_block_hashes(request, block_size: int, root_hash: bytes, algo: str = "sha256") -> None:
@@ -53,5 +57,6 @@ def update_block_hashes(request, block_size: int, root_hash: bytes, algo: str = 
         i = len(hashes)
         parent = hashes[-1] if hashes else root_hash
         block = tokens[i * block_size : (i + 1) * block_size]
-        hashes.append(hash_block_tokens(parent, block, block_extra_keys(i, request.cache_salt),
-                                        algo))
+        lora = getattr(request, "lora_request", None)
+        hashes.append(hash_block_tokens(parent, block, block_extra_keys(
+            i, request.cache_salt, lora.lora_name if lora is not None else None), algo))

@@ -20,7 +20,7 @@ from jaxinfer.core.stop import advance_grammar, check_stop, take_drafts
 from jaxinfer.core.token_masks import bitmask_width, needs_last_tokens, step_bitmask
 from jaxinfer.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput,
                               SchedulerOutput)
-from jaxinfer.request import FinishReason, Request, RequestStatus
+from jaxinfer.request import FinishReason, Request, RequestStatus, lora_fits
 
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class Scheduler:
         # them is neither scheduled again nor preempted until its batch's outputs are in.
         self.pipeline_depth = 1
         self.in_flight: set[str] = set()
+        self.max_loras = 0  # enable_lora: distinct adapters in one step (set by the core)
 
     # -- requests in and out --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -96,16 +97,12 @@ class Scheduler:
         if request.num_prompt_tokens == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
         if request.num_prompt_tokens > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {request.num_prompt_tokens} tokens, more than "
-                f"max_model_len={self.max_model_len}"
-            )
+            raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
         need = self.kv.blocks_needed(request.num_prompt_tokens + 1)
         if need > self.kv.num_usable_blocks:
-            raise ValueError(
-                f"the request needs {need} KV blocks, more than the whole cache "
-                f"({self.kv.num_usable_blocks} blocks)"
-            )
+            raise ValueError(f"the request needs {need} KV blocks, more than the whole cache "
+                             f"({self.kv.num_usable_blocks} blocks)")
         if request.use_structured_output and self.structured_output_manager is None:
             raise ValueError("structured_outputs need the tokenizer, but the engine was started "
                              "with skip_tokenizer_init=True")
@@ -233,7 +230,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: list[Request] = []
-
+        loras: set[int] = set()  # the step's LoRA adapters (at most max_loras)
         # long_prefill_token_threshold keeps one long prefill from starving the others; with
         # nobody else running or waiting it does not apply (as in vLLM).
         threshold = cfg.long_prefill_token_threshold
@@ -250,8 +247,8 @@ class Scheduler:
                  else cfg.max_num_seqs)
         while i < len(self.running) and budget > 0 and len(num_scheduled) < seats:
             request = self.running[i]
-            if request.request_id in in_flight:  # (pipeline: its batch has not returned)
-                i += 1
+            if request.request_id in in_flight or not lora_fits(request, loras, self.max_loras):
+                i += 1  # (pipeline: its batch has not returned; or too many adapters)
                 continue
             computed = request.num_computed_tokens
             placeholders = request.num_output_placeholders
@@ -323,8 +320,10 @@ class Scheduler:
                     continue
                 if err == "":
                     request.status = RequestStatus.WAITING
-            if request.status in _BLOCKED or request.num_output_placeholders:
-                # (a request preempted with a token in flight resumes once the token is in)
+            if (request.status in _BLOCKED or request.num_output_placeholders
+                    or not lora_fits(request, loras, self.max_loras, waiting=True)):
+                # (a request preempted with a token in flight resumes once the token is in;
+                # one whose adapter would exceed max_loras waits for a step with room)
                 skipped.append(self.waiting.pop())
                 continue
             parent = request.parent_id
@@ -353,6 +352,8 @@ class Scheduler:
             if (budget <= 0 or len(self.running) >= cfg.max_num_seqs
                     or len(num_scheduled) >= seats):
                 break
+            if not lora_fits(request, loras, self.max_loras, waiting=True):
+                continue
             n = self._admit(request, budget, threshold, new_reqs, num_scheduled)
             if n is None:
                 break
@@ -439,8 +440,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=tuple(self.kv.get_block_ids(request.request_id)),
             num_computed_tokens=base + num_hit,
-            sampling_seed=request.sampling_seed,
-        ))
+            sampling_seed=request.sampling_seed, lora_int_id=request.lora_int_id))
         num_scheduled[request.request_id] = n
         return n
 

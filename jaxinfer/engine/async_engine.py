@@ -218,6 +218,25 @@ class AsyncLLM:
                 return
             loop.create_task(self.engine_core.abort_requests_async(children))
 
+    # -- LoRA adapters (vLLM's AsyncLLM methods) ------------------------------------------------
+    async def add_lora(self, lora_request) -> bool:
+        """Load an adapter into the engine core(s) (ValueError naming it and the reason when
+        it cannot be served); False when it was loaded already."""
+        self.processor.check_lora(lora_request)
+        try:
+            return await self.call_utility("add_lora", lora_request)
+        except RuntimeError as e:  # (the utility's error, from the core's process)
+            prefix = "engine core utility failed: ValueError: "
+            if not str(e).startswith(prefix):
+                raise
+            raise ValueError(str(e)[len(prefix):]) from None
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self.call_utility("remove_lora", lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        return set(await self.call_utility("list_loras"))
+
     async def call_utility(self, name: str, *args):
         """Run an EngineCore utility (get_stats, reset_prefix_cache, leak_report, ...)."""
         return await self.engine_core.call_utility_async(name, *args)

@@ -92,6 +92,8 @@ class EngineCore:
         # parallelism; the scheduler then puts no request into two batches in flight).
         self.max_in_flight = pp if pp > 1 else (2 if cfg.async_scheduling else 1)
         self.scheduler.pipeline_depth = pp
+        if cfg.enable_lora:
+            self.scheduler.max_loras = cfg.max_loras
         self.max_batches_in_flight = 0  # (the most seen; benchmarks/pipeline_parallel.py)
         if kv_worker is not None:
             self.runner.set_kv_connector(kv_worker)
@@ -159,12 +161,41 @@ class EngineCore:
         check_core_request(req, vocab_size=self.model_config.vocab_size,
                            max_model_len=self.resolved.max_model_len,
                            extra_args_keys=self.runner.extra_args_keys)
+        if req.lora_request is not None:  # (loaded now: a bad adapter fails this request)
+            self.add_lora(req.lora_request)
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
             priority=req.priority, cache_salt=req.cache_salt, sampling_seed=req.sampling_seed,
             structured_backend=req.structured_backend, parent_id=req.parent_id,
-            reasoning_end_ids=req.reasoning_end_ids))
+            reasoning_end_ids=req.reasoning_end_ids, lora_request=req.lora_request))
+
+    # -- LoRA adapters (enable_lora) ---------------------------------------------------------
+    def _lora(self):
+        if self.runner.lora is None:
+            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True "
+                             "(--enable-lora)")
+        return self.runner.lora
+
+    def add_lora(self, lora_request) -> bool:
+        """Load an adapter (ValueError naming it and the reason when it cannot be served);
+        False when it was already loaded."""
+        from jaxinfer.lora.request import LoRARequest
+
+        if not isinstance(lora_request, LoRARequest):  # (a utility call's decoded tuple)
+            lora_request = LoRARequest(*lora_request)
+        return self._lora().add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; refused while a request that uses it is unfinished."""
+        users = [r for r in self.scheduler.requests.values() if r.lora_int_id == lora_int_id]
+        if users:
+            raise ValueError(f"LoRA adapter {lora_int_id} is in use by {len(users)} "
+                             "unfinished request(s)")
+        return self._lora().remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self._lora().list()
 
     def abort_requests(self, request_ids, status=RequestStatus.FINISHED_ABORTED) -> None:
         self.scheduler.finish_requests(request_ids, status)
@@ -409,4 +440,5 @@ class EngineCore:
             raise ValueError(f"unknown engine core input {kind!r}")
 
 
-UTILITIES = ("get_stats", "reset_prefix_cache", "leak_report", "profile_steps", "ready_info")
+UTILITIES = ("get_stats", "reset_prefix_cache", "leak_report", "profile_steps", "ready_info",
+             "add_lora", "remove_lora", "list_loras")

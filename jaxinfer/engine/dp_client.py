@@ -155,8 +155,12 @@ def _combine(name: str, results: list):
         return [f"rank {i}: {p}" for i, r in enumerate(results) for p in (r or [])]
     if name == "get_stats":
         return _merge_stats(results)
-    if name == "reset_prefix_cache":
+    if name in ("reset_prefix_cache", "remove_lora"):
         return all(results)
+    if name == "add_lora":
+        return any(results)
+    if name == "list_loras":
+        return results[0]
     if name == "ready_info":
         return results[0]
     return results

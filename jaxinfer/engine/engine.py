@@ -29,7 +29,8 @@ def make_processor(rc, tokenizer, info: dict) -> Processor:
                      block_size=info["block_size"],
                      structured_outputs_config=rc.engine.structured_outputs_config,
                      reasoning_parser=rc.engine.reasoning_parser,
-                     logits_processors=rc.engine.logits_processors)
+                     logits_processors=rc.engine.logits_processors,
+                     enable_lora=rc.engine.enable_lora)
 
 
 def in_process_only() -> bool:
@@ -79,6 +80,7 @@ class LLMEngine:
         self.processor = make_processor(rc, self.tokenizer, self.engine_core.info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._next_id = 0
+        self._loras: dict[int, object] = {}  # adapters this front end loaded (by id)
 
     @property
     def attention_backend(self) -> str:
@@ -119,8 +121,11 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> str:
-        """Validate and queue a request; raises ValueError (naming the field) on bad input."""
+                    priority: int = 0, cache_salt: str | None = None,
+                    lora_request=None) -> str:
+        """Validate and queue a request; raises ValueError (naming the field) on bad input.
+        lora_request: a LoRARequest (enable_lora), loaded first when new (ValueError naming
+        the adapter when it cannot be served)."""
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
@@ -128,7 +133,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids, children = self.processor.make_requests(
             request_id, prompt, params, arrival_time=arrival_time, priority=priority,
-            cache_salt=cache_salt)
+            cache_salt=cache_salt, lora_request=lora_request)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         self.output_processor.add_request(request_id, text, ids, children)
         for child in children:
             self.engine_core.add_request(child)
@@ -163,6 +170,32 @@ class LLMEngine:
     def get_stats(self) -> dict:
         """The core's stats as of its last step."""
         return dict(self.engine_core.stats)
+
+    # -- LoRA adapters (vLLM's LLMEngine methods) -----------------------------------------------
+    def add_lora(self, lora_request) -> bool:
+        """Load an adapter into the engine (ValueError naming it and the reason when it
+        cannot be served); False when it was loaded already."""
+        self.processor.check_lora(lora_request)
+        known = self._loras.get(lora_request.lora_int_id)
+        if known is not None and (known.lora_name, known.lora_path) == (
+                lora_request.lora_name, lora_request.lora_path):
+            return False  # (else the core says what clashes)
+        try:
+            added = self.engine_core.call_utility("add_lora", lora_request)
+        except RuntimeError as e:  # (a utility's error from another process)
+            prefix = "engine core utility failed: ValueError: "
+            if not str(e).startswith(prefix):
+                raise
+            raise ValueError(str(e)[len(prefix):]) from None
+        self._loras[lora_request.lora_int_id] = lora_request
+        return added
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self._loras.pop(lora_int_id, None)
+        return self.engine_core.call_utility("remove_lora", lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.engine_core.call_utility("list_loras"))
 
     def call_utility(self, name: str, *args):
         """Run an EngineCore utility (get_stats, reset_prefix_cache, leak_report, ...)."""

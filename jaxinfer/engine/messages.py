@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from jaxinfer.lora.request import LoRARequest
 from jaxinfer.outputs import EngineCoreOutput
 from jaxinfer.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Structured outputs behind a reasoning model's thinking: the grammar applies once the
     # output ends with these ids (the reasoning parser's end tag). None: from the first token.
     reasoning_end_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base)
 
 
 class RequestType(bytes, enum.Enum):

@@ -25,8 +25,9 @@ class Processor:
                  eos_token_id: int | None, extra_eos_token_ids: tuple[int, ...] = (),
                  seed: int = 0, num_usable_kv_blocks: int | None = None, block_size: int = 16,
                  structured_outputs_config=None, reasoning_parser: str | None = None,
-                 logits_processors=None):
+                 logits_processors=None, enable_lora: bool = False):
         self.tokenizer = tokenizer
+        self.enable_lora = enable_lora
         # Custom logits processors' classes: each checks a request's params; their extra_args
         # keys are the ones a request may use beside kv_transfer_params.
         from jaxinfer.logits_processors import load_processor
@@ -174,10 +175,11 @@ class Processor:
     def make_requests(self, request_id: str, prompt: PromptType,
                       params: SamplingParams | None, *, arrival_time: float | None = None,
                       priority: int = 0, cache_salt: str | None = None,
-                      chat_template_kwargs: dict | None = None
+                      chat_template_kwargs: dict | None = None, lora_request=None
                       ) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
         """One Request per sample (n > 1 fans out into children sharing the prompt)."""
         params = params or SamplingParams()
+        self.check_lora(lora_request)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if self.tokenizer is None and params.stop:
@@ -220,5 +222,18 @@ class Processor:
                 eos_token_id=self.eos_token_id, arrival_time=arrival_time,
                 sampling_seed=(base_seed + i) & 0xFFFFFFFF, priority=priority,
                 cache_salt=cache_salt, structured_backend=backend, parent_id=parent_id,
-                reasoning_end_ids=reasoning_end))
+                reasoning_end_ids=reasoning_end, lora_request=lora_request))
         return text, ids, reqs
+
+    def check_lora(self, lora_request) -> None:
+        """A request's lora_request: a LoRARequest, and LoRA enabled (vLLM refuses it so)."""
+        if lora_request is None:
+            return
+        from jaxinfer.lora.request import LoRARequest
+
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        if not self.enable_lora:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: LoRA is not enabled "
+                             "(start the engine with enable_lora=True / --enable-lora)")

@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat_template sent with a request (it is code: refused by "
                         "default, as in vLLM)")
+    v.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served under their own model names (needs "
+                        "--enable-lora): name=path, or a JSON object {\"name\", \"path\", "
+                        "\"base_model_name\"} (vLLM's forms); loaded at start-up")
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model call tools on its own (tool_choice="auto"); needs '
                         "--tool-call-parser")

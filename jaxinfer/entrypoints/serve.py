@@ -40,7 +40,8 @@ def make_server(llm: AsyncLLM, args, metrics_role: str = "only") -> OpenAIServer
                             args, "default_chat_template_kwargs", None),
                         chat_template=getattr(args, "chat_template", None),
                         chat_template_content_format=getattr(
-                            args, "chat_template_content_format", "auto"))
+                            args, "chat_template_content_format", "auto"),
+                        lora_modules=getattr(args, "lora_modules", None))
 
 
 def serve(server: OpenAIServer, config, sockets=None) -> int:

@@ -35,11 +35,15 @@ logger = logging.getLogger(__name__)
 _ROOT = hashlib.sha256(b"jaxinfer-shared-storage-root").digest()
 
 
-def block_keys(token_ids, num_blocks: int, block_size: int, cache_salt: str | None) -> list[str]:
+def block_keys(token_ids, num_blocks: int, block_size: int, cache_salt: str | None,
+               lora_request=None) -> list[str]:
+    """The storage keys of the first blocks (salted, and keyed on the LoRA adapter's name as
+    the prefix cache is: an adapter's KV is never another request's)."""
     keys, parent = [], _ROOT
+    lora = lora_request.lora_name if lora_request is not None else None
     for i in range(num_blocks):
         parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size],
-                                   block_extra_keys(i, cache_salt), "sha256")
+                                   block_extra_keys(i, cache_salt, lora), "sha256")
         keys.append(parent.hex())
     return keys
 
@@ -68,7 +72,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         if most == 0:
             return 0, False
         keys = block_keys(request.all_token_ids, first + most, self.block_size,
-                          request.cache_salt)[first:]
+                          request.cache_salt, request.lora_request)[first:]
         n = 0
         while n < most and os.path.exists(self.path(keys[n])):
             n += 1
@@ -121,7 +125,8 @@ class SharedStorageScheduler(KVConnectorScheduler):
                       "remote_num_blocks": min(n, (request.num_prompt_tokens - 1)
                                                // self.block_size),
                       "block_size": self.block_size}
-        keys = block_keys(request.all_token_ids, n, self.block_size, request.cache_salt)
+        keys = block_keys(request.all_token_ids, n, self.block_size, request.cache_salt,
+                          request.lora_request)
         todo = [(b, self.path(k)) for b, k in zip(block_ids[:n], keys)
                 if not os.path.exists(self.path(k))]
         if not todo:

@@ -31,6 +31,9 @@ class AttentionMetadata:
     # int32 [1]: sequences [0, num_decodes) have one query token each (the runner lays single-
     # token sequences out first); the xla backend batches them. 0 is always correct, if slower.
     num_decodes: jax.Array
+    # int32 [T]: each token's LoRA adapter slot (-1: the base model), read by the linear
+    # layers' adapters (layers/lora.py); None when the engine serves no LoRA.
+    lora_slots: jax.Array | None = None
 
 
 def check_backend(backend: str) -> str:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxinfer.layers.lora import add_lora, lora_params
 from jaxinfer.layers.params import HF, LINEAR, param, scale_axes
 
 
@@ -118,7 +119,8 @@ class Linear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
                  rngs: nnx.Rngs, packed: bool = False, quant=None,
-                 axes: tuple = (None, None)):
+                 axes: tuple = (None, None), lora=None):
+        """lora: (slots, rank) of multi-LoRA serving (layers/lora.py), or None."""
         self.quant = quant
         self.packed, self.out_features = _packed(packed, quant), out_features
         shape = (in_features, out_features)
@@ -127,13 +129,16 @@ class Linear(nnx.Module):
         self.weight_offset = _offset(shape, quant, self.packed, axes)
         self.bias = (param(jnp.zeros((out_features,), dtype), axes=axes[1:]) if use_bias
                      else None)  # [out]
+        self.lora_a, self.lora_b = lora_params(lora, in_features, (out_features,), axes, 1,
+                                               dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_slots=None) -> jax.Array:
+        """x [T, in] -> [T, out]; lora_slots: each token's adapter slot (int32 [T]) or None."""
         y = _matmul(x, self.weight[...], self.packed, (self.out_features,),
                     _value(self.weight_scale), self.quant, _value(self.weight_offset))
         if self.bias is not None:
             y = y + self.bias[...]
-        return y
+        return add_lora(y, x, self, lora_slots)
 
 
 class QKVLinear(nnx.Module):
@@ -146,7 +151,8 @@ class QKVLinear(nnx.Module):
     q_proj / k_proj / v_proj (models/fused.py)."""
 
     def __init__(self, in_features: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 use_bias: bool, dtype, rngs: nnx.Rngs, packed: bool = False, quant=None):
+                 use_bias: bool, dtype, rngs: nnx.Rngs, packed: bool = False, quant=None,
+                 lora=None):
         self.quant = quant
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.packed = _packed(packed, quant)
@@ -163,14 +169,18 @@ class QKVLinear(nnx.Module):
         self.bias = (param(jnp.zeros((num_kv_heads, width), dtype), axes=axes[1:], hf=HF(
             tuple(f"{m}.bias" for m in qkv), fuse="qkv", kv=(False, True, True)))
             if use_bias else None)
+        # (q, k and v parts: each adapter's delta lands in this fused per-KV-head layout)
+        self.lora_a, self.lora_b = lora_params(lora, in_features, shape[1:], axes, 3, dtype)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, lora_slots=None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, in] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
         width = (self.group + 2) * self.head_dim
         y = _matmul(x, self.weight[...], self.packed, (self.num_kv_heads, width),
                     _value(self.weight_scale), self.quant, _value(self.weight_offset))
         if self.bias is not None:
             y = y + self.bias[...]
+        y = add_lora(y, x, self, lora_slots)
         t, g, d = x.shape[0], self.group, self.head_dim
         y = y.reshape(t, self.num_kv_heads, g + 2, d)
         q = y[:, :, :g].reshape(t, self.num_kv_heads * g, d)
@@ -182,7 +192,7 @@ class GateUpLinear(nnx.Module):
     weight [in, 2, I] (gate, then up), split over I for tensor parallelism."""
 
     def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs,
-                 packed: bool = False, quant=None):
+                 packed: bool = False, quant=None, lora=None):
         self.quant = quant
         self.packed, self.out_features = _packed(packed, quant), out_features
         shape = (in_features, 2, out_features)
@@ -191,10 +201,12 @@ class GateUpLinear(nnx.Module):
             ("gate_proj.weight", "up_proj.weight"), transpose=True, fuse="stack"))
         self.weight_scale = _scale(shape, quant, self.packed, axes)
         self.weight_offset = _offset(shape, quant, self.packed, axes)
+        self.lora_a, self.lora_b = lora_params(lora, in_features, shape[1:], axes, 2, dtype)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, lora_slots=None) -> tuple[jax.Array, jax.Array]:
         y = _matmul(x, self.weight[...], self.packed, (2, self.out_features),
                     _value(self.weight_scale), self.quant, _value(self.weight_offset))  # [T, 2, I]
+        y = add_lora(y, x, self, lora_slots)
         return y[:, 0], y[:, 1]
 
 
@@ -206,16 +218,17 @@ class GatedMLP(nnx.Module):
     """down(act(gate(x)) * up(x)): the Llama/Qwen MLP (silu), Gemma's (gelu, tanh form)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs,
-                 packed: bool = False, act: str = "silu", quant=(None, None)):
+                 packed: bool = False, act: str = "silu", quant=(None, None), lora=None):
         self.act = act
         self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs,
-                                         packed=packed, quant=quant[0])
+                                         packed=packed, quant=quant[0], lora=lora)
         self.down_proj = Linear(intermediate_size, hidden_size, use_bias=False, dtype=dtype,
-                                rngs=rngs, packed=packed, quant=quant[1], axes=("mlp", "embed"))
+                                rngs=rngs, packed=packed, quant=quant[1], axes=("mlp", "embed"),
+                                lora=lora)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = self.gate_up_proj(x)
-        return self.down_proj(ACTIVATIONS[self.act](gate) * up)
+    def __call__(self, x: jax.Array, lora_slots=None) -> jax.Array:
+        gate, up = self.gate_up_proj(x, lora_slots)
+        return self.down_proj(ACTIVATIONS[self.act](gate) * up, lora_slots)
 
 
 def packed_rows(weight: jax.Array, ids: jax.Array, in_features: int,

@@ -214,7 +214,9 @@ class SparseMoE(nnx.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_slots=None) -> jax.Array:
+        """x [T, H] -> [T, H]. lora_slots: unused: LoRA adapters never reach a mixture-of-
+        experts block (the adapter loader refuses ones that target it, lora/adapter.py)."""
         weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)
         if self.mesh is None:
             out = self.experts(x, weights, experts)

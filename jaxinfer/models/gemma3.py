@@ -43,7 +43,8 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         x = sp(x)
         h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md)
         x = sp(x + self.post_attention_layernorm(sp(h)))
-        h = self.post_feedforward_layernorm(sp(self.mlp(self.pre_feedforward_layernorm(x))))
+        h = self.post_feedforward_layernorm(sp(self.mlp(self.pre_feedforward_layernorm(x),
+                                                              md.lora_slots)))
         return sp(x + h), kv_cache
 
 

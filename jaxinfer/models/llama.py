@@ -72,10 +72,11 @@ class LlamaAttention(nnx.Module):
                                   use_bias=cfg.attention_bias, dtype=dtype, rngs=rngs,
                                   packed=packed,
                                   quant=module_quant(cfg, prefix + "qkv_proj",
-                                                     ("q_proj", "k_proj", "v_proj")))
+                                                     ("q_proj", "k_proj", "v_proj")),
+                                  lora=cfg.lora)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, use_bias=False, dtype=dtype, rngs=rngs,
                              packed=packed, quant=module_quant(cfg, prefix + "o_proj"),
-                             axes=("heads", "embed"))
+                             axes=("heads", "embed"), lora=cfg.lora)
         if cfg.fp8_kv_cache:
             self.k_scale, self.v_scale = _kv_scale("k"), _kv_scale("v")
         else:
@@ -90,7 +91,7 @@ class LlamaAttention(nnx.Module):
 
     def __call__(self, x, cos, sin, kv_cache: KVCache, md: AttentionMetadata):
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+        q, k, v = self.qkv_proj(x, md.lora_slots)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_index is not None:
@@ -100,7 +101,7 @@ class LlamaAttention(nnx.Module):
             q, k, v, kv_cache[0], kv_cache[1], md, sm_scale=self.sm_scale, backend=self.backend,
             sliding_window=self.sliding_window, mesh=self.mesh,
             kv_scales=None if self.k_scale is None else (self.k_scale[...], self.v_scale[...]))
-        return self.o_proj(o.reshape(num_tokens, -1)), (k_cache, v_cache)
+        return self.o_proj(o.reshape(num_tokens, -1), md.lora_slots), (k_cache, v_cache)
 
 
 def dense_mlp(cfg: ModelConfig, layer_idx: int, *, dtype, rngs: nnx.Rngs,
@@ -110,7 +111,7 @@ def dense_mlp(cfg: ModelConfig, layer_idx: int, *, dtype, rngs: nnx.Rngs,
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,
                     packed=packed, act=cfg.hidden_act,
                     quant=(module_quant(cfg, mlp + "gate_up_proj", ("gate_proj", "up_proj")),
-                           module_quant(cfg, mlp + "down_proj")))
+                           module_quant(cfg, mlp + "down_proj")), lora=cfg.lora)
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -147,7 +148,7 @@ class LlamaDecoderLayer(nnx.Module):
         h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md)
         ffn = getattr(self, self.ffn_name)
         x = sp(x + sp(h))
-        x = sp(x + sp(ffn(self.post_attention_layernorm(x))))
+        x = sp(x + sp(ffn(self.post_attention_layernorm(x), md.lora_slots)))
         return x, kv_cache
 
 

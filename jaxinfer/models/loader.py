@@ -246,9 +246,12 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
     files_by_name = _safetensors_index(model_dir)
     expected = {name: var for (_, var), name in zip(flat, names)}
     # (a quantized weight's weight_scale is filled with its weight)
+    # (LoRA slots are no checkpoint's: they start empty, zeros, and adapters fill them)
+    lora = [name for name in names if getattr(expected[name], "lora", False)]
     sources = {name: checkpoint_names(name, expected[name])
                for name in names if not (name.endswith(("_scale", "_offset"))
-                                         and name.rsplit("_", 1)[0] in expected)}
+                                         and name.rsplit("_", 1)[0] in expected)
+               and name not in lora}
     # Parameters held under one of several names (fp8 KV cache scales: self_attn.k_scale, or
     # compressed-tensors' k_proj.output_scale): the first the checkpoint has, else their
     # declared default (1.0, as vLLM does).
@@ -336,5 +339,8 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
         var = expected[name]
         var.set_value(_place(var, np.full(var.shape, declared(var)[1].default, np.float32),
                              mesh=mesh, to_host=to_host))
+    for name in lora:
+        var = expected[name]
+        var.set_value(_place(var, np.zeros(var.shape, var.dtype), mesh=mesh, to_host=to_host))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     return model, model_config, dtype_name

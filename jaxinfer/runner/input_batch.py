@@ -49,6 +49,7 @@ class InputBatch:
                              for p in self.logits_processors)
         self.lp_active = tuple(np.zeros(max_num_reqs, bool) for _ in self.logits_processors)
         self.uses_processor = np.zeros(max_num_reqs, bool)
+        self.lora_id = np.zeros(max_num_reqs, np.int64)  # the slot's adapter (0: none)
         self.req_id_to_slot: dict[str, int] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
 
@@ -88,6 +89,7 @@ class InputBatch:
                                   np.fromiter(p.logit_bias.values(), np.float32))
             self.num_logit_bias[s] = len(p.logit_bias)
         self.uses_processor[s] = False
+        self.lora_id[s] = new.lora_int_id
         for proc, rows, active in zip(self.logits_processors, self.lp_rows, self.lp_active):
             row = proc.row(p)
             active[s] = row is not None

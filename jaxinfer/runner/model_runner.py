@@ -46,10 +46,12 @@ class ModelRunner:
     def __init__(self, program: StepProgram, *, num_kv_blocks: int, block_size: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, kv_dtype,
                  buckets: BucketTable | None = None, speculative_config=None,
-                 pipeline_depth: int = 1, logits_processors=()):
+                 pipeline_depth: int = 1, logits_processors=(), lora=None):
         """program: how steps are compiled and run (step_program.make_step_program);
         pipeline_depth: step batches in flight at most (P under pipeline parallelism);
-        logits_processors: custom LogitsProcessor instances (jaxinfer/logits_processors.py)."""
+        logits_processors: custom LogitsProcessor instances (jaxinfer/logits_processors.py);
+        lora: the LoRAManager of an engine serving adapters (lora/manager.py), or None."""
+        self.lora = lora
         self.program = program
         self.model_config = cfg = program.model_config
         self.mesh = program.mesh
@@ -84,7 +86,8 @@ class ModelRunner:
                                    num_spec=self.num_spec,
                                    eagle=drafter is not None and drafter.kind == "eagle",
                                    num_host_buffers=pipeline_depth + 1,
-                                   logits_processors=self.logits_processors)
+                                   logits_processors=self.logits_processors,
+                                   lora=lora is not None)
         # Requests whose inputs could not be prepared (request id -> error), left out of the
         # step that dispatch() launched; the engine core finishes them with that error.
         self.failed_requests: dict[str, str] = {}
@@ -207,9 +210,12 @@ class ModelRunner:
         if failed:
             self.failed_requests.update(failed)
             so, grammar = without_requests(so, grammar, failed)
+        lora_slots = None
+        if self.lora is not None:
+            so, grammar, lora_slots = self._activate_loras(so, grammar)
         if not so.num_scheduled_tokens:
             return None
-        step = self.builder.build(so, grammar, self._choose_bucket)
+        step = self.builder.build(so, grammar, self._choose_bucket, lora_slots)
         batch = step.batch
         t, r = batch.input_ids.shape[0], batch.req_slots.shape[0]
         # (a step compiling its bucket on the spot counts as running: background
@@ -228,6 +234,20 @@ class ModelRunner:
         b.num_tokens[step.slots] += step.samples
         b.pending[step.slots] += step.samples
         return InFlightStep(out, step, positions)
+
+    def _activate_loras(self, so: SchedulerOutput, grammar):
+        """Put the step's adapters into device slots (new weights in the state; no
+        recompilation); requests whose adapter cannot be loaded fail alone."""
+        b = self.batch
+        of = {rid: int(b.lora_id[b.req_id_to_slot[rid]]) for rid in so.num_scheduled_tokens}
+        slots, params, failed = self.lora.activate({i for i in of.values() if i}, self.params)
+        self.state = dataclasses.replace(self.state, params=params)
+        if failed:
+            bad = {rid: f"LoRA adapter error: {failed[i]}" for rid, i in of.items()
+                   if i in failed}
+            self.failed_requests.update(bad)
+            so, grammar = without_requests(so, grammar, bad)
+        return so, grammar, slots
 
     def collect(self, inflight: InFlightStep | None) -> RunnerOutput:
         """Wait for a dispatched step and read its results back (the one transfer out)."""

@@ -42,7 +42,7 @@ class BuiltStep:
 class StepBuilder:
     def __init__(self, batch: InputBatch, *, block_size: int, max_blocks: int,
                  num_slots: int, bitmask_width: int, num_spec: int, eagle: bool,
-                 num_host_buffers: int = 2, logits_processors=()):
+                 num_host_buffers: int = 2, logits_processors=(), lora: bool = False):
         """num_spec: K drafts at most per request (0: no speculative decoding); eagle: rows
         also carry the token after each one (an EAGLE head drafts from them);
         num_host_buffers: buffers per shape used in turn (a buffer is refilled only after the
@@ -52,13 +52,15 @@ class StepBuilder:
         self.bitmask_width, self.num_spec, self.eagle = bitmask_width, num_spec, eagle
         self.num_host_buffers = num_host_buffers
         self.logits_processors = tuple(logits_processors)
+        self.lora = lora  # steps carry each token's adapter slot
         self._host_buffers: dict[tuple, list[StepBatch]] = {}
 
     def new_buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool = False,
                     verify: bool = False, bias: int = 0, processors: bool = False) -> StepBatch:
         return empty_step_batch(t, r, self.max_blocks, self.num_slots, prompt_logprobs,
                                 self.bitmask_width if structured else 0, self.num_spec, verify,
-                                bias, self.logits_processors if processors else ())
+                                bias, self.logits_processors if processors else (),
+                                self.lora)
 
     def _buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool,
                  verify: bool, bias: int, processors: bool) -> StepBatch:
@@ -100,9 +102,11 @@ class StepBuilder:
         return failed
 
     def build(self, so: SchedulerOutput, grammar,
-              choose_bucket: Callable[[int, int, StepFeatures], tuple[int, int]]) -> BuiltStep:
+              choose_bucket: Callable[[int, int, StepFeatures], tuple[int, int]],
+              lora_slots: dict[int, int] | None = None) -> BuiltStep:
         """The step's inputs. choose_bucket(n_tokens, n_seqs, features) -> the (T, R) bucket
-        it runs in. grammar: (request ids, bitmask) of the rows under a grammar, or None."""
+        it runs in. grammar: (request ids, bitmask) of the rows under a grammar, or None.
+        lora_slots: the device slot of each of the step's adapters (lora_int_id -> slot)."""
         b = self.input_batch
         sched = so.num_scheduled_tokens
         n_req = len(sched)
@@ -160,6 +164,11 @@ class StepBuilder:
                 batch.draft_input_ids[:n_tok] = np.where(
                     known, b.token_ids[slots[row], np.minimum(nxt, b.token_ids.shape[1] - 1)], 0)
         tok_slot = batch.token_slots[:n_tok]
+        if self.lora:
+            ids = b.lora_id[slots]
+            row = np.fromiter((lora_slots.get(int(i), -1) if i else -1 for i in ids),
+                              np.int32, n_req)
+            batch.attn.lora_slots[:n_tok] = np.repeat(row, q_lens)
         if wants_pl:
             has_next = pos + 1 < b.num_prompt_tokens[tok_slot]
             batch.next_token_ids[:n_tok] = np.where(

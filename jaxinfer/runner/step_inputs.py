@@ -97,17 +97,18 @@ class StepBatch:
 def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
                      prompt_logprobs: bool = False, bitmask_width: int = 0,
                      num_spec: int = 0, verify: bool = False, bias: int = 0,
-                     logits_processors=()) -> StepBatch:
+                     logits_processors=(), lora: bool = False) -> StepBatch:
     """Host buffers of an all-padding (T=t, R=r) step (num_spec: K of speculative decoding,
     0 = off; verify: room for drafts; bias: logit_bias entries per row; logits_processors:
-    room for their rows)."""
+    room for their rows; lora: each token's adapter slot, -1 for none)."""
     zi = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     n = min(t, r * (num_spec + 1)) if verify else r
     return StepBatch(
         input_ids=zi(t), positions=zi(t),
         attn=AttentionMetadata(slot_mapping=zi(t), block_tables=zi(r, max_blocks),
                                seq_lens=zi(r), query_start_loc=zi(r + 1), num_seqs=zi(1),
-                               num_decodes=zi(1)),
+                               num_decodes=zi(1),
+                               lora_slots=np.full(t, -1, np.int32) if lora else None),
         logits_indices=zi(r), token_slots=np.full(t, num_slots, np.int32),
         token_is_output=np.zeros(t, bool), req_slots=zi(r),
         reset_slots=np.full(r, num_slots, np.int32),
@@ -147,6 +148,8 @@ def reset_step_batch(batch: StepBatch, num_slots: int) -> None:
     batch.sampling.repetition_penalty.fill(1.0)
     if batch.verify_drafts is not None:
         batch.verify_drafts.fill(-1)
+    if batch.attn.lora_slots is not None:
+        batch.attn.lora_slots.fill(-1)
 
 
 def fill_step_inputs(batch: StepBatch, token_ids: np.ndarray, block_table: np.ndarray,

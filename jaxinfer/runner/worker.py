@@ -110,7 +110,9 @@ class Worker:
             rc.model_config, fp8_kv_cache=is_fp8(array_dtype(rc.kv_cache_dtype)),
             # fp8 weights on GPUs: W8A8 (activations to fp8 per token, fp8 x fp8 dots)
             quantization=with_activation_fp8(rc.model_config.quantization,
-                                             on_gpu(self.devices)))
+                                             on_gpu(self.devices)),
+            lora_slots=cfg.max_loras if cfg.enable_lora else 0,
+            lora_rank=cfg.max_lora_rank if cfg.enable_lora else 0)
         model, mcfg, dtype = load_model(rc.model_dir, dtype=rc.dtype,
                                         load_format=cfg.load_format,
                                         attention_backend=self.attention_backend, seed=cfg.seed,
@@ -203,6 +205,16 @@ class Worker:
                                     max_model_len=rc.max_model_len,
                                     draft_model=self.draft_model, eagle_head=self.eagle_head,
                                     stage_devices=self.stage_groups)
+        lora = None
+        if cfg.enable_lora:
+            from jaxinfer.lora.manager import LoRAManager
+
+            if jax.process_count() > 1:
+                raise ValueError("enable_lora is not supported on multi-host engines yet")
+            lora = LoRAManager(self.model, max_loras=cfg.max_loras,
+                               max_lora_rank=cfg.max_lora_rank,
+                               max_cpu_loras=cfg.max_cpu_loras or cfg.max_loras,
+                               head_dim=self.model_config.head_dim)
         return ModelRunner(program, num_kv_blocks=self.num_kv_blocks,
                            block_size=self.block_size, max_model_len=rc.max_model_len,
                            max_num_seqs=sched.max_num_seqs,
@@ -211,7 +223,8 @@ class Worker:
                            speculative_config=cfg.speculative_config,
                            pipeline_depth=len(self.model) if isinstance(self.model, list) else 1,
                            logits_processors=[load_processor(p)(rc)
-                                              for p in cfg.logits_processors or ()])
+                                              for p in cfg.logits_processors or ()],
+                           lora=lora)
 
     @property
     def step_compilation(self) -> str:

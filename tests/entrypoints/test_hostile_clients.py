@@ -565,3 +565,58 @@ def test_data_parallel_all_ranks_dead_is_a_dead_engine(tiny_dir):
         assert assert_openai_error(r, 503)["type"] == "EngineDeadError"
     finally:
         live.close()
+
+
+def test_fuzz_lora_routes(tmp_path, tiny_dir):
+    """vLLM's runtime LoRA routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING) and adapter model names:
+    any body gets a well-formed answer, a 4xx for bad input, and the server serves on."""
+    pytest.importorskip("peft")
+    import transformers
+
+    from jaxinfer.engine.async_engine import AsyncLLM
+    from tests.lora.helpers import make_adapter
+
+    adapter = str(tmp_path / "adapter")
+    make_adapter(transformers.AutoModelForCausalLM.from_pretrained(tiny_dir), adapter,
+                 targets=["q_proj", "v_proj"], r=2)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    llm = AsyncLLM(EngineConfig(model=tiny_dir, enable_lora=True, max_lora_rank=4, **ENGINE))
+    live = LiveServer(llm, MODEL, lora_modules=[f"static={adapter}"])
+    seen = {"2xx": 0, "4xx": 0}
+    try:
+        def run(route, body):
+            r = post(live, route, body)
+            if route == "/v1/completions" or r.status_code >= 300:
+                assert_well_formed(r)
+            else:  # (vLLM's plain-text answer)
+                assert r.status_code == 200 and r.text.startswith("Success"), r.text
+            seen["2xx" if r.status_code < 300 else "4xx"] += 1
+            plain_request_works(live)
+            return r
+
+        ok = run("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": adapter})
+        assert ok.status_code == 200, ok.text
+        assert run("/v1/completions", {"model": "a", "prompt": "Hi", "max_tokens": 2}
+                   ).status_code == 200
+        assert run("/v1/unload_lora_adapter", {"lora_name": "a"}).status_code == 200
+        fields = ["lora_name", "lora_path", "lora_int_id", "load_inplace", "unknown_field"]
+
+        @settings(max_examples=max(EXAMPLES // 3, 1), deadline=None, database=None,
+                  derandomize=True, suppress_health_check=list(HealthCheck))
+        @given(st.sampled_from(["/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+                                "/v1/completions"]),
+               st.dictionaries(st.sampled_from(fields), VALUES, max_size=3), VALUES)
+        def check(route, body, model):
+            if route == "/v1/completions":
+                body = {"model": model, "prompt": "Hi", "max_tokens": 2}
+            run(route, body)
+
+        check()
+        assert seen["4xx"] > 0, seen
+        r = post(live, "/v1/completions", {"model": "static", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        wait_idle(live)
+    finally:
+        live.close()
+        mp.undo()

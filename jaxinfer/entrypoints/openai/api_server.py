@@ -12,6 +12,7 @@ under uvicorn from the command line is jaxinfer/entrypoints/serve.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import AsyncIterator
 
@@ -51,6 +52,28 @@ def load_chat_template(value: str | None) -> str | None:
                          f"template ({e.strerror})") from None
 
 
+def parse_lora_modules(values, base_model: str) -> list[tuple[str, str, str]]:
+    """vLLM's --lora-modules: each `name=path` or a JSON object {"name", "path",
+    "base_model_name"} -> (name, path, base model name)."""
+    out = []
+    for value in values:
+        if isinstance(value, str) and value.lstrip().startswith("{"):
+            try:
+                obj = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"--lora-modules {value!r}: not valid JSON ({e})") from None
+            if not isinstance(obj, dict) or not obj.get("name") or not obj.get("path"):
+                raise ValueError(f"--lora-modules {value!r}: a JSON module needs \"name\" and "
+                                 "\"path\"")
+            out.append((obj["name"], obj["path"], obj.get("base_model_name") or base_model))
+        elif isinstance(value, str) and "=" in value and value.split("=", 1)[0]:
+            name, path = value.split("=", 1)
+            out.append((name, path, base_model))
+        else:
+            raise ValueError(f"--lora-modules {value!r}: expected name=path or a JSON object")
+    return out
+
+
 class OpenAIServer:
     def __init__(self, llm: AsyncLLM, model_name: str, api_key: str | None = None,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -60,7 +83,8 @@ class OpenAIServer:
                  keep_alive_on_engine_death: bool = False,
                  trust_request_chat_template: bool = False,
                  default_chat_template_kwargs: dict | None = None,
-                 chat_template: str | None = None, chat_template_content_format: str = "auto"):
+                 chat_template: str | None = None, chat_template_content_format: str = "auto",
+                 lora_modules=None):
         """metrics_role: "only" (the one API server), "primary" or "secondary" (one of
         several: Prometheus multiprocess mode; the engines' own counters are fed by the
         primary alone, so that they are not counted once per API server).
@@ -115,6 +139,13 @@ class OpenAIServer:
         # tool_choice="auto": the parser that finds calls in the text (None: refused).
         self.tool_parser = TOOL_PARSERS[tool_call_parser]() if enable_auto_tool_choice else None
         self.model_name = model_name
+        # LoRA adapters served under their own model names (--lora-modules, and
+        # /v1/load_lora_adapter with VLLM_ALLOW_RUNTIME_LORA_UPDATING): name -> LoRARequest.
+        self.lora_requests: dict = {}
+        self.static_lora_modules = parse_lora_modules(lora_modules or [], model_name)
+        if self.static_lora_modules and not llm.resolved.engine.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        self._next_lora_id = 1
         self.api_key = api_key
         self.max_request_body_bytes = max_request_body_bytes
         self.metrics = EngineMetrics(model_name, role=metrics_role)
@@ -161,9 +192,56 @@ class OpenAIServer:
         self.metrics.api_requests.labels(api_server=index, **self.metrics._lbl).inc()
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name != self.model_name and name not in self.lora_requests:
             raise APIError(f"The model `{name}` does not exist.", 404, "model",
                            "NotFoundError")
+
+    def response_model(self, req) -> str:
+        """The `model` a response names: the adapter's when the request ran one."""
+        return req.model if req.model in self.lora_requests else self.model_name
+
+    # -- LoRA adapters ---------------------------------------------------------------------
+    async def load_lora(self, name: str, path: str, base_model_name: str | None = None):
+        """Load an adapter under model name `name` (APIError 400 naming what is wrong)."""
+        from jaxinfer.lora.request import LoRARequest
+
+        if not name or not path:
+            raise APIError("both 'lora_name' and 'lora_path' must be provided", 400,
+                           "lora_name" if not name else "lora_path")
+        if name in self.lora_requests or name == self.model_name:
+            raise APIError(f"The lora adapter '{name}' has already been loaded.", 400,
+                           "lora_name")
+        try:
+            lora = LoRARequest(name, self._next_lora_id, path, base_model_name)
+            await self.llm.add_lora(lora)
+        except ValueError as e:
+            raise APIError(str(e), 400, "lora_path") from None
+        self._next_lora_id += 1
+        self.lora_requests[name] = lora
+        return lora
+
+    async def unload_lora(self, name: str | None, lora_int_id: int | None = None) -> None:
+        lora = self.lora_requests.get(name) if name else next(
+            (r for r in self.lora_requests.values() if r.lora_int_id == lora_int_id), None)
+        if lora is None:
+            raise APIError(f"The lora adapter '{name or lora_int_id}' cannot be found.", 404,
+                           "lora_name", "NotFoundError")
+        try:
+            await self.llm.remove_lora(lora.lora_int_id)
+        except (ValueError, RuntimeError) as e:  # (in use by unfinished requests)
+            prefix = "engine core utility failed: ValueError: "
+            if isinstance(e, RuntimeError) and not str(e).startswith(prefix):
+                raise
+            raise APIError(str(e).removeprefix(prefix), 400, "lora_name") from None
+        del self.lora_requests[lora.lora_name]
+
+    async def load_static_loras(self) -> None:
+        """--lora-modules, at start-up (a bad adapter stops the server, naming it)."""
+        for name, path, base in self.static_lora_modules:
+            try:
+                await self.load_lora(name, path, base)
+            except APIError as e:
+                raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
 
     def check_length(self, n_prompt: int, max_tokens: int | None) -> None:
         limit = self.llm.max_model_len
@@ -249,7 +327,8 @@ class OpenAIServer:
         """Generate for one prompt of request `req` (its priority and cache_salt; `kwargs`:
         more of the engine's per-request arguments)."""
         gen = self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id,
-                                priority=req.priority, cache_salt=req.cache_salt, **kwargs)
+                                priority=req.priority, cache_salt=req.cache_salt,
+                                lora_request=self.lora_requests.get(req.model), **kwargs)
         try:
             try:
                 if self.queue_timeout is None:

@@ -3,7 +3,9 @@ handlers (every error in OpenAI's shape) and the OpenAPI document."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 
 from fastapi import FastAPI, Request
@@ -151,24 +153,31 @@ def build_app(server) -> FastAPI:
         return Response(server.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def model_card() -> dict:
-        return {"id": server.model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "jaxinfer", "root": server.model_name, "parent": None,
+    def model_card(name: str | None = None) -> dict:
+        """The base model's card, or (vLLM's) a LoRA adapter's: root its path, parent the
+        base model."""
+        lora = server.lora_requests.get(name) if name is not None else None
+        return {"id": name if lora else server.model_name, "object": "model",
+                "created": int(time.time()), "owned_by": "jaxinfer",
+                "root": lora.lora_path if lora else server.model_name,
+                "parent": (lora.base_model_name or server.model_name) if lora else None,
                 "max_model_len": server.llm.max_model_len}
 
     @app.get("/v1/models", responses={401: {"description": "Missing or wrong API key",
                                             **_ERROR}})
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list",
+                "data": [model_card()] + [model_card(n) for n in server.lora_requests]}
 
     @app.get("/v1/models/{model:path}",
              responses={401: {"description": "Missing or wrong API key", **_ERROR},
                         404: {"description": "Unknown model", **_ERROR}})
     async def model(model: str):
-        if model != server.model_name:
-            raise APIError(f"The model `{model}` does not exist.", 404, "model",
-                           "NotFoundError")
-        return model_card()
+        server.check_model(model)
+        return model_card(model)
+
+    if runtime_lora_updating():
+        _lora_routes(app, server)
 
     @app.post("/v1/completions", responses=_GENERATE_RESPONSES,
               openapi_extra=_request_body(CompletionRequest))
@@ -190,6 +199,7 @@ def build_app(server) -> FastAPI:
     async def _startup():
         # Read the core's outputs from now on: a core that dies is noticed at once.
         server.llm.start_output_handler()
+        await server.load_static_loras()
 
     @app.on_event("shutdown")
     async def _shutdown():
@@ -245,3 +255,75 @@ class _AuthAndBodyLimit:
             return replay.pop() if replay else await receive()
 
         await self.app(scope, replay_receive, send)
+
+
+def runtime_lora_updating() -> bool:
+    """vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter: the env var
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING (true / 1); off, the routes do not exist (404)."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in (
+        "1", "true", "yes")
+
+
+async def _json_object(raw: Request) -> dict:
+    try:
+        body = json.loads(await raw.body() or b"null")
+    except ValueError as e:
+        raise APIError(f"the request body is not valid JSON: {e}", 400, "body") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", 400, "body")
+    return body
+
+
+def _str_field(body: dict, name: str, required: bool = True) -> str | None:
+    value = body.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 4096:
+        raise APIError(f"{name} must be a non-empty string of at most 4096 characters", 400,
+                       name)
+    return value
+
+
+def _lora_routes(app, server) -> None:
+    """vLLM's runtime LoRA routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    lora_body = {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"type": "object", "properties": {
+            "lora_name": {"type": "string"}, "lora_path": {"type": "string"},
+            "lora_int_id": {"type": "integer"}}}}}}}
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+              openapi_extra=lora_body,
+              responses={200: {"description": "Loaded (plain text)", "content": {
+                  "text/plain": {"schema": {"type": "string"}}}},
+                         400: {"description": "Bad or already loaded adapter", **_ERROR}})
+    async def load_lora_adapter(raw: Request):
+        body = await _json_object(raw)
+        extra = sorted(set(body) - {"lora_name", "lora_path", "load_inplace"})
+        if extra:
+            raise APIError(f"unknown field(s) {extra}", 400, extra[0])
+        if body.get("load_inplace"):
+            raise APIError("load_inplace is not supported: unload the adapter first", 400,
+                           "load_inplace")
+        name = _str_field(body, "lora_name")
+        await server.load_lora(name, _str_field(body, "lora_path"))
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+              openapi_extra=lora_body,
+              responses={200: {"description": "Unloaded (plain text)", "content": {
+                  "text/plain": {"schema": {"type": "string"}}}},
+                         400: {"description": "Bad request", **_ERROR},
+                         404: {"description": "Unknown adapter", **_ERROR}})
+    async def unload_lora_adapter(raw: Request):
+        body = await _json_object(raw)
+        extra = sorted(set(body) - {"lora_name", "lora_int_id"})
+        if extra:
+            raise APIError(f"unknown field(s) {extra}", 400, extra[0])
+        name = _str_field(body, "lora_name", required=False)
+        lora_id = body.get("lora_int_id")
+        if name is None and (not isinstance(lora_id, int) or isinstance(lora_id, bool)):
+            raise APIError("lora_name (a string) or lora_int_id (an integer) is required",
+                           400, "lora_name")
+        await server.unload_lora(name, lora_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{name or lora_id}' removed "
+                                 "successfully.")

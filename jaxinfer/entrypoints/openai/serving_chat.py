@@ -101,14 +101,14 @@ class ChatServing:
                                 "finish_reason": finish, "stop_reason": c.stop_reason})
             check_kv_transfer([out])
             return {"id": base, "object": "chat.completion", "created": created,
-                    "model": self.server.model_name, "choices": choices,
+                    "model": self.server.response_model(req), "choices": choices,
                     "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
                               "total_tokens": len(ids) + completion},
                     **self.server.prompt_logprobs(req, out), **self.server.kv_params([out])}
 
         def chunk(choices, **extra):
             return sse({"id": base, "object": "chat.completion.chunk", "created": created,
-                         "model": self.server.model_name, "choices": choices, **extra})
+                         "model": self.server.response_model(req), "choices": choices, **extra})
 
         async def events():
             tracker = DeltaTracker(params.stop)

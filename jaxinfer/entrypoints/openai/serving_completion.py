@@ -70,7 +70,7 @@ class CompletionServing:
                 len(c.token_ids) for o in outs for c in o.outputs)
             check_kv_transfer(outs)
             return {"id": base, "object": "text_completion", "created": created,
-                    "model": self.server.model_name, "choices": choices,
+                    "model": self.server.response_model(req), "choices": choices,
                     "usage": {"prompt_tokens": usage_prompt, "completion_tokens": completion,
                               "total_tokens": usage_prompt + completion},
                     **self.server.kv_params(outs)}
@@ -89,7 +89,7 @@ class CompletionServing:
                     lps = self._prompt_logprobs(out, req) if req.logprobs is not None else None
                     for k in range(n):
                         yield sse({"id": base, "object": "text_completion", "created": created,
-                                    "model": self.server.model_name, "choices": [{
+                                    "model": self.server.response_model(req), "choices": [{
                                         "index": i * n + k, "text": text, "logprobs": lps,
                                         "finish_reason": "length" if req.prompt_only else None,
                                         "stop_reason": None}]})
@@ -100,7 +100,7 @@ class CompletionServing:
                     if d is None:
                         continue
                     yield sse({"id": base, "object": "text_completion", "created": created,
-                                "model": self.server.model_name, "choices": [{
+                                "model": self.server.response_model(req), "choices": [{
                                     "index": i * n + c.index, "text": d.text,
                                     "logprobs": self._completion_logprobs(
                                         c, d.start_tokens, d.start + echo_len.get(i, 0), req),
@@ -108,7 +108,7 @@ class CompletionServing:
                                     "stop_reason": c.stop_reason}]})
             if req.stream_options and req.stream_options.include_usage:
                 yield sse({"id": base, "object": "text_completion", "created": created,
-                            "model": self.server.model_name, "choices": [],
+                            "model": self.server.response_model(req), "choices": [],
                             "usage": {"prompt_tokens": usage_prompt,
                                       "completion_tokens": tracker.completion_tokens,
                                       "total_tokens": usage_prompt

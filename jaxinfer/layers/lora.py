@@ -1,0 +1,56 @@
+"""LoRA on the linear layers (multi-LoRA serving, vLLM's punica design on dense ops).
+
+A projection an adapter may target holds `max_loras` device slots of its low-rank factors,
+beside its base weight of logical shape [in, *out]:
+
+- lora_a [S, in, P*R]: the shrink factors of every slot (R = max_lora_rank, P = the parts a
+  fused projection is made of: 3 for q/k/v, 2 for gate/up, else 1; each part's A in its own
+  R columns, zero-padded past the adapter's rank);
+- lora_b [S, P*R, *out]: the expand factors, scaling (lora_alpha / r, or / sqrt(r) with
+  rsLoRA) folded in, each part's B in the rows of its A and the output columns of its part
+  (block-diagonal), so the delta lands in the fused layout and splits over devices exactly as
+  the base weight does (same logical axes).
+
+Every token carries its request's slot (AttentionMetadata.lora_slots, -1: the base model);
+the step computes y += onehot(slot) . (x A_s) B_s for all slots at once: a shrink to S*P*R
+columns, masked to each token's slot, and an expand. Slots and rank are static shapes, so
+loading an adapter into a slot (lora/manager.py) replaces arrays and never recompiles.
+The parameters carry `lora=True`: the checkpoint loader leaves them at zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.layers.params import param
+
+
+def lora_params(lora, in_features: int, out_shape: tuple[int, ...], axes: tuple, parts: int,
+                dtype):
+    """(lora_a, lora_b) of a projection of logical shape (in, *out_shape) and axes `axes`,
+    made of `parts` checkpoint projections; lora = (slots, rank) or None -> (None, None)."""
+    if lora is None:
+        return None, None
+    slots, rank = lora
+    width = parts * rank
+    a = param(jnp.zeros((slots, in_features, width), dtype), axes=(None, axes[0], None),
+              lora=True)
+    b = param(jnp.zeros((slots, width, *out_shape), dtype), axes=(None, None, *axes[1:]),
+              lora=True)
+    return a, b
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
+    """x [T, in], a [S, in, W], b [S, W, *out], slots int32 [T] (-1 or >= S: no adapter)
+    -> the adapters' delta [T, *out] (zero for tokens of the base model)."""
+    select = jax.nn.one_hot(slots, a.shape[0], dtype=x.dtype)  # [T, S] (all 0 for -1)
+    h = jnp.einsum("ti,siw->tsw", x, a.astype(x.dtype)) * select[:, :, None]
+    return jnp.einsum("tsw,sw...->t...", h, b.astype(x.dtype))
+
+
+def add_lora(y: jax.Array, x: jax.Array, module, slots) -> jax.Array:
+    """y + the module's LoRA delta, when it has slots and the step carries token slots."""
+    if slots is None or getattr(module, "lora_a", None) is None:
+        return y
+    return y + lora_delta(x, module.lora_a[...], module.lora_b[...], slots).astype(y.dtype)
