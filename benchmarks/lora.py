@@ -10,8 +10,9 @@ engine in its own subprocess per round (rounds alternate the engines; the median
   4x-r8       four distinct rank-8 adapters, requests round-robin over them
   1x-r16, 4x-r16  the same at rank 16
 The adapters are random PEFT adapters made here with peft (B not zero), the same folders for
-both engines. Each scenario has an untimed warm-up run first (loads its adapters, compiles its
-shapes; jaxinfer: every bucket compiled at start-up and the background fusing settled).
+both engines. Each scenario has an untimed warm-up run first (4 output tokens: loads its
+adapters, runs its shapes; jaxinfer: every bucket compiled at start-up and the background
+fusing settled after the warm-up).
 Metric: output tok/s = N*OUT / wall time of the batch; the LoRA cost of a scenario is
 base tok/s / its tok/s, for each engine (goal: ours no larger than vLLM's).
 Usage:
@@ -98,8 +99,9 @@ def run_engine(engine: str, lora: bool, args) -> dict:
             out.append(LoRARequest(os.path.basename(path), ids[path], path))
         return out
 
-    def timed(batch, loras) -> tuple[float, int]:
-        sp = SamplingParams(temperature=0, max_tokens=o, ignore_eos=True, detokenize=False)
+    def timed(batch, loras, max_tokens=o) -> tuple[float, int]:
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            detokenize=False)
         t0 = time.perf_counter()
         outs = llm.generate(batch, sp, use_tqdm=False, lora_request=loras)
         return time.perf_counter() - t0, sum(len(x.outputs[0].token_ids) for x in outs)
@@ -109,7 +111,7 @@ def run_engine(engine: str, lora: bool, args) -> dict:
         warm, main = ([{"prompt_token_ids": p} for p in _prompts(n, i, vocab, 1000 * s + seed)]
                       for seed in (1, 2))
         loras = requests(scenario)
-        timed(warm, loras)  # warm-up: its adapters loaded, its shapes compiled
+        timed(warm, loras, 4)  # warm-up: its adapters loaded, its shapes compiled
         if engine == "jaxinfer":
             wait_settled(llm)
         elapsed, n_out = timed(main, loras)

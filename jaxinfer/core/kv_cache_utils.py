@@ -2,8 +2,8 @@
 
 hash(block i) = H(hash(block i-1), token ids of block i, extra keys), over full blocks only.
 Extra keys, on the first block (they chain onward): the request's cache_salt and its LoRA
-adapter's name (a base-model request and an adapter's never share KV; vLLM keys on the name
-too). Room is left for multimodal hashes. The root parent hash comes from a seed, so hashes are deterministic across
+adapter's name and folder (a base-model request and an adapter's never share KV; vLLM 0.32
+keys on both too). Room is left for multimodal hashes. The root parent hash comes from a seed, so hashes are deterministic across
 processes for a fixed seed.
 """
 
@@ -39,12 +39,13 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int],
 
 
 def block_extra_keys(block_index: int, cache_salt: str | None,
-                     lora_name: str | None = None) -> tuple[Any, ...] | None:
+                     lora_request=None) -> tuple[Any, ...] | None:
     """Extra keys of one block. Only the first block carries the salt and the adapter."""
     if block_index != 0:
         return None
-    keys = (("salt", cache_salt) if cache_salt else ()) + (("lora", lora_name) if lora_name
-                                                           else ())
+    keys = ("salt", cache_salt) if cache_salt else ()
+    if lora_request is not None:
+        keys += ("lora", lora_request.lora_name, lora_request.lora_path)
     return keys or None
 
 
@@ -57,6 +58,5 @@ def update_block_hashes(request, block_size: int, root_hash: bytes, algo: str = 
         i = len(hashes)
         parent = hashes[-1] if hashes else root_hash
         block = tokens[i * block_size : (i + 1) * block_size]
-        lora = getattr(request, "lora_request", None)
         hashes.append(hash_block_tokens(parent, block, block_extra_keys(
-            i, request.cache_salt, lora.lora_name if lora is not None else None), algo))
+            i, request.cache_salt, getattr(request, "lora_request", None)), algo))

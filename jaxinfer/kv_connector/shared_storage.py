@@ -37,13 +37,12 @@ _ROOT = hashlib.sha256(b"jaxinfer-shared-storage-root").digest()
 
 def block_keys(token_ids, num_blocks: int, block_size: int, cache_salt: str | None,
                lora_request=None) -> list[str]:
-    """The storage keys of the first blocks (salted, and keyed on the LoRA adapter's name as
-    the prefix cache is: an adapter's KV is never another request's)."""
+    """The storage keys of the first blocks (salted, and keyed on the LoRA adapter as the
+    prefix cache is: an adapter's KV is never another request's)."""
     keys, parent = [], _ROOT
-    lora = lora_request.lora_name if lora_request is not None else None
     for i in range(num_blocks):
         parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size],
-                                   block_extra_keys(i, cache_salt, lora), "sha256")
+                                   block_extra_keys(i, cache_salt, lora_request), "sha256")
         keys.append(parent.hex())
     return keys
 

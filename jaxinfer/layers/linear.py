@@ -180,8 +180,8 @@ class QKVLinear(nnx.Module):
                     _value(self.weight_scale), self.quant, _value(self.weight_offset))
         if self.bias is not None:
             y = y + self.bias[...]
-        y = add_lora(y, x, self, lora_slots)
         t, g, d = x.shape[0], self.group, self.head_dim
+        y = add_lora(y, x, self, lora_slots, (g * d, d, d))
         y = y.reshape(t, self.num_kv_heads, g + 2, d)
         q = y[:, :, :g].reshape(t, self.num_kv_heads * g, d)
         return q, y[:, :, g], y[:, :, g + 1]
@@ -206,7 +206,7 @@ class GateUpLinear(nnx.Module):
     def __call__(self, x: jax.Array, lora_slots=None) -> tuple[jax.Array, jax.Array]:
         y = _matmul(x, self.weight[...], self.packed, (2, self.out_features),
                     _value(self.weight_scale), self.quant, _value(self.weight_offset))  # [T, 2, I]
-        y = add_lora(y, x, self, lora_slots)
+        y = add_lora(y, x, self, lora_slots, "stack")
         return y[:, 0], y[:, 1]
 
 

@@ -6,16 +6,17 @@ beside its base weight of logical shape [in, *out]:
 - lora_a [S, in, P*R]: the shrink factors of every slot (R = max_lora_rank, P = the parts a
   fused projection is made of: 3 for q/k/v, 2 for gate/up, else 1; each part's A in its own
   R columns, zero-padded past the adapter's rank);
-- lora_b [S, P*R, *out]: the expand factors, scaling (lora_alpha / r, or / sqrt(r) with
-  rsLoRA) folded in, each part's B in the rows of its A and the output columns of its part
-  (block-diagonal), so the delta lands in the fused layout and splits over devices exactly as
-  the base weight does (same logical axes).
+- lora_b [S, R, *out]: the expand factors, scaling (lora_alpha / r, or / sqrt(r) with
+  rsLoRA) folded in, in the fused output layout: every output column belongs to one part
+  (q/k/v: column ranges of each KV head's block; gate/up: the stacked axis), which expands
+  from its part's R columns of the shrink. So the delta lands in the fused layout and splits
+  over devices exactly as the base weight does (same logical axes), with no zero blocks.
 
 Every token carries its request's slot (AttentionMetadata.lora_slots, -1: the base model);
 the step computes y += onehot(slot) . (x A_s) B_s for all slots at once: a shrink to S*P*R
-columns, masked to each token's slot, and an expand. Slots and rank are static shapes, so
-loading an adapter into a slot (lora/manager.py) replaces arrays and never recompiles.
-The parameters carry `lora=True`: the checkpoint loader leaves them at zero.
+columns, masked to each token's slot, and an expand per part. Slots and rank are static
+shapes, so loading an adapter into a slot (lora/manager.py) replaces arrays and never
+recompiles. The parameters carry `lora=True`: the checkpoint loader leaves them at zero.
 """
 
 from __future__ import annotations
@@ -33,24 +34,39 @@ def lora_params(lora, in_features: int, out_shape: tuple[int, ...], axes: tuple,
     if lora is None:
         return None, None
     slots, rank = lora
-    width = parts * rank
-    a = param(jnp.zeros((slots, in_features, width), dtype), axes=(None, axes[0], None),
-              lora=True)
-    b = param(jnp.zeros((slots, width, *out_shape), dtype), axes=(None, None, *axes[1:]),
+    a = param(jnp.zeros((slots, in_features, parts * rank), dtype),
+              axes=(None, axes[0], None), lora=True)
+    b = param(jnp.zeros((slots, rank, *out_shape), dtype), axes=(None, None, *axes[1:]),
               lora=True)
     return a, b
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
-    """x [T, in], a [S, in, W], b [S, W, *out], slots int32 [T] (-1 or >= S: no adapter)
-    -> the adapters' delta [T, *out] (zero for tokens of the base model)."""
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array,
+               parts=None) -> jax.Array:
+    """x [T, in], a [S, in, P*R], b [S, R, *out], slots int32 [T] (-1 or >= S: no adapter)
+    -> the adapters' delta [T, *out] (zero for tokens of the base model). parts: None (one
+    part), "stack" (part p is out[p]: gate/up) or the widths of the parts' column ranges
+    along the last axis (q/k/v)."""
     select = jax.nn.one_hot(slots, a.shape[0], dtype=x.dtype)  # [T, S] (all 0 for -1)
-    h = jnp.einsum("ti,siw->tsw", x, a.astype(x.dtype)) * select[:, :, None]
-    return jnp.einsum("tsw,sw...->t...", h, b.astype(x.dtype))
+    h = jnp.einsum("ti,siw->tsw", x, a.astype(x.dtype)) * select[:, :, None]  # [T, S, P*R]
+    b = b.astype(x.dtype)
+    r = b.shape[1]
+    if parts is None:
+        return jnp.einsum("tsr,sr...->t...", h, b)
+    if parts == "stack":
+        hp = h.reshape(h.shape[0], h.shape[1], -1, r)  # [T, S, P, R]
+        return jnp.einsum("tspr,srp...->tp...", hp, b)
+    outs, start = [], 0
+    for p, width in enumerate(parts):
+        outs.append(jnp.einsum("tsr,sr...->t...", h[:, :, p * r:(p + 1) * r],
+                               b[..., start:start + width]))
+        start += width
+    return jnp.concatenate(outs, axis=-1)
 
 
-def add_lora(y: jax.Array, x: jax.Array, module, slots) -> jax.Array:
+def add_lora(y: jax.Array, x: jax.Array, module, slots, parts=None) -> jax.Array:
     """y + the module's LoRA delta, when it has slots and the step carries token slots."""
     if slots is None or getattr(module, "lora_a", None) is None:
         return y
-    return y + lora_delta(x, module.lora_a[...], module.lora_b[...], slots).astype(y.dtype)
+    return y + lora_delta(x, module.lora_a[...], module.lora_b[...], slots,
+                          parts).astype(y.dtype)

@@ -181,38 +181,39 @@ def load_adapter(lora_name: str, lora_int_id: int, folder: str, targets: dict[st
 
 
 def _layout(name: str, target: Target, got: dict, scaling: float, head_dim: int, dtype):
-    """The parts of one target -> (A [in, P*R], B [P*R, *out]) in the slots' layout."""
+    """The parts of one target -> (A [in, P*R], B [R, *out]) in the slots' layout
+    (layers/lora.py: part j's A in columns [j*R, j*R + r), its B in its own output columns)."""
     mod = target.module
     _, in_features, width = mod.lora_a.shape
-    out_shape = tuple(mod.lora_b.shape[2:])
+    rank, out_shape = mod.lora_b.shape[1], tuple(mod.lora_b.shape[2:])
     n_parts = len(target.hf_modules)
-    rank = width // n_parts
+    if n_parts == 3:  # q/k/v: per KV head, its query group then its key and value head
+        kv_heads = out_shape[0]
+        group = out_shape[1] // head_dim - 2
+        widths = (kv_heads * group * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    elif n_parts == 2:  # gate/up, stacked
+        widths = (out_shape[1],) * 2
+    else:
+        widths = (out_shape[0],)
     a_full = np.zeros((in_features, width), np.float32)
-    b_full = np.zeros((width, *out_shape), np.float32)
-    fused = len(out_shape) > 1 and n_parts > 1
+    cols = [np.zeros((rank, w), np.float32) for w in widths]  # each part's B^T, [R, out_j]
     for j, (a, b) in got.items():
         r = a.shape[0]
         if a.shape[1] != in_features:
             _refuse(name, f"{target.hf_modules[j]}: lora_A has {a.shape[1]} inputs, the base "
                           f"projection {in_features}")
-        if n_parts == 3:  # q/k/v: per KV head, its query group then its key and value head
-            kv_heads = out_shape[0]
-            group = out_shape[1] // head_dim - 2
-            widths = (kv_heads * group * head_dim, kv_heads * head_dim, kv_heads * head_dim)
-            if j > 0 and b.shape[0] and kv_heads * head_dim % b.shape[0] == 0 \
-                    and b.shape[0] % head_dim == 0:  # (KV heads replicated for TP)
-                b = replicate_kv_heads(b, kv_heads * head_dim // b.shape[0], head_dim)
-        elif n_parts == 2:
-            widths = (out_shape[1],) * 2
-        else:
-            widths = (out_shape[0],)
+        if n_parts == 3 and j > 0 and b.shape[0] != widths[j] and b.shape[0] % head_dim == 0 \
+                and widths[j] % b.shape[0] == 0:  # (KV heads replicated for TP)
+            b = replicate_kv_heads(b, widths[j] // b.shape[0], head_dim)
         if b.shape[0] != widths[j]:
             _refuse(name, f"{target.hf_modules[j]}: lora_B has {b.shape[0]} outputs, the base "
                           f"projection {widths[j]}")
-        cols = [np.zeros((r, w), np.float32) for w in widths]
-        cols[j] = b.T * scaling  # [r, out_j]
-        block = (fuse(mod.weight, cols, head_dim) if fused and n_parts == 3 else
-                 np.stack(cols, axis=1) if fused else cols[0])
         a_full[:, j * rank: j * rank + r] = a.T
-        b_full[j * rank: j * rank + r] = block.reshape(r, *out_shape)
-    return a_full.astype(dtype), b_full.astype(dtype)
+        cols[j][:r] = b.T * scaling
+    if n_parts == 3:
+        b_full = fuse(mod.weight, cols, head_dim)  # [R, Hkv, (G+2)*D]
+    elif n_parts == 2:
+        b_full = np.stack(cols, axis=1)  # [R, 2, I]
+    else:
+        b_full = cols[0]
+    return a_full.astype(dtype), b_full.reshape(rank, *out_shape).astype(dtype)
