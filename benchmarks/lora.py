@@ -197,7 +197,9 @@ def main():
             for s in ("base",) + SCENARIOS if s in table["jaxinfer"] and s in table["vllm"]))
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"benchmark": "lora", "workload": args.workload, "cpu": _cpu_name(),
+            json.dump({"benchmark": "lora", "command": " ".join(["benchmarks/lora.py"]
+                                                                 + sys.argv[1:]),
+                       "workload": args.workload, "cpu": _cpu_name(),
                        "cores": os.cpu_count(), "repeats": args.repeats,
                        "adapters": {"targets": TARGETS, "ranks": [8, 16]},
                        "engine_options": {"lora": "enable_lora=True, max_loras=4, "

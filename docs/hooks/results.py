@@ -165,8 +165,33 @@ def _flatten(v, prefix: str) -> list[list]:
     return out
 
 
+def _lora(d: dict) -> str:
+    res = d["results"]
+    engines = list(res)
+    scenarios = [s for s in ("base", "lora-none", "1x-r8", "4x-r8", "1x-r16", "4x-r16")
+                 if any(s in res[e] for e in engines)]
+    rows = []
+    for s in scenarios:
+        row = [s]
+        for e in engines:
+            r = res[e].get(s)
+            row += [r["output_tok_s"], f"{r['cost_vs_base']:.2f}x", r["runs"]] if r else \
+                ["-", "-", "-"]
+        if len(engines) == 2 and all(s in res[e] for e in engines):
+            row.append(f"{res[engines[0]][s]['output_tok_s'] / res[engines[1]][s]['output_tok_s']:.2f}x")
+        rows.append(row)
+    header = ["scenario"]
+    for e in engines:
+        header += [f"{e} tok/s", f"{e} cost (base / it)", f"{e} every run"]
+    if len(engines) == 2:
+        header.append(f"{engines[0]} / {engines[1]}")
+    return (f"{d['workload']} (requests x prompt x output), greedy, float32, {d['cores']} "
+            f"cores of {d['cpu']}; median of {d['repeats']} alternated rounds\n\n"
+            + _table(header, rows))
+
+
 RENDERERS = {"compare_cpu": _compare_cpu, "quantization": _quantization, "startup": _startup,
-             "kernels": _kernels, "bench_defaults": _bench_defaults}
+             "kernels": _kernels, "bench_defaults": _bench_defaults, "lora": _lora}
 
 
 def render(name: str) -> str:

@@ -201,7 +201,8 @@ class GateUpLinear(nnx.Module):
             ("gate_proj.weight", "up_proj.weight"), transpose=True, fuse="stack"))
         self.weight_scale = _scale(shape, quant, self.packed, axes)
         self.weight_offset = _offset(shape, quant, self.packed, axes)
-        self.lora_a, self.lora_b = lora_params(lora, in_features, shape[1:], axes, 2, dtype)
+        self.lora_a, self.lora_b = lora_params(lora, in_features, shape[1:], axes, 2, dtype,
+                                               stacked=True)
 
     def __call__(self, x: jax.Array, lora_slots=None) -> tuple[jax.Array, jax.Array]:
         y = _matmul(x, self.weight[...], self.packed, (2, self.out_features),

@@ -35,7 +35,7 @@ class Target:
 
 @dataclasses.dataclass
 class Adapter:
-    """A loaded adapter: per target path, (A [in, P*R], B [P*R, *out]) host arrays."""
+    """A loaded adapter: per target path, one slot's (A, B) host arrays (adapter._layout)."""
 
     name: str
     lora_int_id: int
@@ -181,12 +181,14 @@ def load_adapter(lora_name: str, lora_int_id: int, folder: str, targets: dict[st
 
 
 def _layout(name: str, target: Target, got: dict, scaling: float, head_dim: int, dtype):
-    """The parts of one target -> (A [in, P*R], B [R, *out]) in the slots' layout
+    """The parts of one target -> one slot's (A [in, P*R], B [R, *out]; gate/up: [2, R, I])
     (layers/lora.py: part j's A in columns [j*R, j*R + r), its B in its own output columns)."""
     mod = target.module
-    _, in_features, width = mod.lora_a.shape
-    rank, out_shape = mod.lora_b.shape[1], tuple(mod.lora_b.shape[2:])
+    in_features, _, width = mod.lora_a.shape
     n_parts = len(target.hf_modules)
+    rank = width // n_parts
+    out_shape = ((mod.lora_b.shape[0], *mod.lora_b.shape[3:]) if n_parts == 2
+                 else tuple(mod.lora_b.shape[2:]))
     if n_parts == 3:  # q/k/v: per KV head, its query group then its key and value head
         kv_heads = out_shape[0]
         group = out_shape[1] // head_dim - 2
@@ -213,7 +215,7 @@ def _layout(name: str, target: Target, got: dict, scaling: float, head_dim: int,
     if n_parts == 3:
         b_full = fuse(mod.weight, cols, head_dim)  # [R, Hkv, (G+2)*D]
     elif n_parts == 2:
-        b_full = np.stack(cols, axis=1)  # [R, 2, I]
+        return a_full.astype(dtype), np.stack(cols).astype(dtype)  # [2, R, I]
     else:
         b_full = cols[0]
     return a_full.astype(dtype), b_full.reshape(rank, *out_shape).astype(dtype)

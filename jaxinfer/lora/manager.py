@@ -34,9 +34,12 @@ class LoRAManager:
         self.max_cpu_loras, self.head_dim = max_cpu_loras, head_dim
         first = next(iter(self.targets.values())).module
         self.dtype = np.dtype(first.lora_a.get_value().dtype)
-        # The live LoRA arrays, in a fixed order: (path, "a" | "b") -> array.
+        # The live LoRA arrays, in a fixed order: (path, "a" | "b") -> array, and where each
+        # holds its slots.
         self.arrays = {(p, ab): getattr(t.module, f"lora_{ab}").get_value()
                        for p, t in self.targets.items() for ab in ("a", "b")}
+        self.slot_axes = tuple(getattr(t.module, f"lora_{ab}").slot_axis
+                               for t in self.targets.values() for ab in ("a", "b"))
         self.known: dict[int, LoRARequest] = {}  # every adapter added (by lora_int_id)
         self.cpu: OrderedDict[int, Adapter] = OrderedDict()  # loaded, most recent last
         self.slot_of: dict[int, int] = {}  # resident adapters' slots
@@ -128,21 +131,25 @@ class LoRAManager:
     def _write_slots(self, writes: dict[int, Adapter], params):
         keys = list(self.arrays)
         olds = [self.arrays[k] for k in keys]
+        axes = self.slot_axes
         if self._write is None:
             def write(arrays, slots, values):  # (slot index max_loras: padding, dropped)
-                return [a.at[slots].set(v, mode="drop") for a, v in zip(arrays, values)]
+                return [a.at[(slice(None),) * k + (slots,)].set(v, mode="drop")
+                        for a, v, k in zip(arrays, values, axes)]
 
             self._write = jax.jit(write, out_shardings=[a.sharding for a in olds])
         # Always max_loras rows (one compiled shape): the slots written, then padding.
         slots = np.full(self.max_loras, self.max_loras, np.int32)
         slots[:len(writes)] = sorted(writes)
         values = []
-        for (path, ab), old in zip(keys, olds):
-            rows = np.zeros((self.max_loras, *old.shape[1:]), self.dtype)
+        for (path, ab), old, k in zip(keys, olds, axes):
+            shape = list(old.shape)
+            shape[k] = self.max_loras
+            rows = np.zeros(shape, self.dtype)
             for n, s in enumerate(slots[:len(writes)]):
                 got = writes[int(s)].weights.get(path)
                 if got is not None:
-                    rows[n] = got[0 if ab == "a" else 1]
+                    rows[(slice(None),) * k + (n,)] = got[0 if ab == "a" else 1]
             values.append(rows)
         news = self._write(olds, slots, values)
         self.num_slot_writes += len(writes)

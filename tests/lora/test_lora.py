@@ -239,3 +239,23 @@ def test_data_parallel_ranks_all_serve_the_adapters(tiny):
     assert llm.llm_engine.remove_lora(a1.lora_int_id)
     assert llm.llm_engine.list_loras() == set()
     llm.shutdown()
+
+
+@pytest.mark.parametrize("arch,extra", [
+    ("qwen3", {"head_dim": 32}),
+    ("gemma3", {"head_dim": 16, "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"]})])
+def test_other_families_equal_peft(tmp_path, smollm2_dir, arch, extra):
+    """Qwen3 (q/k norms after the adapted q/k projections) and Gemma 3 (its own decoder
+    layer, gelu MLP) with an adapter on all seven projections."""
+    hf = make_tiny_model_dir(tmp_path / "base", arch, smollm2_dir, **extra)
+    ref = make_adapter(hf, str(tmp_path / "a"), targets=ALL, r=8, seed=7)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tmp_path / "base" / "tokenizer.json"))
+    llm = LLM(str(tmp_path / "base"), enable_lora=True, max_lora_rank=8, **OPTS)
+    lora = LoRARequest("a", 1, str(tmp_path / "a"))
+    got = _tokens(llm, PROMPTS[:2], lora)
+    want = [hf_greedy(ref, tok.encode(p, add_special_tokens=False).ids, N) for p in PROMPTS[:2]]
+    assert got == want
+    llm.shutdown()
