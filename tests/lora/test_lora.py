@@ -33,8 +33,9 @@ OPTS = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, smollm2_dir):
-    """A tiny Llama, three adapters over it (all seven projections r=8; q/v r=4; the MLP at
-    r=16 with rsLoRA) and their float64 references: {name: (LoRARequest, {prompt: ids})}."""
+    """A tiny Llama, three adapters over it (all seven projections r=8; q/v r=4 saved in
+    bfloat16; the MLP at r=16 with rsLoRA) and their float64 references: {name:
+    (LoRARequest, {prompt: ids})}."""
     root = tmp_path_factory.mktemp("lora")
     base = str(root / "base")
     hf = make_tiny_model_dir(base, "llama", smollm2_dir)
@@ -43,7 +44,7 @@ def tiny(tmp_path_factory, smollm2_dir):
     tok = Tokenizer.from_file(os.path.join(base, "tokenizer.json"))
     ids = {p: tok.encode(p, add_special_tokens=False).ids for p in PROMPTS}
     specs = {"a1": dict(targets=ALL, r=8, alpha=16, seed=1),
-             "a2": dict(targets=["q_proj", "v_proj"], r=4, alpha=8, seed=2),
+             "a2": dict(targets=["q_proj", "v_proj"], r=4, alpha=8, seed=2, bf16=True),
              "a3": dict(targets=["gate_proj", "up_proj", "down_proj"], r=16, alpha=32,
                         rslora=True, seed=3)}
     adapters = {}
