@@ -326,9 +326,11 @@ class OpenAIServer:
                   req, **kwargs) -> AsyncIterator[RequestOutput]:
         """Generate for one prompt of request `req` (its priority and cache_salt; `kwargs`:
         more of the engine's per-request arguments)."""
+        lora = self.lora_requests.get(req.model)
+        if lora is not None:  # (the request's model names an adapter)
+            kwargs["lora_request"] = lora
         gen = self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id,
-                                priority=req.priority, cache_salt=req.cache_salt,
-                                lora_request=self.lora_requests.get(req.model), **kwargs)
+                                priority=req.priority, cache_salt=req.cache_salt, **kwargs)
         try:
             try:
                 if self.queue_timeout is None:
