@@ -44,7 +44,7 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md)
         x = sp(x + self.post_attention_layernorm(sp(h)))
         h = self.post_feedforward_layernorm(sp(self.mlp(self.pre_feedforward_layernorm(x),
-                                                              md.lora_slots)))
+                                                              lora_slots=md.lora_slots)))
         return sp(x + h), kv_cache
 
 

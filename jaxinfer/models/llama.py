@@ -11,9 +11,11 @@ axes for tensor parallelism: the loader and the shardings read only those declar
 The contract every model family keeps (the runner's step programs, pipeline stages and the
 loader rely on it): `model.embed_tokens`, `model.layers` (each layer called as
 `layer(x, cos, sin, kv_cache, md) -> (x, kv_cache)`, with an `ffn_name` attribute and a
-`self_attn`), `model.norm`, `lm_head` (None when tied), `config`, `mesh`, the methods `rope`
-(positions -> cos, sin), `compute_logits` (hidden -> float32 logits) and `__call__`; and the
-class functions `rope_tables(cfg, positions)` and `final_logits(cfg, logits)`.
+`self_attn`; with LoRA on, md.lora_slots is set and the feed-forward block is called as
+`ffn(x, lora_slots)`), `model.norm`, `lm_head` (None when tied), `config`, `mesh`, the
+methods `rope` (positions -> cos, sin), `compute_logits` (hidden -> float32 logits) and
+`__call__`; and the class functions `rope_tables(cfg, positions)` and
+`final_logits(cfg, logits)`.
 
 Forward contract: a flat batch of T tokens of many sequences, their positions, the per-layer
 paged KV caches and the AttentionMetadata. The caches are returned updated (the caller donates).
@@ -148,7 +150,8 @@ class LlamaDecoderLayer(nnx.Module):
         h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md)
         ffn = getattr(self, self.ffn_name)
         x = sp(x + sp(h))
-        x = sp(x + sp(ffn(self.post_attention_layernorm(x), md.lora_slots)))
+        h = self.post_attention_layernorm(x)
+        x = sp(x + sp(ffn(h) if md.lora_slots is None else ffn(h, md.lora_slots)))
         return x, kv_cache
 
 

@@ -70,6 +70,7 @@ def test_dataset_presets_shapes():
                                         for r in syn)
 
 
+@pytest.mark.slow  # (~35 s of probes; CI keeps the other bench commands' smoke tests)
 def test_roofline(tmp_path):
     out = tmp_path / "roof.json"
     assert cli(["bench", "roofline", "--dtype", "float32", "--batch-sizes", "1,4",

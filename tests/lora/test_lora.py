@@ -208,7 +208,7 @@ def test_async_scheduling_chunked_prefill_preemption_and_grammars_with_adapters(
     llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=16, async_scheduling=True,
               **{**OPTS, "num_kv_blocks": 7, "max_num_batched_tokens": 8, "block_size": 8,
                  "max_model_len": 48})
-    runs = [(p, n) for n in ("a1", "a2", "a3", None) for p in PROMPTS[:2]]
+    runs = [(p, n) for n in ("a1", "a2", "a3", None) for p in PROMPTS[:2]][1:-1]
     got = _tokens(llm, [p for p, _ in runs], [adapters[n][0] for _, n in runs])
     assert got == [adapters[n][1][p] for p, n in runs]
     assert llm.llm_engine.get_stats()["num_preemptions"] > 0

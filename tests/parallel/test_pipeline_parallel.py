@@ -230,6 +230,7 @@ def test_quantized_weights_over_stages_match_single_stage(tmp_path, smollm2_dir)
     assert got["partition"] == [2, 1]
 
 
+@pytest.mark.slow  # (~40 s here; CI keeps PP through test_pp_matches_single_stage[ci])
 def test_moe_pp_with_expert_parallel_matches_single_stage(tmp_path, smollm2_dir):
     """Qwen3-MoE (layers 0 and 2 sparse, 1 dense) over 2 stages, alone and with 2 devices per
     stage holding 2 of the 4 experts each (expert parallelism inside each stage)."""

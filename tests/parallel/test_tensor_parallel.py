@@ -57,7 +57,9 @@ def test_fp8_experts_with_expert_parallel_match_single_device(tmp_path, smollm2_
 # qwen3 (q/k norm, KV heads = tp) runs with the slow tests; CI covers llama (KV heads split).
 # qwen3_moe: a mixture-of-experts layer 0 (each expert split over the devices), a dense layer 1;
 # slow (~100 s here): CI covers MoE under TP=2 with the fp8 expert-parallel test above.
-@pytest.mark.parametrize("arch,kv_heads", [("llama", 2),
+# llama-2 (~50 s here) runs with the slow tests too: CI keeps TP=2 through the fp8 test above,
+# the two-process test below and tests/lora's TP=2 (the suite is over its ~30 min guide).
+@pytest.mark.parametrize("arch,kv_heads", [pytest.param("llama", 2, marks=pytest.mark.slow),
                                            pytest.param("qwen3", 4, marks=pytest.mark.slow),
                                            pytest.param("qwen3_moe", 2, marks=pytest.mark.slow)])
 def test_tp_matches_single_device(tmp_path, smollm2_dir, arch, kv_heads):
