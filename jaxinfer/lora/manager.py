@@ -12,7 +12,6 @@ so the step's adapters always fit."""
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 
 import jax
@@ -20,9 +19,6 @@ import numpy as np
 
 from jaxinfer.lora.adapter import Adapter, find_targets, load_adapter
 from jaxinfer.lora.request import LoRARequest
-
-logger = logging.getLogger(__name__)
-
 
 class LoRAManager:
     def __init__(self, model, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
