@@ -34,6 +34,7 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown option(s) {unknown}; known: {sorted(fields)}")
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._paused = False
         self._counter = 0
         if self.llm_engine.is_worker:  # multi-host: replay process 0's steps until shutdown
             self.llm_engine.run_worker_loop()
@@ -65,6 +66,9 @@ class LLM:
         a LoRARequest for every prompt, or a list of one (or None) per prompt (enable_lora)."""
         if self.llm_engine.is_worker:
             raise RuntimeError("this is a multi-host worker process: generate on process 0")
+        if self._paused:  # (its requests would wait for a resume that cannot come)
+            raise RuntimeError("generation is paused (pause_generation / sleep): call "
+                               "resume_generation() or wake_up() first")
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -147,3 +151,75 @@ class LLM:
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
+
+    # -- RL rollouts: pause / resume, weight updates, sleep / wake up (docs/rl.md) -------------
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop generating (between generate calls nothing is in flight; requests another
+        thread submitted through llm_engine end, finish or stay parked as `mode` says);
+        generate refuses until resume_generation."""
+        state = self.llm_engine.pause_generation(mode, clear_cache)
+        while state == "draining":  # ("wait": run what is in flight to its end)
+            self.llm_engine.step()
+            state = self.llm_engine.call_utility("get_pause_state")
+        self._paused = True
+
+    def resume_generation(self) -> None:
+        self.llm_engine.resume_generation()
+        self._paused = False
+
+    def is_paused(self) -> bool:
+        return self.llm_engine.is_paused()
+
+    def update_weights(self, weights, *, layout: str = "hf",
+                       weight_version: str | None = None) -> dict:
+        """Swap in new weights between two steps, all or nothing: `weights` maps HF
+        checkpoint names (layout="hf") or the engine's parameter paths (layout="engine",
+        no copy for arrays already sharded as the engine's) to arrays. Needs the engine
+        core in this process (enable_multiprocessing=False). The prefix cache is reset;
+        weight_version labels the tokens sampled from now on (default: the update count).
+        Returns what it did (tensors, bytes, seconds, arrays taken without a copy)."""
+        return self.llm_engine.update_weights(weights, layout=layout,
+                                              weight_version=weight_version)
+
+    def update_weights_from_path(self, path: str, weight_version: str | None = None) -> dict:
+        """New weights from a safetensors folder (works with the core in its own process)."""
+        return self.llm_engine.update_weights_from_path(path, weight_version)
+
+    def reload_weights(self, weight_version: str | None = None) -> dict:
+        """The model's own checkpoint again (after sleep level 2)."""
+        return self.llm_engine.reload_weights(weight_version)
+
+    def get_weight_version(self) -> str:
+        return self.llm_engine.get_weight_version()
+
+    def set_weight_version(self, weight_version: str) -> None:
+        self.llm_engine.set_weight_version(weight_version)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> dict:
+        """vLLM's LLM.sleep (enable_sleep_mode=True for levels 1 and 2): level 1 keeps the
+        weights in host memory and frees them and the KV cache on the device; level 2 frees
+        both (wake_up, then update_weights or reload_weights). Generation is paused until
+        wake_up."""
+        if mode == "wait":
+            self.pause_generation("wait", clear_cache=level >= 1)
+        result = self.llm_engine.sleep(level, mode)
+        self._paused = True
+        return result
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back tags ("weights", "kv_cache"; None: all); True once fully awake."""
+        awake = self.llm_engine.wake_up(tags)
+        self._paused = not awake
+        return awake
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """Call a method of the engine's worker (by name; a callable, called with the worker,
+        when the core runs in this process); one result per worker."""
+        if timeout is not None:
+            raise ValueError("collective_rpc: timeout is not supported (the call runs "
+                             "between two steps of the engine core)")
+        return self.llm_engine.collective_rpc(method, args, kwargs)

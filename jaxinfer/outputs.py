@@ -82,6 +82,9 @@ class EngineCoreOutput:
     kv_transfer_params: dict | None = None  # from the KV connector, when the request finished
     # Finished ("stop") because its grammar is complete: the last token is output, not EOS.
     grammar_terminated: bool = False
+    # The label of the weights that produced new_token_ids (None: the weights the engine
+    # started with, "default"), set by the engine core once weights were updated or labelled.
+    weight_version: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -108,6 +111,15 @@ class RequestMetrics:
     finished_time: float | None = None
 
 
+@dataclass(frozen=True)
+class WeightVersionSpan:
+    """Output tokens [start, end) were sampled by the weights labelled `version` (vLLM's)."""
+
+    version: str
+    start: int
+    end: int
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -117,6 +129,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # When finished: which weights sampled which tokens (weight updates during a rollout,
+    # for off-policy corrections); None while unfinished.
+    weight_versions: list[WeightVersionSpan] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

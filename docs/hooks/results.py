@@ -190,8 +190,40 @@ def _lora(d: dict) -> str:
             + _table(header, rows))
 
 
+def _rl_weights(d: dict) -> str:
+    ops = [("update_hf_numpy", "update_weights, HF names, numpy (converted + placed)"),
+           ("update_engine_arrays", "update_weights, engine layout, sharded jax.Arrays (no copy)"),
+           ("update_engine_numpy", "update_weights, engine layout, numpy (placed)"),
+           ("update_from_path", "update_weights_from_path (read + convert + place)"),
+           ("update_from_path_core_process", "the same, engine core in its own process"),
+           ("sleep1", "sleep(level=1)"), ("wake1", "wake_up()"),
+           ("sleep2", "sleep(level=2)"),
+           ("wake2", "wake_up(weights) + update_weights + wake_up(kv_cache)")]
+    res = d["results"]
+    header = ["ms (median)"] + [f"{r['model']} ({r['dtype']}, "
+                                f"{r['weight_bytes'] / 2**20:.0f} MiB weights)" for r in res]
+    rows = []
+    for key, label in ops:
+        row = [label]
+        for r in res:
+            v = r["seconds"].get(key) or r.get(key)
+            row.append(f"{v['median'] * 1e3:.1f}" if v else "-")
+        rows.append(row)
+    rows.append(["device bytes freed by sleep(1) / sleep(2), MiB"]
+                + [f"{min(r['sleep1_freed_bytes']) / 2**20:.0f} / "
+                   f"{min(r['sleep2_freed_bytes']) / 2**20:.0f}" for r in res])
+    rows.append(["arrays taken without a copy (engine layout)"]
+                + [f"{r['update_engine_arrays_taken']} of "
+                   f"{r['update_engine_arrays_taken'] + r['update_engine_arrays_copied']}"
+                   for r in res])
+    note = "; ".join(f"{k}: {v}" for k, v in d.get("not_measured", {}).items())
+    return (f"{d['cpu']}, median of {d['repeats']} runs each (every run in the JSON)\n\n"
+            + _table(header, rows) + (f"\n\nNot measured: {note}." if note else ""))
+
+
 RENDERERS = {"compare_cpu": _compare_cpu, "quantization": _quantization, "startup": _startup,
-             "kernels": _kernels, "bench_defaults": _bench_defaults, "lora": _lora}
+             "kernels": _kernels, "bench_defaults": _bench_defaults, "lora": _lora,
+             "rl_weights": _rl_weights}
 
 
 def render(name: str) -> str:

@@ -115,6 +115,9 @@ FLAGS: dict[str, dict] = {
     "max_lora_rank": dict(help="the LoRA slots' rank: adapters of a higher rank are refused"),
     "max_cpu_loras": dict(type=int, help="LoRA adapters kept loaded on the host (default: "
                                          "max_loras)"),
+    "enable_sleep_mode": dict(help="allow sleep levels 1 and 2: free the device's weights "
+                                   "and KV cache between rollouts (RL; serve: /sleep, "
+                                   "/wake_up with VLLM_SERVER_DEV_MODE=1)"),
     "generation_config": dict(help="auto: the model's generation_config.json sets the default "
                               "sampling parameters (a request's own values override them); "
                               "vllm: the built-in defaults; or a folder with a "

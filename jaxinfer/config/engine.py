@@ -198,6 +198,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's enable_sleep_mode: sleep(level=1 | 2) may free the device's weights and KV
+    # cache (RL rollouts between training steps; docs/rl.md). Level 0 (pause) needs nothing.
+    enable_sleep_mode: bool = False
 
     def parallel_config(self) -> ParallelConfig:
         """The parallel sizes above as the ParallelConfig the engine is built from (checked:

@@ -166,9 +166,11 @@ class BlockPool:
         usable = self.num_blocks - 1
         return 1.0 - self.get_num_free_blocks() / usable
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; refused (False) while any block is in use."""
-        if self.get_num_free_blocks() != self.num_blocks - 1:
+    def reset_prefix_cache(self, force: bool = False) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use, unless
+        `force` (the weights changed: blocks in use keep their KV for their request, but no
+        later request may hit them)."""
+        if not force and self.get_num_free_blocks() != self.num_blocks - 1:
             return False
         self.cached_block_hash_to_block.clear()
         for b in self.blocks:

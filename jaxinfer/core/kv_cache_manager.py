@@ -72,8 +72,8 @@ class KVCacheManager:
         self.prefix_cache_stats.hits += num_hit_tokens
         return hits, num_hit_tokens
 
-    def reset_prefix_cache(self) -> bool:
-        ok = self.block_pool.reset_prefix_cache()
+    def reset_prefix_cache(self, force: bool = False) -> bool:
+        ok = self.block_pool.reset_prefix_cache(force)
         if ok:
             self.prefix_cache_stats = PrefixCacheStats()
         return ok

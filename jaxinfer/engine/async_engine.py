@@ -15,9 +15,9 @@ import logging
 from typing import Any, AsyncIterator, Callable
 
 from jaxinfer.config import EngineConfig, resolve_config
-from jaxinfer.engine.engine import make_processor, use_multiprocessing
+from jaxinfer.engine.engine import check_in_process, make_processor, use_multiprocessing
 from jaxinfer.engine.engine import make_client as default_client
-from jaxinfer.engine.messages import EngineDeadError
+from jaxinfer.engine.messages import EngineDeadError, as_value_error
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -223,13 +223,7 @@ class AsyncLLM:
         """Load an adapter into the engine core(s) (ValueError naming it and the reason when
         it cannot be served); False when it was loaded already."""
         self.processor.check_lora(lora_request)
-        try:
-            return await self.call_utility("add_lora", lora_request)
-        except RuntimeError as e:  # (the utility's error, from the core's process)
-            prefix = "engine core utility failed: ValueError: "
-            if not str(e).startswith(prefix):
-                raise
-            raise ValueError(str(e)[len(prefix):]) from None
+        return await self._utility("add_lora", lora_request)
 
     async def remove_lora(self, lora_int_id: int) -> bool:
         return await self.call_utility("remove_lora", lora_int_id)
@@ -240,3 +234,69 @@ class AsyncLLM:
     async def call_utility(self, name: str, *args):
         """Run an EngineCore utility (get_stats, reset_prefix_cache, leak_report, ...)."""
         return await self.engine_core.call_utility_async(name, *args)
+
+    async def _utility(self, name: str, *args):
+        """A utility whose ValueError (bad input) comes back as a ValueError."""
+        try:
+            return await self.engine_core.call_utility_async(name, *args)
+        except RuntimeError as e:
+            raise as_value_error(e) from None
+
+    # -- RL rollouts: pause / resume, weight updates, sleep / wake up (docs/rl.md) -------------
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pause generation (vLLM's AsyncLLM.pause_generation): "abort" ends unfinished
+        requests, "wait" returns once they finished, "keep" parks them; new requests wait
+        for resume_generation."""
+        state = await self._utility("pause_generation", mode, clear_cache)
+        while state != "paused":  # ("wait": until every request in run has finished)
+            if self.dead_error is not None:
+                raise EngineDeadError(f"the engine core died while pausing: "
+                                      f"{self.dead_error}")
+            await asyncio.sleep(0.01)
+            state = await self._utility("get_pause_state")
+        await asyncio.sleep(0.02)  # (the last outputs reach their streams first)
+
+    async def resume_generation(self) -> None:
+        await self._utility("resume_generation")
+
+    async def is_paused(self) -> bool:
+        return await self._utility("is_paused")
+
+    async def update_weights(self, weights, *, layout: str = "hf",
+                             weight_version: str | None = None) -> dict:
+        """New weights from arrays (the core in this process: its thread swaps them in
+        between two steps); see LLMEngine.update_weights."""
+        check_in_process(self.engine_core, "update_weights")
+        return await self._utility("update_weights", weights, layout, weight_version)
+
+    async def update_weights_from_path(self, path: str,
+                                       weight_version: str | None = None) -> dict:
+        return await self._utility("update_weights_from_path", path, weight_version)
+
+    async def reload_weights(self, weight_version: str | None = None) -> dict:
+        return await self._utility("reload_weights", weight_version)
+
+    async def get_weight_version(self) -> str:
+        return await self._utility("get_weight_version")
+
+    async def set_weight_version(self, weight_version: str) -> None:
+        await self._utility("set_weight_version", weight_version)
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> dict:
+        """vLLM's sleep: pause (mode), then free device memory (level 1 or 2; 0: only
+        pause). mode "wait" lets unfinished requests finish first."""
+        if mode == "wait":
+            await self.pause_generation(mode="wait", clear_cache=level >= 1)
+        return await self._utility("sleep", level, mode)
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        return await self._utility("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self._utility("is_sleeping")
+
+    async def collective_rpc(self, method, args: tuple = (),
+                             kwargs: dict | None = None) -> list:
+        if callable(method):
+            check_in_process(self.engine_core, "collective_rpc with a callable")
+        return await self._utility("collective_rpc", method, tuple(args), kwargs)

@@ -15,6 +15,7 @@ request in two of them).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -118,6 +119,16 @@ class EngineCore:
                         self.runner.compiled.background_left)
         # Steps dispatched and not yet collected: (SchedulerOutput, the runner's handle).
         self._in_flight: deque = deque()
+        # RL rollouts (pause / resume, weight updates, sleep): "running", "draining" (pause
+        # mode "wait": requests already in run to the end, new ones are held) or "paused"
+        # (nothing is scheduled); requests that arrived while not running wait in _held.
+        self.pause_state = "running"
+        self._clear_cache_when_drained = False
+        self._held: list[Request] = []
+        self._pending_outputs: list[EngineCoreOutput] = []  # (requests a pause aborted)
+        self.weight_version: str | None = None  # the label of the weights (None: "default")
+        self.num_weight_updates = 0
+        self.sleep_level: int | None = None  # None: awake
         # Host time per step (schedule + build + dispatch + collect bookkeeping + update), and
         # the time the host waited on the device: for benchmarks/async_scheduling.py.
         self.step_timings: list[tuple[float, float]] | None = None
@@ -163,12 +174,16 @@ class EngineCore:
                            extra_args_keys=self.runner.extra_args_keys)
         if req.lora_request is not None:  # (loaded now: a bad adapter fails this request)
             self.add_lora(req.lora_request)
-        self.scheduler.add_request(Request(
+        request = Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
             priority=req.priority, cache_salt=req.cache_salt, sampling_seed=req.sampling_seed,
             structured_backend=req.structured_backend, parent_id=req.parent_id,
-            reasoning_end_ids=req.reasoning_end_ids, lora_request=req.lora_request))
+            reasoning_end_ids=req.reasoning_end_ids, lora_request=req.lora_request)
+        if self.pause_state != "running":
+            self._held.append(request)  # (scheduled once generation resumes)
+        else:
+            self.scheduler.add_request(request)
 
     # -- LoRA adapters (enable_lora) ---------------------------------------------------------
     def _lora(self):
@@ -198,11 +213,17 @@ class EngineCore:
         return self._lora().list()
 
     def abort_requests(self, request_ids, status=RequestStatus.FINISHED_ABORTED) -> None:
+        if self._held:
+            ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+            self._held = [r for r in self._held if r.request_id not in ids]
         self.scheduler.finish_requests(request_ids, status)
 
     def has_work(self) -> bool:
-        return (self.scheduler.has_unfinished_requests() or bool(self._in_flight)
-                or self.has_kv_work())
+        if self._pending_outputs or self._in_flight:
+            return True
+        if self.pause_state == "paused":
+            return False
+        return self.scheduler.has_unfinished_requests() or self.has_kv_work()
 
     def has_kv_work(self) -> bool:
         """KV transfers under way (loads, blocks held for a pull, work not handed over)."""
@@ -223,6 +244,8 @@ class EngineCore:
         that is in flight, so it needs no barrier)."""
         sched = self.scheduler
         depth = self.max_in_flight
+        if self.pause_state == "paused":  # (kept requests stay as they are; nothing new runs)
+            return self._finish_step(self._collect_in_flight(), False)
         if self.async_scheduling and self._in_flight and sched.last_step_sampled_grammars():
             return self._grammar_barrier()
         t0 = time.perf_counter()
@@ -233,6 +256,8 @@ class EngineCore:
             so = sched.schedule()
             handle = self.runner.dispatch(so, sched.get_grammar_bitmask())
             self._fail_step_requests()
+            if handle is not None:
+                handle.weight_version = self.weight_version  # (the weights it runs with)
             if handle is not None or depth == 1:
                 for other, _ in (self._in_flight if sched.pipeline_depth > 1 else ()):
                     # (pipeline: the invariant the scheduler keeps; tests assert it too)
@@ -250,7 +275,7 @@ class EngineCore:
         t1 = time.perf_counter()
         ro = self.runner.collect(handle)
         t2 = time.perf_counter()
-        outs = sched.update_from_output(so, ro)
+        outs = self._stamp(sched.update_from_output(so, ro), handle)
         if self.speculative:
             sched.update_draft_token_ids(self.runner.take_draft_token_ids())
         if self.step_timings is not None and handle is not None:
@@ -260,17 +285,33 @@ class EngineCore:
     def _grammar_barrier(self) -> list[EngineCoreOutput]:
         """Collect every step in flight, then fill the masks and dispatch the next step (it
         runs while the caller processes these outputs)."""
-        outs: list[EngineCoreOutput] = []
-        while self._in_flight:
-            so, handle = self._in_flight.popleft()
-            outs += self.scheduler.update_from_output(so, self.runner.collect(handle))
+        outs = self._collect_in_flight()
         if self.scheduler.has_unfinished_requests():
             so = self.scheduler.schedule()
             handle = self.runner.dispatch(so, self.scheduler.get_grammar_bitmask())
             self._fail_step_requests()
             if handle is not None:
+                handle.weight_version = self.weight_version
                 self._in_flight.append((so, handle))
         return self._finish_step(outs, True)
+
+    def _collect_in_flight(self) -> list[EngineCoreOutput]:
+        """Collect every step in flight, oldest first, and apply its outputs."""
+        outs: list[EngineCoreOutput] = []
+        while self._in_flight:
+            so, handle = self._in_flight.popleft()
+            outs += self._stamp(self.scheduler.update_from_output(
+                so, self.runner.collect(handle)), handle)
+        return outs
+
+    @staticmethod
+    def _stamp(outs: list[EngineCoreOutput], handle) -> list[EngineCoreOutput]:
+        """Label the tokens with the weights that sampled them (once weights changed)."""
+        version = getattr(handle, "weight_version", None)
+        if version is None:
+            return outs
+        return [dataclasses.replace(o, weight_version=version) if o.new_token_ids else o
+                for o in outs]
 
     def _fail_step_requests(self) -> None:
         """Requests that failed while the step was prepared (their grammar mask, their input
@@ -289,6 +330,11 @@ class EngineCore:
                 self.kv_connector.bind_connector_metadata(conn.build_connector_meta())
             self.scheduler.update_connector_output(self.runner.get_kv_connector_output())
         extra = self.scheduler.take_extra_outputs()
+        if self._pending_outputs:
+            extra, self._pending_outputs = extra + self._pending_outputs, []
+        if self.pause_state == "draining" and not self.scheduler.has_unfinished_requests() \
+                and not self._in_flight:
+            self._paused_now(self._clear_cache_when_drained)
         if extra:
             outs = outs + extra
         elif not ran and not outs and (self.scheduler.has_unfinished_requests()
@@ -332,6 +378,11 @@ class EngineCore:
                 len(sch.kv.req_to_blocks.get(r, ())) for r in sch.delayed_free)
             stats["kv_connector_bytes_moved"] = w.io.bytes_moved
             stats["kv_connector_expired_sends"] = getattr(w, "num_expired_sends", 0)
+        stats["weight_version"] = self.get_weight_version()
+        stats["num_weight_updates"] = self.num_weight_updates
+        stats["pause_state"] = self.pause_state
+        stats["num_held_requests"] = len(self._held)
+        stats["sleep_level"] = self.sleep_level
         stats["time"] = time.time()
         return stats
 
@@ -348,12 +399,156 @@ class EngineCore:
             problems.append(f"requests left: {sorted(s.requests)}")
         if self._in_flight:
             problems.append(f"{len(self._in_flight)} steps in flight")
+        if self._held:
+            problems.append(f"requests held by a pause: {[r.request_id for r in self._held]}")
         if kv.get_num_free_blocks() != self.runner.num_kv_blocks - 1:
             problems.append(f"free blocks {kv.get_num_free_blocks()} != "
                             f"{self.runner.num_kv_blocks - 1}")
         if kv.req_to_blocks or kv.num_cached_blocks:
             problems.append(f"block lists left: {sorted(kv.req_to_blocks)}")
         return problems
+
+    # -- RL rollouts: pause / resume, weight updates, sleep / wake up (docs/rl.md) -------------
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> str:
+        """Stop generating; new requests are held until resume_generation. mode "abort":
+        every unfinished request ends now (finish_reason "abort"); "wait": they run to the
+        end first (the pause state is "draining" until then); "keep": they stay where they
+        are, their KV cache kept, and continue after resume. clear_cache: reset the prefix
+        cache once paused (not with "keep"). Returns the pause state ("paused" or
+        "draining")."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        if mode == "abort":
+            ids = list(self.scheduler.requests)
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            self._pending_outputs += [EngineCoreOutput(rid, (), FinishReason.ABORT)
+                                      for rid in ids]
+        if mode == "wait" and self.scheduler.has_unfinished_requests():
+            self.pause_state = "draining"
+            self._clear_cache_when_drained = clear_cache
+        else:
+            self._paused_now(clear_cache and mode != "keep")
+        return self.pause_state
+
+    def _paused_now(self, clear_cache: bool) -> None:
+        self.pause_state = "paused"
+        if clear_cache:
+            self.scheduler.kv.reset_prefix_cache(force=True)
+
+    def resume_generation(self) -> None:
+        """Schedule again: kept requests continue, held ones are queued (arrival order)."""
+        if self.sleep_level:
+            raise ValueError("the engine is asleep: wake_up first")
+        self.pause_state = "running"
+        held, self._held = self._held, []
+        for request in held:
+            self.scheduler.add_request(request)
+
+    def is_paused(self) -> bool:
+        return self.pause_state != "running"
+
+    def get_pause_state(self) -> str:
+        return self.pause_state
+
+    def _weights_changed(self, result: dict, weight_version: str | None) -> dict:
+        """After an update: KV computed with the old weights is never reused (every cached
+        block forgotten, the blocks of running requests too), and the new label."""
+        self.scheduler.kv.reset_prefix_cache(force=True)
+        self.num_weight_updates += 1
+        self.weight_version = (str(weight_version) if weight_version is not None
+                               else str(self.num_weight_updates))
+        return dict(result, weight_version=self.weight_version)
+
+    def update_weights(self, weights, layout: str = "hf",
+                       weight_version: str | None = None) -> dict:
+        """Swap in new weights between two steps (runner/weights.py): `weights` maps HF
+        checkpoint names (layout "hf") or the engine's own parameter paths ("engine") to
+        arrays. All or nothing: a bad tensor raises and the old weights keep serving."""
+        return self._weights_changed(self.worker.update_weights(weights, layout),
+                                     weight_version)
+
+    def update_weights_from_path(self, path: str, weight_version: str | None = None) -> dict:
+        """Update from a safetensors folder (the way across processes)."""
+        return self._weights_changed(self.worker.update_weights_from_path(path),
+                                     weight_version)
+
+    def reload_weights(self, weight_version: str | None = None) -> dict:
+        """The model's own checkpoint again (after sleep level 2, or to undo updates)."""
+        return self.update_weights_from_path(self.resolved.model_dir, weight_version)
+
+    def set_weight_version(self, weight_version: str) -> None:
+        self.weight_version = str(weight_version)
+
+    def get_weight_version(self) -> str:
+        return self.weight_version or "default"
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> dict:
+        """Pause (mode as pause_generation), then free device memory: level 1 copies the
+        weights to host memory and frees them and the KV cache; level 2 frees both without a
+        copy. Level 0 only pauses. Returns the live bytes before and after."""
+        if level not in (0, 1, 2):
+            raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
+        if self.sleep_level is not None:
+            raise ValueError(f"the engine is already asleep (level {self.sleep_level})")
+        if level and not self.resolved.engine.enable_sleep_mode:
+            raise ValueError("sleep levels 1 and 2 need enable_sleep_mode=True "
+                             "(--enable-sleep-mode)")
+        if level and mode == "keep" and self.scheduler.has_unfinished_requests():
+            raise ValueError("sleep frees the KV cache: mode='keep' cannot keep the "
+                             f"{self.scheduler.get_num_unfinished_requests()} unfinished "
+                             "request(s); pause_generation(mode='keep') keeps them")
+        if level and mode == "wait" and self.scheduler.has_unfinished_requests():
+            raise ValueError("sleep(mode='wait'): pause_generation(mode='wait') first and "
+                             "sleep once it is paused (the front ends do so)")
+        if level and self.kv_connector is not None:
+            raise ValueError("sleep levels 1 and 2 are not supported with a KV connector")
+        self.pause_generation(mode, clear_cache=bool(level))
+        result = {"level": level}
+        if level:
+            self._pending_outputs += self._collect_in_flight()  # (they read the KV cache)
+            self.scheduler.kv.reset_prefix_cache(force=True)  # (the KV cache goes away)
+            result = self.worker.sleep(level)
+        self.sleep_level = level
+        return result
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back "weights" and / or "kv_cache" (None: all); once all is back,
+        generation resumes. Returns whether the engine is fully awake."""
+        if tags is not None:
+            bad = [t for t in tags if t not in WAKE_TAGS]
+            if bad:
+                raise ValueError(f"wake_up tag {bad[0]!r} is not one of {', '.join(WAKE_TAGS)}")
+            tags = [t for t in tags if t != "scheduling"]
+        if self.sleep_level is None:
+            return True
+        if self.sleep_level and (tags is None or tags):
+            self.worker.wake_up(tags)
+        if self.sleep_level and self.worker.weights.sleeping_tags:
+            return False
+        self.sleep_level = None
+        self.resume_generation()
+        return True
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level is not None
+
+    def collective_rpc(self, method: str, args=(), kwargs=None) -> list:
+        """Call a public method of the worker (every worker of this core: one); returns
+        their results in a list. A callable is called with the worker first (in-process
+        only: nothing but names crosses a process boundary)."""
+        if callable(method):
+            return [method(self.worker, *args, **(kwargs or {}))]
+        if method in _CORE_OWNED:  # (the core's bookkeeping goes with them: call those)
+            raise ValueError(f"collective_rpc({method!r}): call the engine's {method}() "
+                             "instead (it pauses, resets the prefix cache, labels versions)")
+        if not isinstance(method, str) or method.startswith("_") or \
+                not callable(getattr(self.worker, method, None)):
+            raise ValueError(f"the worker has no public method {method!r}")
+        try:
+            return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+        except Exception as e:  # (the caller's method and arguments: its error, not ours)
+            raise ValueError(f"collective_rpc({method!r}) failed: {type(e).__name__}: "
+                             f"{e}") from None
 
     def profile_steps(self, enable: bool = True) -> list:
         """Start recording (host seconds, device-wait seconds) per step; returns what was
@@ -441,4 +636,10 @@ class EngineCore:
 
 
 UTILITIES = ("get_stats", "reset_prefix_cache", "leak_report", "profile_steps", "ready_info",
-             "add_lora", "remove_lora", "list_loras")
+             "add_lora", "remove_lora", "list_loras", "pause_generation", "resume_generation",
+             "is_paused", "get_pause_state", "update_weights", "update_weights_from_path",
+             "reload_weights", "set_weight_version", "get_weight_version", "sleep", "wake_up",
+             "is_sleeping", "collective_rpc")
+PAUSE_MODES = ("abort", "wait", "keep")
+_CORE_OWNED = ("sleep", "wake_up", "update_weights", "update_weights_from_path")
+WAKE_TAGS = ("weights", "kv_cache", "scheduling")

@@ -161,6 +161,16 @@ def _combine(name: str, results: list):
         return any(results)
     if name == "list_loras":
         return results[0]
+    if name in ("pause_generation", "get_pause_state"):  # (paused once every rank is)
+        return "draining" if "draining" in results else results[0]
+    if name in ("is_paused", "is_sleeping", "wake_up"):
+        return all(results)
+    if name in ("update_weights", "update_weights_from_path", "reload_weights", "sleep"):
+        return dict(results[0], per_rank=results)
+    if name in ("get_weight_version", "resume_generation", "set_weight_version"):
+        return results[0]
+    if name == "collective_rpc":  # (one result per worker, rank by rank)
+        return [r for rank in results for r in rank]
     if name == "ready_info":
         return results[0]
     return results

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from jaxinfer.config import EngineConfig, ResolvedConfig, multiprocessing_enabled, resolve_config
+from jaxinfer.engine.messages import as_value_error
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.processor import Processor, PromptType
 from jaxinfer.outputs import RequestOutput
@@ -31,6 +32,16 @@ def make_processor(rc, tokenizer, info: dict) -> Processor:
                      reasoning_parser=rc.engine.reasoning_parser,
                      logits_processors=rc.engine.logits_processors,
                      enable_lora=rc.engine.enable_lora)
+
+
+def check_in_process(client, what: str) -> None:
+    """Arrays and callables cannot cross a process boundary (the core's messages are
+    msgpack): say so rather than fail in the encoder."""
+    if not hasattr(client, "core"):
+        raise TypeError(f"{what} passes arrays or code: it needs the engine core in this "
+                        "process (enable_multiprocessing=False, or "
+                        "JAXINFER_ENABLE_MULTIPROCESSING=0); across processes use "
+                        "update_weights_from_path")
 
 
 def in_process_only() -> bool:
@@ -180,13 +191,7 @@ class LLMEngine:
         if known is not None and (known.lora_name, known.lora_path) == (
                 lora_request.lora_name, lora_request.lora_path):
             return False  # (else the core says what clashes)
-        try:
-            added = self.engine_core.call_utility("add_lora", lora_request)
-        except RuntimeError as e:  # (a utility's error from another process)
-            prefix = "engine core utility failed: ValueError: "
-            if not str(e).startswith(prefix):
-                raise
-            raise ValueError(str(e)[len(prefix):]) from None
+        added = self._utility("add_lora", lora_request)
         self._loras[lora_request.lora_int_id] = lora_request
         return added
 
@@ -200,3 +205,55 @@ class LLMEngine:
     def call_utility(self, name: str, *args):
         """Run an EngineCore utility (get_stats, reset_prefix_cache, leak_report, ...)."""
         return self.engine_core.call_utility(name, *args)
+
+    def _utility(self, name: str, *args):
+        """A utility whose ValueError (bad input) comes back as a ValueError."""
+        try:
+            return self.engine_core.call_utility(name, *args)
+        except RuntimeError as e:
+            raise as_value_error(e) from None
+
+    # -- RL rollouts: pause / resume, weight updates, sleep / wake up (docs/rl.md) -------------
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> str:
+        """EngineCore.pause_generation; "wait" returns "draining" while requests finish
+        (step() runs them; the state turns "paused")."""
+        return self._utility("pause_generation", mode, clear_cache)
+
+    def resume_generation(self) -> None:
+        self._utility("resume_generation")
+
+    def is_paused(self) -> bool:
+        return self._utility("is_paused")
+
+    def update_weights(self, weights, *, layout: str = "hf",
+                       weight_version: str | None = None) -> dict:
+        """New weights from arrays (HF checkpoint names, or layout="engine": the engine's
+        own parameter paths); the engine core must run in this process."""
+        check_in_process(self.engine_core, "update_weights")
+        return self._utility("update_weights", weights, layout, weight_version)
+
+    def update_weights_from_path(self, path: str, weight_version: str | None = None) -> dict:
+        return self._utility("update_weights_from_path", path, weight_version)
+
+    def reload_weights(self, weight_version: str | None = None) -> dict:
+        return self._utility("reload_weights", weight_version)
+
+    def get_weight_version(self) -> str:
+        return self._utility("get_weight_version")
+
+    def set_weight_version(self, weight_version: str) -> None:
+        self._utility("set_weight_version", weight_version)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> dict:
+        return self._utility("sleep", level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        return self._utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return self._utility("is_sleeping")
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        if callable(method):
+            check_in_process(self.engine_core, "collective_rpc with a callable")
+        return self._utility("collective_rpc", method, tuple(args), kwargs)

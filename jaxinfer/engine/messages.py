@@ -72,3 +72,14 @@ def outputs_decoder() -> msgspec.msgpack.Decoder:
 class EngineDeadError(RuntimeError):
     """The engine core process is gone (crashed, killed or failed a step); the front end can
     no longer serve. Raised by every client call after the fact."""
+
+
+_VALUE_ERROR = "engine core utility failed: ValueError: "
+
+
+def as_value_error(e: RuntimeError) -> Exception:
+    """A utility's ValueError that came back from the core's process (or thread) as a
+    RuntimeError: the ValueError again (bad input, the engine serves on); others as they
+    are."""
+    text = str(e)
+    return ValueError(text[len(_VALUE_ERROR):]) if text.startswith(_VALUE_ERROR) else e

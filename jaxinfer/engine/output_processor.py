@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
 from jaxinfer.outputs import (CompletionOutput, EngineCoreOutput, Logprob, RequestMetrics,
-                              RequestOutput)
+                              RequestOutput, WeightVersionSpan)
 from jaxinfer.request import FinishReason, Request
 from jaxinfer.sampling_params import SamplingParams
 
@@ -23,6 +23,18 @@ class _SampleState:
     cumulative_logprob: float | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    # (weight version, index of its first output token), one entry per change of version
+    version_starts: list[tuple[str, int]] = field(default_factory=list)
+
+    def track_version(self, version: str | None, num_new: int) -> None:
+        version = version or "default"
+        if not self.version_starts or self.version_starts[-1][0] != version:
+            self.version_starts.append((version, len(self.token_ids) - num_new))
+
+    def version_spans(self) -> list[WeightVersionSpan]:
+        starts = self.version_starts
+        ends = [s for _, s in starts[1:]] + [len(self.token_ids)]
+        return [WeightVersionSpan(v, s, e) for (v, s), e in zip(starts, ends)]
 
 
 @dataclass
@@ -116,6 +128,8 @@ class OutputProcessor:
                     None if lp is None else self._logprob_dict(lp)
                     for lp in out.new_prompt_logprobs)
             sample.token_ids.extend(out.new_token_ids)
+            if out.new_token_ids:
+                sample.track_version(out.weight_version, len(out.new_token_ids))
             for lp in out.new_logprobs:
                 if sample.logprobs is not None:
                     sample.logprobs.append(self._logprob_dict(lp))
@@ -150,7 +164,8 @@ class OutputProcessor:
                 token_ids=list(s.token_ids), cumulative_logprob=s.cumulative_logprob,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 finish_reason=str(s.finish_reason) if s.finish_reason else None,
-                stop_reason=s.stop_reason))
+                stop_reason=s.stop_reason,
+                weight_versions=s.version_spans() if s.finish_reason else None))
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids,
                              prompt_logprobs=state.prompt_logprobs,

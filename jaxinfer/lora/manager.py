@@ -91,6 +91,16 @@ class LoRAManager:
         self.cpu.move_to_end(lora_int_id)
         return adapter
 
+    def refresh(self, clear_slots: bool = False) -> None:
+        """Read the LoRA arrays again from the model (after the worker swapped arrays: a
+        weight update or a wake-up); clear_slots: their contents are gone (zeros), so no
+        adapter is resident any more."""
+        self.arrays = {(p, ab): getattr(t.module, f"lora_{ab}").get_value()
+                       for p, t in self.targets.items() for ab in ("a", "b")}
+        if clear_slots:
+            self.slot_of.clear()
+            self.slot_ids = [None] * self.max_loras
+
     # -- the device slots ------------------------------------------------------------------------
     def activate(self, ids, params):
         """Put the adapters `ids` (lora_int_ids, each known) into slots. Returns (id -> slot,

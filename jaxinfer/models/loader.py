@@ -187,6 +187,110 @@ def _place(var, tensor: np.ndarray, *, mesh, to_host: bool = False,
     return jax.make_array_from_callback(tensor.shape, spec, lambda idx: tensor[idx])
 
 
+def param_sources(expected: dict, available) -> tuple[dict, list[str], list[str]]:
+    """(parameter name -> its checkpoint tensors, LoRA slot parameters, parameters left at
+    their declared default) for the parameters `expected` (name -> Variable), given the
+    checkpoint tensor names `available` (a container)."""
+    names = list(expected)
+    # (a quantized weight's weight_scale is filled with its weight)
+    # (LoRA slots are no checkpoint's: they start empty, zeros, and adapters fill them)
+    lora = [name for name in names if getattr(expected[name], "lora", False)]
+    sources = {name: checkpoint_names(name, expected[name])
+               for name in names if not (name.endswith(("_scale", "_offset"))
+                                         and name.rsplit("_", 1)[0] in expected)
+               and name not in lora}
+    # Parameters held under one of several names (fp8 KV cache scales: self_attn.k_scale, or
+    # compressed-tensors' k_proj.output_scale): the first the checkpoint has, else their
+    # declared default (1.0, as vLLM does).
+    defaulted = []
+    for name in list(sources):
+        _, hf = declared(expected[name])
+        if hf.fuse == "first":
+            present = [src for src in sources[name] if src in available]
+            if present:
+                sources[name] = present[:1]
+            elif hf.default is not None:
+                del sources[name]
+                defaulted.append(name)
+    return sources, lora, defaulted
+
+
+def source_owners(sources: dict[str, tuple[str, ...]]) -> dict[str, list[str]]:
+    """checkpoint tensor -> the parameters made from it (a tied packed LM head shares the
+    embedding's tensor)."""
+    owners: dict[str, list[str]] = {}
+    for name in sources:
+        for src in sources[name]:
+            owners.setdefault(src, []).append(name)
+    return owners
+
+
+def convert_tensors(expected: dict, sources: dict[str, tuple[str, ...]], tensors, *,
+                    ckpt_scales: dict, kv_repeat: int, head_dim: int, qcfg, put) -> dict:
+    """Checkpoint tensors -> parameter values, each handed to put(var, value in the
+    parameter's own layout[, expert_parallel]) once all of its sources have arrived (fused
+    q/k/v and gate/up, stacked experts); quantized where the model quantizes (a float
+    tensor quantized here, a checkpoint's quantized one with its scale), packed where it
+    packs. expected: parameter name -> its Variable; sources: parameter name -> its
+    checkpoint tensors; tensors: (checkpoint name, host array) pairs. Returns the
+    parameters still missing a source: {name: {source: part}} (the loader checked they
+    cannot be; a weight update reports them)."""
+    owners = source_owners(sources)
+    from jaxinfer.layers.quantization import pack_nibbles, to_nibbles
+    pending: dict[str, dict[str, np.ndarray]] = {}  # fused params still missing a part
+    for src, tensor in tensors:
+        for name in owners[src]:
+            var = expected[name]
+            scale_var = expected.get(name + "_scale")  # a quantized weight's weight_scale
+            offset_var = expected.get(name + "_offset")  # (GGUF) weight_offset
+            srcs = sources[name]
+            _, hf = declared(var)
+            index = srcs.index(src)
+            if hf.fuse == "first" and var.shape == ():  # (a scale: one positive number)
+                if tensor.size != 1 or not np.isfinite(tensor).all() or tensor.reshape(-1)[0] <= 0:
+                    raise ValueError(f"scale {src!r} must be one positive number, got "
+                                     f"shape {tuple(tensor.shape)}")
+                put(var, np.asarray(tensor, np.float32).reshape(()), False)
+                continue
+            shape = source_shape(var, index % len(hf.names), head_dim)
+            parts = pending.setdefault(name, {})
+            parts[src] = _source_part(src, tensor, ckpt_scales.get(src), shape, var, scale_var,
+                                      qcfg, kv_repeat=kv_repeat, head_dim=head_dim,
+                                      transpose=hf.transpose,
+                                      is_kv=hf.is_kv(index % len(hf.names)))
+            if len(parts) < len(srcs):
+                continue
+            del pending[name]
+            ordered = [parts[s] for s in srcs]
+            if scale_var is not None:  # (quantized, scale[, offset]): each fused the same way
+                fused = [ordered[0][i] if len(srcs) == 1 else fuse(
+                    var, [p[i] for p in ordered], head_dim)
+                    for i, suffix in enumerate(("", "_scale", "_offset")[:len(ordered[0])])]
+                value = fused[0]
+                nibbles = None  # (GGUF 4-bit codes, packed two to a byte for the C++ kernel)
+                if (offset_var is not None and getattr(var, "unpacked_shape", None) is not None
+                        and not getattr(var, "stacked_experts", False)):
+                    nibbles = to_nibbles(value.reshape(value.shape[0], -1),
+                                         fused[1].reshape(fused[1].shape[0], -1),
+                                         fused[2].reshape(fused[2].shape[0], -1))
+                    if nibbles is not None:
+                        fused[2] = nibbles[1].reshape(fused[2].shape)
+                for extra, evar, suffix in zip(fused[1:], (scale_var, offset_var),
+                                               ("_scale", "_offset")):
+                    if tuple(extra.shape) != logical_shape(evar):
+                        raise ValueError(f"{name}: weight{suffix} of shape "
+                                         f"{tuple(extra.shape)}, the model expects "
+                                         f"{logical_shape(evar)}")
+                    put(evar, to_param_layout(evar, extra))
+                if nibbles is not None:
+                    put(var, pack_nibbles(to_param_layout(var, nibbles[0])))
+                    continue
+            else:
+                value = fuse(var, ordered, head_dim)
+            put(var, to_param_layout(var, value))
+    return pending
+
+
 def build_model(model_config: ModelConfig, *, dtype: str, attention_backend: str, seed: int = 0,
                 mesh=None, tp: int = 1):
     """A function building the model: packed weights for the `cpu` backend's matmul kernel
@@ -245,30 +349,8 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
 
     files_by_name = _safetensors_index(model_dir)
     expected = {name: var for (_, var), name in zip(flat, names)}
-    # (a quantized weight's weight_scale is filled with its weight)
-    # (LoRA slots are no checkpoint's: they start empty, zeros, and adapters fill them)
-    lora = [name for name in names if getattr(expected[name], "lora", False)]
-    sources = {name: checkpoint_names(name, expected[name])
-               for name in names if not (name.endswith(("_scale", "_offset"))
-                                         and name.rsplit("_", 1)[0] in expected)
-               and name not in lora}
-    # Parameters held under one of several names (fp8 KV cache scales: self_attn.k_scale, or
-    # compressed-tensors' k_proj.output_scale): the first the checkpoint has, else their
-    # declared default (1.0, as vLLM does).
-    defaulted = []
-    for name in list(sources):
-        _, hf = declared(expected[name])
-        if hf.fuse == "first":
-            present = [src for src in sources[name] if src in files_by_name]
-            if present:
-                sources[name] = present[:1]
-            elif hf.default is not None:
-                del sources[name]
-                defaulted.append(name)
-    owners: dict[str, list[str]] = {}  # (a tied packed LM head shares the embedding's tensor)
-    for name in sources:
-        for src in sources[name]:
-            owners.setdefault(src, []).append(name)
+    sources, lora, defaulted = param_sources(expected, files_by_name)
+    owners = source_owners(sources)  # (a tied packed LM head shares the embedding's tensor)
     wanted = list(owners)
     missing = [n for n in wanted if n not in files_by_name]
     if missing:
@@ -276,65 +358,14 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
             f"checkpoint in {model_dir} is missing tensor {missing[0]!r}"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
-    head_dim = model_config.head_dim
-    qcfg = model_config.quantization
-    ckpt_scales = _checkpoint_scales(files_by_name)
-    from jaxinfer.layers.quantization import pack_nibbles, to_nibbles
-    pending: dict[str, dict[str, np.ndarray]] = {}  # fused params still missing a part
-    for src, tensor in _iter_tensors(files_by_name, wanted):
-        for name in owners[src]:
-            var = expected[name]
-            scale_var = expected.get(name + "_scale")  # a quantized weight's weight_scale
-            offset_var = expected.get(name + "_offset")  # (GGUF) weight_offset
-            srcs = sources[name]
-            _, hf = declared(var)
-            index = srcs.index(src)
-            if hf.fuse == "first" and var.shape == ():  # (a scale: one positive number)
-                if tensor.size != 1 or not np.isfinite(tensor).all() or tensor.reshape(-1)[0] <= 0:
-                    raise ValueError(f"scale {src!r} must be one positive number, got "
-                                     f"shape {tuple(tensor.shape)}")
-                var.set_value(_place(var, np.asarray(tensor, np.float32).reshape(()),
-                                     mesh=mesh, to_host=to_host))
-                continue
-            shape = source_shape(var, index % len(hf.names), head_dim)
-            parts = pending.setdefault(name, {})
-            parts[src] = _source_part(src, tensor, ckpt_scales.get(src), shape, var, scale_var,
-                                      qcfg, kv_repeat=kv_repeat, head_dim=head_dim,
-                                      transpose=hf.transpose,
-                                      is_kv=hf.is_kv(index % len(hf.names)))
-            if len(parts) < len(srcs):
-                continue
-            del pending[name]
-            ordered = [parts[s] for s in srcs]
-            if scale_var is not None:  # (quantized, scale[, offset]): each fused the same way
-                fused = [ordered[0][i] if len(srcs) == 1 else fuse(
-                    var, [p[i] for p in ordered], head_dim)
-                    for i, suffix in enumerate(("", "_scale", "_offset")[:len(ordered[0])])]
-                value = fused[0]
-                nibbles = None  # (GGUF 4-bit codes, packed two to a byte for the C++ kernel)
-                if (offset_var is not None and getattr(var, "unpacked_shape", None) is not None
-                        and not getattr(var, "stacked_experts", False)):
-                    nibbles = to_nibbles(value.reshape(value.shape[0], -1),
-                                         fused[1].reshape(fused[1].shape[0], -1),
-                                         fused[2].reshape(fused[2].shape[0], -1))
-                    if nibbles is not None:
-                        fused[2] = nibbles[1].reshape(fused[2].shape)
-                for extra, evar, suffix in zip(fused[1:], (scale_var, offset_var),
-                                               ("_scale", "_offset")):
-                    if tuple(extra.shape) != logical_shape(evar):
-                        raise ValueError(f"{name}: weight{suffix} of shape "
-                                         f"{tuple(extra.shape)}, the model expects "
-                                         f"{logical_shape(evar)}")
-                    evar.set_value(_place(evar, to_param_layout(evar, extra),
-                                          mesh=mesh, to_host=to_host, expert_parallel=ep))
-                if nibbles is not None:
-                    var.set_value(_place(var, pack_nibbles(to_param_layout(var, nibbles[0])),
-                                         mesh=mesh, to_host=to_host, expert_parallel=ep))
-                    continue
-            else:
-                value = fuse(var, ordered, head_dim)
-            var.set_value(_place(var, to_param_layout(var, value), mesh=mesh,
-                                 to_host=to_host, expert_parallel=ep))
+
+    def put(var, value, expert_parallel=ep):
+        var.set_value(_place(var, value, mesh=mesh, to_host=to_host,
+                             expert_parallel=expert_parallel))
+
+    convert_tensors(expected, sources, _iter_tensors(files_by_name, wanted),
+                    ckpt_scales=_checkpoint_scales(files_by_name), kv_repeat=kv_repeat,
+                    head_dim=model_config.head_dim, qcfg=model_config.quantization, put=put)
     for name in defaulted:
         var = expected[name]
         var.set_value(_place(var, np.full(var.shape, declared(var)[1].default, np.float32),

@@ -122,13 +122,14 @@ def _layers(kind, mesh, leaves, x, cos, sin, kv_caches, md):
     return _replicated(mesh, x), tuple(new)
 
 
-def _lower_runs(lm: LayerwiseModel, x, cos, sin, kv_caches, md) -> list:
-    """One lowered program per kind of run (x, cos, sin: shapes; kv_caches: the model's)."""
+def _lower_runs(lm: LayerwiseModel, leaves, x, cos, sin, kv_caches, md) -> list:
+    """One lowered program per kind of run (leaves: each layer's weights, as shapes or arrays;
+    x, cos, sin: shapes; kv_caches: the model's)."""
     lowered = []
     for k, kind in enumerate(lm.kinds):
         a, b = lm.runs[lm.run_kind.index(k)]
         fn = jax.jit(partial(_layers, kind, lm.mesh), donate_argnums=(4,))
-        lowered.append(fn.lower(lm.layer_leaves[a:b], x, cos, sin, kv_caches[a:b], md))
+        lowered.append(fn.lower(leaves[a:b], x, cos, sin, kv_caches[a:b], md))
     return lowered
 
 
@@ -209,6 +210,10 @@ class LayerwiseProgram:
     def place(self, batch: StepBatch):
         return place_replicated(self.mesh, batch)
 
+    def set_params(self, params) -> None:
+        """The weights after an update or wake-up (runner/weights.py)."""
+        self.lm.shell_state, self.lm.layer_leaves = params
+
     def _shared_for(self, t: int, r: int, args) -> tuple:
         """The head and per-kind layer executables of bucket (T, R), compiled once (by
         whichever thread asks first; the others wait for it)."""
@@ -217,11 +222,11 @@ class LayerwiseProgram:
         with lock:
             got = self._shared.get((t, r))
             if got is None:
-                head_args, (x, cos, sin, kv_caches, md) = args
+                head_args, (leaves, x, cos, sin, kv_caches, md) = args
                 lm = self.lm
                 with TRACE_LOCK:
                     head = jax.jit(partial(_head, lm.shell_graphdef)).lower(*head_args)
-                    runs = _lower_runs(lm, x, cos, sin, kv_caches, md)
+                    runs = _lower_runs(lm, leaves, x, cos, sin, kv_caches, md)
                 head = head.compile()
                 layers = [lo.compile() for lo in runs]
                 got = self._shared[(t, r)] = (head, layers)
@@ -232,17 +237,20 @@ class LayerwiseProgram:
         """Lower the bucket's tail for this variant; the head and layers are lowered and
         compiled at compile() unless an earlier variant of the bucket already did."""
         lm = self.lm
-        head_args = (lm.shell_state, state.sampler.last_sampled, example.input_ids,
+        # (the weights' shapes come from `state`: the live arrays may be replaced meanwhile,
+        # a weight update, or deleted, an engine asleep)
+        shell, leaves = state.params
+        head_args = (shell, state.sampler.last_sampled, example.input_ids,
                      example.from_last_sampled, example.token_slots, example.positions)
         sharding = None if lm.mesh is None else NamedSharding(lm.mesh, P())
         ids, x, cos, sin = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
                             for a in jax.eval_shape(partial(_head, lm.shell_graphdef),
                                                     *head_args))
-        layer_args = (x, cos, sin, state.kv, example.attn)
+        layer_args = (leaves, x, cos, sin, state.kv, example.attn)
         tail = jax.jit(partial(_tail, lm.shell_graphdef, self.drafter, features=features,
                                max_model_len=self.max_model_len),
                        donate_argnums=(2, 3))
-        lowered = tail.lower(lm.shell_state, state.draft_params, state.draft_kv, state.sampler,
+        lowered = tail.lower(shell, state.draft_params, state.draft_kv, state.sampler,
                              example, x, ids, tuple(x for _ in self.aux_layers))
         return LayerwiseLowered(self, (t, r), (head_args, layer_args), lowered)
 
@@ -336,7 +344,7 @@ class PipelineStageSteps:
         xs, cos, sin = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
                         for a in jax.eval_shape(head_fn, lm.shell_state, first,
                                                 example.positions))
-        runs = _lower_runs(lm, xs, cos, sin, kv_caches, example.attn)
+        runs = _lower_runs(lm, lm.layer_leaves, xs, cos, sin, kv_caches, example.attn)
         tail = None
         if self.last:
             tail = jax.jit(partial(_stage_tail, lm.shell_graphdef, features=features),

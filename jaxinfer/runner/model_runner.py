@@ -40,6 +40,7 @@ class InFlightStep:
     out: dict  # device arrays: token_ids [R] (+ num_emitted, drafts, logprobs, prompt_logprobs)
     step: BuiltStep
     positions: np.ndarray  # int32 [n_req] the sampled token's position in the sequence
+    weight_version: str | None = None  # the label of the weights it ran with (engine core)
 
 
 class ModelRunner:

@@ -54,6 +54,10 @@ class WholeStepProgram:
         return single_stage_state(self.params, self.model_config, self.mesh, self.drafter,
                                   num_blocks, block_size, kv_dtype, num_slots)
 
+    def set_params(self, params) -> None:
+        """The weights after an update or wake-up (runner/weights.py)."""
+        self.params = params
+
     def place(self, batch: StepBatch):
         return place_replicated(self.mesh, batch)
 

@@ -130,6 +130,9 @@ class Worker:
             model = split_model(model, self.pp_partition, self.stage_groups, stage_meshes)
         self.model = model
         self.model_config = mcfg  # as built (KV heads replicated up to tp where needed)
+        # (how many times each checkpoint KV head is held: weight updates convert as loading)
+        self.kv_repeat = max(1, mcfg.num_key_value_heads // rc.model_config.num_key_value_heads)
+        self._weights = None  # the WeightManager (runner/weights.py), made on first use
         # (vLLM accepts these where they change nothing; say so rather than stay silent)
         if par.enable_expert_parallel and not mcfg.expert_parallel:
             logger.warning("enable_expert_parallel has no effect: %s", "the model has no experts"
@@ -181,6 +184,45 @@ class Worker:
                     num_blocks, self.block_size,
                     self.memory["kv_cache_bytes_per_device"] / 2**20,
                     np.dtype(self.kv_dtype).name)
+
+    # -- the weights of a live engine: updates, sleep, wake-up (runner/weights.py) -------------
+    @property
+    def weights(self):
+        if self._weights is None:
+            from jaxinfer.runner.weights import WeightManager
+
+            if isinstance(self.model, list):
+                raise ValueError("weight updates and sleep mode are not supported with "
+                                 "pipeline_parallel_size > 1 yet")
+            if jax.process_count() > 1:
+                raise ValueError("weight updates and sleep mode are not supported on "
+                                 "multi-host engines yet")
+            self._weights = WeightManager(self)
+        return self._weights
+
+    def engine_weights(self) -> dict:
+        return self.weights.engine_weights()
+
+    def update_weights(self, weights, layout: str = "hf") -> dict:
+        return self.weights.update(weights, layout)
+
+    def update_weights_from_path(self, path: str) -> dict:
+        """The tensors of a safetensors folder (single or sharded) that this model is made
+        of (others are ignored, as loading ignores them)."""
+        from jaxinfer.models.loader import _iter_tensors, _safetensors_index
+
+        try:
+            files = _safetensors_index(path)
+        except (FileNotFoundError, NotADirectoryError, OSError) as e:
+            raise ValueError(f"update_weights_from_path: {e}") from None
+        return self.weights.update(dict(_iter_tensors(files, list(files))), "hf",
+                                   only_known=True)
+
+    def sleep(self, level: int) -> dict:
+        return self.weights.sleep(level)
+
+    def wake_up(self, tags=None) -> dict:
+        return self.weights.wake_up(tags)
 
     def cache_counts(self) -> dict[str, int]:
         return self.compile_cache.counts()

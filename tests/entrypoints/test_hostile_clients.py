@@ -620,3 +620,63 @@ def test_fuzz_lora_routes(tmp_path, tiny_dir):
     finally:
         live.close()
         mp.undo()
+
+
+def test_fuzz_rl_routes(tiny_dir):
+    """The dev-mode RL routes (VLLM_SERVER_DEV_MODE): any query or body gets a well-formed
+    answer (a 4xx names the problem), and after putting the engine back (wake_up, resume)
+    plain requests are served: no route leaves the engine dead or stuck."""
+    from jaxinfer.engine.async_engine import AsyncLLM
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_SERVER_DEV_MODE", "1")
+    llm = AsyncLLM(EngineConfig(model=tiny_dir, enable_sleep_mode=True, **ENGINE))
+    live = LiveServer(llm, MODEL)
+    seen = {"2xx": 0, "4xx": 0}
+    try:
+        def restore():
+            for path in ("/wake_up", "/resume"):
+                r = httpx.post(live.base_url + path, timeout=60)
+                assert r.status_code == 200, r.text
+            plain_request_works(live)
+
+        def check_answer(r):
+            assert r.status_code < 500, (r.status_code, r.text[:500])
+            assert r.headers["content-type"].startswith("application/json"), r.text[:200]
+            if r.status_code >= 400:
+                assert_openai_error(r)
+            seen["2xx" if r.status_code < 300 else "4xx"] += 1
+
+        q = st.one_of(st.sampled_from(["abort", "wait", "keep", "0", "1", "2", "3", "true",
+                                       "false", "weights", "kv_cache", "scheduling", ""]),
+                      st.text(max_size=12))
+        queries = st.dictionaries(st.sampled_from(["mode", "clear_cache", "level", "tags",
+                                                   "unknown"]), q, max_size=3)
+        bodies = st.dictionaries(st.sampled_from(["path", "weight_version", "new_version",
+                                                  "method", "args", "kwargs", "timeout",
+                                                  "unknown_field"]),
+                                 st.one_of(VALUES, st.just(tiny_dir),
+                                           st.sampled_from(["cache_counts", "sleep",
+                                                            "engine_weights"])),
+                                 max_size=3)
+
+        @settings(max_examples=max(EXAMPLES // 3, 1), deadline=None, database=None,
+                  derandomize=True, suppress_health_check=list(HealthCheck))
+        @given(st.sampled_from(["/pause", "/resume", "/sleep", "/wake_up", "/collective_rpc",
+                                "/update_weights_from_path", "/update_weight_version"]),
+               queries, bodies)
+        def check(route, query, body):
+            r = httpx.post(live.base_url + route, params=query, timeout=120,
+                           content=json.dumps(body, allow_nan=True).encode(),
+                           headers={"content-type": "application/json"})
+            check_answer(r)
+            for path in ("/is_paused", "/is_sleeping", "/weight_info"):
+                check_answer(httpx.get(live.base_url + path, timeout=60))
+            restore()
+
+        check()
+        assert seen["4xx"] > 0 and seen["2xx"] > 0, seen
+        wait_idle(live)
+    finally:
+        live.close()
+        mp.undo()

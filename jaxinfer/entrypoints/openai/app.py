@@ -3,7 +3,6 @@ handlers (every error in OpenAI's shape) and the OpenAPI document."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -14,6 +13,8 @@ from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer.engine.messages import EngineDeadError
+from jaxinfer.entrypoints.openai.dev_routes import (add_dev_routes, dev_mode, json_object,
+                                                    str_field)
 from jaxinfer.entrypoints.openai.errors import (APIError, engine_dead, error_response,
                                                 internal_error, validation_error)
 from jaxinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -178,6 +179,8 @@ def build_app(server) -> FastAPI:
 
     if runtime_lora_updating():
         _lora_routes(app, server)
+    if dev_mode():  # (vLLM's VLLM_SERVER_DEV_MODE: pause / sleep / weight routes)
+        add_dev_routes(app, server)
 
     @app.post("/v1/completions", responses=_GENERATE_RESPONSES,
               openapi_extra=_request_body(CompletionRequest))
@@ -264,26 +267,6 @@ def runtime_lora_updating() -> bool:
         "1", "true", "yes")
 
 
-async def _json_object(raw: Request) -> dict:
-    try:
-        body = json.loads(await raw.body() or b"null")
-    except ValueError as e:
-        raise APIError(f"the request body is not valid JSON: {e}", 400, "body") from None
-    if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object", 400, "body")
-    return body
-
-
-def _str_field(body: dict, name: str, required: bool = True) -> str | None:
-    value = body.get(name)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str) or not value or len(value) > 4096:
-        raise APIError(f"{name} must be a non-empty string of at most 4096 characters", 400,
-                       name)
-    return value
-
-
 def _lora_routes(app, server) -> None:
     """vLLM's runtime LoRA routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
     lora_body = {"requestBody": {"required": True, "content": {"application/json": {
@@ -297,15 +280,15 @@ def _lora_routes(app, server) -> None:
                   "text/plain": {"schema": {"type": "string"}}}},
                          400: {"description": "Bad or already loaded adapter", **_ERROR}})
     async def load_lora_adapter(raw: Request):
-        body = await _json_object(raw)
+        body = await json_object(raw)
         extra = sorted(set(body) - {"lora_name", "lora_path", "load_inplace"})
         if extra:
             raise APIError(f"unknown field(s) {extra}", 400, extra[0])
         if body.get("load_inplace"):
             raise APIError("load_inplace is not supported: unload the adapter first", 400,
                            "load_inplace")
-        name = _str_field(body, "lora_name")
-        await server.load_lora(name, _str_field(body, "lora_path"))
+        name = str_field(body, "lora_name")
+        await server.load_lora(name, str_field(body, "lora_path"))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
@@ -315,11 +298,11 @@ def _lora_routes(app, server) -> None:
                          400: {"description": "Bad request", **_ERROR},
                          404: {"description": "Unknown adapter", **_ERROR}})
     async def unload_lora_adapter(raw: Request):
-        body = await _json_object(raw)
+        body = await json_object(raw)
         extra = sorted(set(body) - {"lora_name", "lora_int_id"})
         if extra:
             raise APIError(f"unknown field(s) {extra}", 400, extra[0])
-        name = _str_field(body, "lora_name", required=False)
+        name = str_field(body, "lora_name", required=False)
         lora_id = body.get("lora_int_id")
         if name is None and (not isinstance(lora_id, int) or isinstance(lora_id, bool)):
             raise APIError("lora_name (a string) or lora_int_id (an integer) is required",
