@@ -127,7 +127,7 @@ def measure(model: str, dtype: str, repeats: int) -> dict:
         r = timed("update_engine_arrays", lambda: llm.update_weights(mine, layout="engine"))
         out["update_engine_arrays_taken"] = r["num_arrays_taken"]
         out["update_engine_arrays_copied"] = r["num_arrays_copied"]
-        host = {k: np.asarray(v) for k, v in mine.items()}
+        host = {k: np.array(v, copy=True) for k, v in mine.items()}  # (own memory)
         mine = None  # (the engine holds them now; only its reference keeps them)
         timed("update_engine_numpy", lambda: llm.update_weights(host, layout="engine"))
         host = None

@@ -56,6 +56,15 @@ def _is_float(dtype) -> bool:
     return dtype.kind == "f" or "float" in dtype.name  # (bfloat16 / float8: ml_dtypes)
 
 
+def _finite(a: np.ndarray) -> bool:
+    """No NaN or infinity (bfloat16: its exponent bits, without a float32 copy)."""
+    if a.dtype.kind == "f":
+        return bool(np.isfinite(a).all())
+    if a.dtype.name == "bfloat16":
+        return not bool(((a.view(np.uint16) & 0x7F80) == 0x7F80).any())
+    return bool(np.isfinite(a.astype(np.float32)).all())
+
+
 def _leaves(tree) -> list:
     return jax.tree.leaves(tree)
 
@@ -193,7 +202,7 @@ class WeightManager:
             if not _is_float(a.dtype):
                 raise ValueError(f"update_weights: tensor {k!r} is {a.dtype}, not a floating "
                                  "point type")
-            if not np.isfinite(a if a.dtype.kind == "f" else a.astype(np.float32)).all():
+            if not _finite(a):
                 raise ValueError(f"update_weights: tensor {k!r} has non-finite values")
             host[k] = a
         scales: dict[str, dict[str, np.ndarray]] = {}
