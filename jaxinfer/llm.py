@@ -185,6 +185,12 @@ class LLM:
         """New weights from a safetensors folder (works with the core in its own process)."""
         return self.llm_engine.update_weights_from_path(path, weight_version)
 
+    def update_weights_from_transfer(self, payload: dict,
+                                     weight_version: str | None = None) -> dict:
+        """Pull the weights a trainer's WeightSender offered (jaxinfer.weight_transfer) over
+        JAX's transfer API: another process or host, no file (any process setup)."""
+        return self.llm_engine.update_weights_from_transfer(payload, weight_version)
+
     def reload_weights(self, weight_version: str | None = None) -> dict:
         """The model's own checkpoint again (after sleep level 2)."""
         return self.llm_engine.reload_weights(weight_version)

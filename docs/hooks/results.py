@@ -196,6 +196,8 @@ def _rl_weights(d: dict) -> str:
            ("update_engine_numpy", "update_weights, engine layout, numpy (placed)"),
            ("update_from_path", "update_weights_from_path (read + convert + place)"),
            ("update_from_path_core_process", "the same, engine core in its own process"),
+           ("update_from_transfer_core_process",
+            "update_weights_from_transfer, core in its own process (offer + pull + convert)"),
            ("sleep1", "sleep(level=1)"), ("wake1", "wake_up()"),
            ("sleep2", "sleep(level=2)"),
            ("wake2", "wake_up(weights) + update_weights + wake_up(kv_cache)")]

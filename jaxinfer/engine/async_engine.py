@@ -273,6 +273,10 @@ class AsyncLLM:
                                        weight_version: str | None = None) -> dict:
         return await self._utility("update_weights_from_path", path, weight_version)
 
+    async def update_weights_from_transfer(self, payload: dict,
+                                           weight_version: str | None = None) -> dict:
+        return await self._utility("update_weights_from_transfer", payload, weight_version)
+
     async def reload_weights(self, weight_version: str | None = None) -> dict:
         return await self._utility("reload_weights", weight_version)
 

@@ -472,6 +472,12 @@ class EngineCore:
         return self._weights_changed(self.worker.update_weights_from_path(path),
                                      weight_version)
 
+    def update_weights_from_transfer(self, payload: dict,
+                                     weight_version: str | None = None) -> dict:
+        """Pull a WeightSender's offer over JAX's transfer API (another process or host)."""
+        return self._weights_changed(self.worker.update_weights_from_transfer(payload),
+                                     weight_version)
+
     def reload_weights(self, weight_version: str | None = None) -> dict:
         """The model's own checkpoint again (after sleep level 2, or to undo updates)."""
         return self.update_weights_from_path(self.resolved.model_dir, weight_version)
@@ -638,8 +644,10 @@ class EngineCore:
 UTILITIES = ("get_stats", "reset_prefix_cache", "leak_report", "profile_steps", "ready_info",
              "add_lora", "remove_lora", "list_loras", "pause_generation", "resume_generation",
              "is_paused", "get_pause_state", "update_weights", "update_weights_from_path",
+             "update_weights_from_transfer",
              "reload_weights", "set_weight_version", "get_weight_version", "sleep", "wake_up",
              "is_sleeping", "collective_rpc")
 PAUSE_MODES = ("abort", "wait", "keep")
-_CORE_OWNED = ("sleep", "wake_up", "update_weights", "update_weights_from_path")
+_CORE_OWNED = ("sleep", "wake_up", "update_weights", "update_weights_from_path",
+               "update_weights_from_transfer")
 WAKE_TAGS = ("weights", "kv_cache", "scheduling")

@@ -165,7 +165,8 @@ def _combine(name: str, results: list):
         return "draining" if "draining" in results else results[0]
     if name in ("is_paused", "is_sleeping", "wake_up"):
         return all(results)
-    if name in ("update_weights", "update_weights_from_path", "reload_weights", "sleep"):
+    if name in ("update_weights", "update_weights_from_path", "update_weights_from_transfer",
+                "reload_weights", "sleep"):
         return dict(results[0], per_rank=results)
     if name in ("get_weight_version", "resume_generation", "set_weight_version"):
         return results[0]

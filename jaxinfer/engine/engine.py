@@ -235,6 +235,10 @@ class LLMEngine:
     def update_weights_from_path(self, path: str, weight_version: str | None = None) -> dict:
         return self._utility("update_weights_from_path", path, weight_version)
 
+    def update_weights_from_transfer(self, payload: dict,
+                                     weight_version: str | None = None) -> dict:
+        return self._utility("update_weights_from_transfer", payload, weight_version)
+
     def reload_weights(self, weight_version: str | None = None) -> dict:
         return self._utility("reload_weights", weight_version)
 

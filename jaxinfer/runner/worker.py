@@ -133,6 +133,7 @@ class Worker:
         # (how many times each checkpoint KV head is held: weight updates convert as loading)
         self.kv_repeat = max(1, mcfg.num_key_value_heads // rc.model_config.num_key_value_heads)
         self._weights = None  # the WeightManager (runner/weights.py), made on first use
+        self._receiver = None  # (weight_transfer.WeightReceiver, made on first use)
         # (vLLM accepts these where they change nothing; say so rather than stay silent)
         if par.enable_expert_parallel and not mcfg.expert_parallel:
             logger.warning("enable_expert_parallel has no effect: %s", "the model has no experts"
@@ -217,6 +218,20 @@ class Worker:
             raise ValueError(f"update_weights_from_path: {e}") from None
         return self.weights.update(dict(_iter_tensors(files, list(files))), "hf",
                                    only_known=True)
+
+    def update_weights_from_transfer(self, payload) -> dict:
+        """Pull a WeightSender's offer onto this worker's device (weight_transfer.py), then
+        update as update_weights does."""
+        import os
+
+        from jaxinfer.weight_transfer import WeightReceiver, check_payload
+
+        payload = check_payload(payload)
+        manager = self.weights  # (refusals first: pipeline / multi-host)
+        if self._receiver is None:
+            self._receiver = WeightReceiver(self.devices[0])
+        arrays = self._receiver.pull(payload, int(os.environ.get("JAXINFER_DP_RANK", "0")))
+        return manager.update(arrays, payload["layout"])
 
     def sleep(self, level: int) -> dict:
         return self.weights.sleep(level)

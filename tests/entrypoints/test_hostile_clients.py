@@ -650,12 +650,15 @@ def test_fuzz_rl_routes(tiny_dir):
         q = st.one_of(st.sampled_from(["abort", "wait", "keep", "0", "1", "2", "3", "true",
                                        "false", "weights", "kv_cache", "scheduling", ""]),
                       st.text(max_size=12))
+        payloads = st.dictionaries(st.sampled_from(["address", "uuids", "names", "shapes",
+                                                    "dtypes", "layout", "timeout_s", "x"]),
+                                   VALUES, max_size=6)
         queries = st.dictionaries(st.sampled_from(["mode", "clear_cache", "level", "tags",
                                                    "unknown"]), q, max_size=3)
         bodies = st.dictionaries(st.sampled_from(["path", "weight_version", "new_version",
                                                   "method", "args", "kwargs", "timeout",
-                                                  "unknown_field"]),
-                                 st.one_of(VALUES, st.just(tiny_dir),
+                                                  "payload", "unknown_field"]),
+                                 st.one_of(VALUES, st.just(tiny_dir), payloads,
                                            st.sampled_from(["cache_counts", "sleep",
                                                             "engine_weights"])),
                                  max_size=3)
@@ -663,7 +666,8 @@ def test_fuzz_rl_routes(tiny_dir):
         @settings(max_examples=max(EXAMPLES // 3, 1), deadline=None, database=None,
                   derandomize=True, suppress_health_check=list(HealthCheck))
         @given(st.sampled_from(["/pause", "/resume", "/sleep", "/wake_up", "/collective_rpc",
-                                "/update_weights_from_path", "/update_weight_version"]),
+                                "/update_weights_from_path", "/update_weight_version",
+                                "/update_weights_from_transfer"]),
                queries, bodies)
         def check(route, query, body):
             r = httpx.post(live.base_url + route, params=query, timeout=120,

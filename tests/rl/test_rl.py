@@ -249,6 +249,23 @@ def test_update_from_a_folder_with_the_core_in_its_own_process(tiny):
             llm.sleep(1)
         llm.reload_weights()
         assert _run(llm).outputs[0].token_ids == ref0
+        # over JAX's transfer API: this process offers, the core's process pulls
+        from jaxinfer.weight_transfer import WeightSender
+
+        sender = WeightSender()
+        result = llm.update_weights_from_transfer(sender.offer(weights), weight_version="x")
+        assert result["weight_version"] == "x" and result["num_parameters"] > 0
+        assert _run(llm).outputs[0].token_ids == ref1
+        good = sender.offer({"model.norm.weight": weights["model.norm.weight"]})
+        for bad, words in ((dict(good, uuids=[]), "uuids"), (dict(good, names=[1]), "names"),
+                           (dict(good, dtypes=["str"]), "dtype"),
+                           (dict(good, timeout_s=0), "timeout_s"),
+                           (dict(good, extra=1), "unknown field"),
+                           (dict(good, uuids=[good["uuids"][0] + 99], timeout_s=1.0),
+                            "did not finish|failed")):
+            with pytest.raises(ValueError, match=words):
+                llm.update_weights_from_transfer(bad)
+        assert _run(llm).outputs[0].token_ids == ref1  # (serving on, weights kept)
         assert_no_leaks(llm)
     finally:
         llm.shutdown()

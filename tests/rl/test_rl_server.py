@@ -103,7 +103,10 @@ def test_pause_sleep_update_and_rpc_routes(live):
             ("POST", "/collective_rpc", {"json": {"method": "sleep"}}, None),
             ("POST", "/collective_rpc", {"json": {"method": "cache_counts", "args": [1]}},
              "args"),
-            ("POST", "/collective_rpc", {"json": {"method": "x", "timeout": 1}}, "timeout")):
+            ("POST", "/collective_rpc", {"json": {"method": "x", "timeout": 1}}, "timeout"),
+            ("POST", "/update_weights_from_transfer", {"json": {"payload": 1}}, "payload"),
+            ("POST", "/update_weights_from_transfer", {"json": {"payload": {"uuids": []}}},
+             None)):
         err = _call(live, method, path, 400, **kw)["error"]
         assert param is None or err["param"] == param, err
     assert _tokens(live) == ref1  # serving on
@@ -117,7 +120,7 @@ def test_routes_do_not_exist_without_dev_mode(monkeypatch):
     assert "/v1/completions" in paths
     dev = {"/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping",
            "/collective_rpc", "/update_weights_from_path", "/weight_info",
-           "/update_weight_version"}
+           "/update_weight_version", "/update_weights_from_transfer"}
     assert not paths & dev
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
     assert dev <= {r.path for r in build_app(object()).routes}

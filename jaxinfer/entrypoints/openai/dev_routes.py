@@ -184,6 +184,22 @@ def add_dev_routes(app, server) -> None:
         result = await _engine_call(server, "update_weights_from_path", path, version)
         return {"message": "Weights updated", **result}
 
+    @app.post("/update_weights_from_transfer")
+    async def update_weights_from_transfer(raw: Request):
+        """jaxinfer's: {"payload": WeightSender.offer's answer, "weight_version"}."""
+        _query(raw, ())
+        body = await json_object(raw)
+        extra = sorted(set(body) - {"payload", "weight_version"})
+        if extra:
+            raise APIError(f"unknown field(s) {extra}", 400, extra[0])
+        if not isinstance(body.get("payload"), dict):
+            raise APIError("payload must be an object (WeightSender.offer's answer)", 400,
+                           "payload")
+        version = str_field(body, "weight_version", required=False)
+        result = await _engine_call(server, "update_weights_from_transfer", body["payload"],
+                                    version)
+        return {"message": "Weights updated", **result}
+
     @app.get("/weight_info")
     async def weight_info(raw: Request):
         _query(raw, ())
