@@ -291,7 +291,7 @@ def test_tensor_parallel_update_equals_hf(tiny):
     assert got == {"before": ref0, "after": ref1, "recompiled": False}
 
 
-@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+@pytest.mark.parametrize("quantization", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_quantized_weights_are_requantized(tiny, quantization):
     """An update of a quantized engine quantizes the new float weights as loading them
     would: the same tokens and logprobs as an engine started from the updated folder."""
