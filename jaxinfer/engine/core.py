@@ -439,6 +439,7 @@ class EngineCore:
         """Schedule again: kept requests continue, held ones are queued (arrival order)."""
         if self.sleep_level:
             raise ValueError("the engine is asleep: wake_up first")
+        self.sleep_level = None  # (a level-0 sleep is only a pause)
         self.pause_state = "running"
         held, self._held = self._held, []
         for request in held:

@@ -14,7 +14,8 @@ Two layouts come in:
   conversion runs on the host, so device arrays are copied out and back.
 - "engine": the engine's own parameters by path (`engine_weights()` lists them), in its
   layout; an array that already has the parameter's sharding is taken as it is, with no copy
-  (a trainer's jax.Array on the same devices), any other is placed with jax.device_put.
+  (a trainer's jax.Array on the same devices), any other is placed with jax.device_put. The
+  engine then holds the caller's arrays: they must not be donated or deleted afterwards.
 
 Sleep (level 1) copies the weights to host memory and deletes the device buffers of the
 weights and the KV cache; level 2 deletes the weights without a copy (an update or
