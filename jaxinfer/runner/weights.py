@@ -57,6 +57,12 @@ def _is_float(dtype) -> bool:
     return dtype.kind == "f" or "float" in dtype.name  # (bfloat16 / float8: ml_dtypes)
 
 
+def _weight_of(scale_name: str) -> str:
+    """model.x.weight_scale (_scale_inv, _offset) -> model.x.weight"""
+    return next(scale_name[: -len(s)] for s in _SCALE_SUFFIXES
+                if scale_name.endswith(s)) + ".weight"
+
+
 def _finite(a: np.ndarray) -> bool:
     """No NaN or infinity (bfloat16: its exponent bits, without a float32 copy)."""
     if a.dtype.kind == "f":
@@ -179,8 +185,14 @@ class WeightManager:
         names = [k for k in names if k not in skipped]
         if only_known:
             names = [k for k in names if k in owners]
-            weights = {k: v for k, v in weights.items()
-                       if k in owners or k.endswith(_SCALE_SUFFIXES)}
+        # A weight's scale (and GGUF offset) goes with the weight: alone it changes nothing.
+        orphans = [k for k in weights if k.endswith(_SCALE_SUFFIXES)
+                   and _weight_of(k) not in names]
+        if orphans and not only_known:
+            raise ValueError(f"update_weights: {orphans[0]!r} comes without its weight "
+                             f"{_weight_of(orphans[0])!r}")
+        weights = {k: v for k, v in weights.items() if k in names
+                   or (k.endswith(_SCALE_SUFFIXES) and k not in orphans)}
         if not names:
             raise ValueError("update_weights: none of the tensors is one this model is made of")
         unknown = [k for k in names if k not in owners]
