@@ -26,8 +26,9 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
+from jaxinfer.runner.weights import LAYOUTS
+
 MAX_TENSORS = 1 << 16
-LAYOUTS = ("hf", "engine")
 
 
 class WeightSender:

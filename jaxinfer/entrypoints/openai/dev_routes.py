@@ -14,11 +14,9 @@ import os
 
 from fastapi import Request
 
+from jaxinfer.engine.core import PAUSE_MODES, WAKE_TAGS
 from jaxinfer.engine.messages import EngineDeadError
 from jaxinfer.entrypoints.openai.errors import APIError
-
-PAUSE_MODES = ("abort", "wait", "keep")
-WAKE_TAGS = ("weights", "kv_cache", "scheduling")
 
 
 def _jsonable(value):
