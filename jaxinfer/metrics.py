@@ -1,4 +1,7 @@
-"""Per-request timings and Prometheus collectors (vLLM's metric names, `jaxinfer:` prefix)."""
+"""Prometheus collectors under vLLM's V1 metric names (`vllm:` prefix, labels `model_name` and
+`engine`, vLLM's histogram buckets), so that vLLM's Grafana dashboard and alert rules work
+unchanged; the few series vLLM has no counterpart for (data-parallel routing, engine liveness,
+KV-connector transfers) are ours, under `jaxinfer:`."""
 
 from __future__ import annotations
 
@@ -6,13 +9,34 @@ import time
 
 from jaxinfer.outputs import RequestOutput
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
-_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+# vLLM's bucket families (vllm/v1/metrics/buckets.py, 0.32).
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+
+
+def request_tokens_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 class EngineMetrics:
     """Prometheus collectors, fed from the engine thread after every step.
+
+    `engine` is the data-parallel rank: scheduler gauges and counters per rank (from each
+    rank's stats), request series under the rank that served the request.
 
     role "only": one API server, its own registry. With several API servers ("primary",
     "secondary"; PROMETHEUS_MULTIPROC_DIR set by the launcher before prometheus_client is
@@ -21,7 +45,8 @@ class EngineMetrics:
     counters that mirror engine-core stats are fed by the primary only, which sees the same
     engines as the others."""
 
-    def __init__(self, model_name: str, role: str = "only"):
+    def __init__(self, model_name: str, role: str = "only", max_model_len: int = 2048,
+                 cache_config: dict | None = None, num_engines: int = 1):
         import functools
 
         from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -31,137 +56,248 @@ class EngineMetrics:
         self.feeds_engine_stats = role != "secondary"
         # (one writer per gauge across the processes: report its latest value)
         Gauge = functools.partial(_Gauge, multiprocess_mode="mostrecent")
-        self.registry = CollectorRegistry()
-        lbl = {"model_name": model_name}
-        self._lbl = lbl
-        names = ["model_name"]
-        p = "jaxinfer:"
-        self.running = Gauge(p + "num_requests_running", "Requests in the running queue.",
-                             names, registry=self.registry).labels(**lbl)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled.",
-                             names, registry=self.registry).labels(**lbl)
-        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use.",
-                              names, registry=self.registry).labels(**lbl)
-        self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate",
-                                     "Prefix-cache hits / queries (tokens) since start.", names,
-                                     registry=self.registry).labels(**lbl)
-        self.prefix_queries = Counter(p + "prefix_cache_queries", "Prefix-cache queried tokens.",
-                                      names, registry=self.registry).labels(**lbl)
-        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prefix-cache hit tokens.", names,
-                                   registry=self.registry).labels(**lbl)
-        self.preemptions = Counter(p + "num_preemptions", "Preemptions (recompute).", names,
-                                   registry=self.registry).labels(**lbl)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prefilled prompt tokens.", names,
-                                     registry=self.registry).labels(**lbl)
-        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", names,
-                                         registry=self.registry).labels(**lbl)
-        self.request_success = Counter(p + "request_success", "Finished requests by reason.",
-                                       names + ["finished_reason"], registry=self.registry)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token.", names,
-                              buckets=_LATENCY_BUCKETS, registry=self.registry).labels(**lbl)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Inter-token latency.", names,
-                             buckets=_LATENCY_BUCKETS, registry=self.registry).labels(**lbl)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "End-to-end request latency.",
-                             names, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(**lbl)
-        self.req_prompt = Histogram(p + "request_prompt_tokens", "Prompt tokens per request.",
-                                    names, buckets=_TOKEN_BUCKETS,
-                                    registry=self.registry).labels(**lbl)
-        self.req_gen = Histogram(p + "request_generation_tokens",
-                                 "Generated tokens per request.", names, buckets=_TOKEN_BUCKETS,
-                                 registry=self.registry).labels(**lbl)
-        # Speculative decoding (vLLM's spec_decode_* names; zero when it is off).
-        self.spec_drafts = Counter(p + "spec_decode_num_drafts", "Verify runs with drafts.",
-                                   names, registry=self.registry).labels(**lbl)
-        self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens",
-                                         "Draft tokens proposed and verified.", names,
-                                         registry=self.registry).labels(**lbl)
-        self.spec_accepted = Counter(p + "spec_decode_num_accepted_tokens",
-                                     "Draft tokens accepted.", names,
-                                     registry=self.registry).labels(**lbl)
-        self.spec_accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
+        self.registry = reg = CollectorRegistry()
+        self.model_name = model_name
+        self._lbl = {"model_name": model_name}
+        names = ["model_name", "engine"]
+        v = "vllm:"
+
+        plain = []  # the series labelled (model_name, engine) only: each engine's shown at 0
+
+        def made(metric, extra):
+            if not extra:
+                plain.append(metric)
+            return metric
+
+        def gauge(name, doc, extra=()):
+            return made(Gauge(v + name, doc, names + list(extra), registry=reg), extra)
+
+        def counter(name, doc, extra=(), prefix=v):
+            return made(Counter(prefix + name, doc, names + list(extra), registry=reg), extra)
+
+        def histogram(name, doc, buckets):
+            return made(Histogram(v + name, doc, names, buckets=buckets, registry=reg), ())
+
+        # -- scheduler state (per engine, from its stats) --
+        self.running = gauge("num_requests_running", "Number of requests in model execution "
+                             "batches.")
+        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be "
+                             "processed.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent "
+                              "usage.")
+        self.sleep_state = gauge("engine_sleep_state", "Engine sleep state; awake = 0 means "
+                                 "engine is sleeping; awake = 1 means engine is awake; "
+                                 "weights_offloaded = 1 means sleep level 1; discard_all = 1 "
+                                 "means sleep level 2.", ["sleep_state"])
+        self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms "
+                                      "of number of queried tokens.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number "
+                                   "of cached tokens.")
+        self.preemptions = counter("num_preemptions", "Cumulative number of preemption from "
+                                   "the engine.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft "
+                                         "tokens.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Number of accepted "
+                                     "tokens.")
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                              "Accepted tokens per draft position.",
-                                             names + ["position"], registry=self.registry)
-        # KV connectors (zero without one).
-        self.kv_loaded = Counter(p + "kv_connector_loaded_tokens",
-                                 "Prompt tokens whose KV a connector brought in.", names,
-                                 registry=self.registry).labels(**lbl)
-        self.kv_load_failures = Counter(p + "kv_connector_load_failures",
-                                        "KV loads that failed or timed out.", names,
-                                        registry=self.registry).labels(**lbl)
-        self.kv_expired = Counter(p + "kv_connector_expired_sends",
-                                  "Blocks held for a pull that nobody made (freed).", names,
-                                  registry=self.registry).labels(**lbl)
-        self.kv_held = Gauge(p + "kv_connector_blocks_held",
-                             "KV blocks of finished requests held for a transfer.", names,
-                             registry=self.registry).labels(**lbl)
+                                             ["position"])
+        # -- tokens and requests (per engine, from the outputs) --
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_tokens_cached = counter("prompt_tokens_cached", "Number of cached prompt "
+                                            "tokens (local + external).")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens "
+                                         "processed.")
+        self.request_success = counter("request_success", "Count of successfully processed "
+                                       "requests.", ["finished_reason"])
+        tok = request_tokens_buckets(max_model_len)
+        self.req_prompt = histogram("request_prompt_tokens", "Number of prefill tokens "
+                                    "processed.", tok)
+        self.req_gen = histogram("request_generation_tokens", "Number of generation tokens "
+                                 "processed.", tok)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Histogram of number of "
+                                          "tokens per engine_step.", ITERATION_TOKENS_BUCKETS)
+        self.req_max_gen = histogram("request_max_num_generation_tokens", "Histogram of "
+                                     "maximum number of requested generation tokens.", tok)
+        self.req_n = histogram("request_params_n", "Histogram of the n request parameter.",
+                               REQUEST_PARAMS_N_BUCKETS)
+        self.req_max_tokens = histogram("request_params_max_tokens", "Histogram of the "
+                                        "max_tokens request parameter.", tok)
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first "
+                              "token in seconds.", TIME_TO_FIRST_TOKEN_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency "
+                             "in seconds.", INTER_TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds", "Histogram of "
+                              "time_per_output_token_seconds per request.",
+                              INTER_TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency "
+                             "in seconds.", REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Histogram of time spent in "
+                                    "WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "Histogram of time "
+                                        "spent in RUNNING phase for request.",
+                                        REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Histogram of time "
+                                      "spent in PREFILL phase for request.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Histogram of time spent "
+                                     "in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.req_preemptions = histogram("request_num_preemptions", "Number of preemptions "
+                                         "per finished request.",
+                                         REQUEST_NUM_PREEMPTIONS_BUCKETS)
+        self.req_kv_computed = histogram("request_prefill_kv_computed_tokens", "Histogram of "
+                                         "new KV tokens computed during prefill (excluding "
+                                         "cached tokens).", tok)
+        # -- ours (no vLLM counterpart) --
+        j = "jaxinfer:"
+        self.kv_loaded = counter("kv_connector_loaded_tokens", "Prompt tokens whose KV a "
+                                 "connector brought in.", prefix=j)
+        self.kv_load_failures = counter("kv_connector_load_failures", "KV loads that failed "
+                                        "or timed out.", prefix=j)
+        self.kv_expired = counter("kv_connector_expired_sends", "Blocks held for a pull that "
+                                  "nobody made (freed).", prefix=j)
+        self.kv_held = made(Gauge(j + "kv_connector_blocks_held", "KV blocks of finished "
+                                  "requests held for a transfer.", names, registry=reg), ())
         # Data parallelism / API-server scale-out (summed over API servers in multiprocess
         # mode): requests each engine core (data-parallel rank) was sent, requests each API
         # server took.
-        self.dp_routed = Counter(p + "dp_requests_routed",
-                                 "Requests sent to each data-parallel engine core.",
-                                 names + ["engine"], registry=self.registry)
-        self.api_requests = Counter(p + "api_server_requests",
-                                    "Generation requests each API server took.",
-                                    names + ["api_server"], registry=self.registry)
+        self.dp_routed = counter("dp_requests_routed", "Requests sent to each data-parallel "
+                                 "engine core.", prefix=j)
+        self.api_requests = Counter(j + "api_server_requests", "Generation requests each API "
+                                    "server took.", ["model_name", "api_server"], registry=reg)
         # 1 while an engine core (data-parallel rank) can serve, 0 once it is dead: a dead
         # engine shows here as well as in /health (503).
-        self.engine_alive = Gauge(p + "engine_core_alive",
-                                  "1 while the engine core serves, 0 when it is dead.",
-                                  names + ["engine"], registry=self.registry)
+        self.engine_alive = Gauge(j + "engine_core_alive", "1 while the engine core serves, 0 "
+                                  "when it is dead.", names, registry=reg)  # (set when known)
+        if cache_config and self.feeds_engine_stats:
+            info = Gauge(v + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                         sorted(cache_config) + ["engine"], registry=reg)
+            for e in range(num_engines):
+                info.labels(engine=str(e), **{k: str(x) for k, x in cache_config.items()}
+                            ).set(1)
+        for e in range(num_engines):  # (vLLM's: every engine's series from the start)
+            for metric in plain:  # (gauges: only where they are fed, "mostrecent" wins)
+                if self.feeds_engine_stats or not isinstance(metric, _Gauge):
+                    metric.labels(**self._l(str(e)))
+            if self.feeds_engine_stats:
+                self._set_sleep(str(e), None)
         self._routed_seen: list[int] = []
-        self._seen: dict[str, tuple[int, float]] = {}  # request -> (tokens so far, last time)
-        self._last_stats: dict = {}
+        # request -> (tokens so far, last token time, engine label)
+        self._seen: dict[str, tuple[int, float | None, str]] = {}
+        self._last_stats: dict[str, dict] = {}  # engine label -> its stats at the last update
 
+    def _l(self, engine: str, **extra) -> dict:
+        return dict(self._lbl, engine=engine, **extra)
+
+    # -- per step -------------------------------------------------------------------------------
     def on_step(self, outputs: list[RequestOutput], stats: dict) -> None:
         now = time.time()
+        iteration: dict[str, int] = {}  # engine -> tokens of this step's outputs
         for out in outputs:
+            m = out.metrics
             n = sum(len(c.token_ids) for c in out.outputs)
-            prev_n, prev_t = self._seen.get(out.request_id, (0, None))
+            prev_n, prev_t, engine = self._seen.get(out.request_id, (0, None, None))
+            if engine is None:
+                engine = str(m.engine_index if m is not None else 0)
+            lbl = self._l(engine)
+            new = n - prev_n
             if prev_t is None and n > 0:
-                self.ttft.observe(now - out.metrics.arrival_time)
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
-            elif n > prev_n and prev_t is not None:
-                self.itl.observe((now - prev_t) / (n - prev_n))
-            if n > prev_n:
-                self.generation_tokens.inc(n - prev_n)
-                self._seen[out.request_id] = (n, now)
+                if m is not None:
+                    self.ttft.labels(**lbl).observe(now - m.arrival_time)
+                self.prompt_tokens.labels(**lbl).inc(len(out.prompt_token_ids))
+                self.prompt_tokens_cached.labels(**lbl).inc(out.num_cached_tokens)
+                iteration[engine] = iteration.get(engine, 0) + len(out.prompt_token_ids)
+            elif new > 0 and prev_t is not None:
+                self.itl.labels(**lbl).observe(now - prev_t)
+            if new > 0:
+                self.generation_tokens.labels(**lbl).inc(new)
+                iteration[engine] = iteration.get(engine, 0) + new
+                self._seen[out.request_id] = (n, now, engine)
             if out.finished:
                 self._seen.pop(out.request_id, None)
-                self.e2e.observe(now - out.metrics.arrival_time)
-                self.req_prompt.observe(len(out.prompt_token_ids))
-                self.req_gen.observe(n)
-                for c in out.outputs:
-                    self.request_success.labels(finished_reason=c.finish_reason or "abort",
-                                                **self._lbl).inc()
+                self._finished(out, n, now, lbl)
+        for engine, count in iteration.items():
+            self.iteration_tokens.labels(**self._l(engine)).observe(count)
         self.update_gauges(stats)
+
+    def _finished(self, out: RequestOutput, n: int, now: float, lbl: dict) -> None:
+        m = out.metrics
+        self.req_prompt.labels(**lbl).observe(len(out.prompt_token_ids))
+        self.req_gen.labels(**lbl).observe(n)
+        self.req_max_gen.labels(**lbl).observe(max((len(c.token_ids) for c in out.outputs),
+                                                   default=0))
+        self.req_kv_computed.labels(**lbl).observe(
+            max(len(out.prompt_token_ids) - out.num_cached_tokens, 0))
+        for c in out.outputs:
+            self.request_success.labels(finished_reason=c.finish_reason or "abort",
+                                        **lbl).inc()
+        if m is None:
+            return
+        self.e2e.labels(**lbl).observe(now - m.arrival_time)
+        self.req_n.labels(**lbl).observe(m.n_param)
+        if m.max_tokens_param is not None:
+            self.req_max_tokens.labels(**lbl).observe(m.max_tokens_param)
+        self.req_preemptions.labels(**lbl).observe(m.num_preemptions)
+        scheduled = m.first_scheduled_time
+        if scheduled is not None:
+            self.queue_time.labels(**lbl).observe(max(scheduled - m.arrival_time, 0.0))
+        if scheduled is not None and m.first_token_time is not None:
+            last = m.last_token_time or m.first_token_time
+            self.prefill_time.labels(**lbl).observe(max(m.first_token_time - scheduled, 0.0))
+            self.inference_time.labels(**lbl).observe(max(last - scheduled, 0.0))
+            decode = max(last - m.first_token_time, 0.0)
+            self.decode_time.labels(**lbl).observe(decode)
+            # (vLLM: requests with one output token or none count as zero)
+            per_sample = max((len(c.token_ids) for c in out.outputs), default=0)
+            self.tpot.labels(**lbl).observe(decode / (per_sample - 1) if per_sample > 1
+                                            else 0.0)
 
     def on_abort(self, request_id: str) -> None:
         """A live request was aborted (e.g. its client went away)."""
-        self._seen.pop(request_id, None)
-        self.request_success.labels(finished_reason="abort", **self._lbl).inc()
+        _, _, engine = self._seen.pop(request_id, (0, None, "0"))
+        self.request_success.labels(finished_reason="abort", **self._l(engine)).inc()
 
     def update_routing(self, num_routed: list[int]) -> None:
         seen = self._routed_seen + [0] * (len(num_routed) - len(self._routed_seen))
         for rank, (now, was) in enumerate(zip(num_routed, seen)):
             if now > was:
-                self.dp_routed.labels(engine=str(rank), **self._lbl).inc(now - was)
+                self.dp_routed.labels(**self._l(str(rank))).inc(now - was)
         self._routed_seen = list(num_routed)
 
     def set_engine_alive(self, alive: list[bool]) -> None:
         if not self.feeds_engine_stats:
             return
         for rank, ok in enumerate(alive):
-            self.engine_alive.labels(engine=str(rank), **self._lbl).set(1 if ok else 0)
+            self.engine_alive.labels(**self._l(str(rank))).set(1 if ok else 0)
+
+    def _set_sleep(self, engine: str, level) -> None:
+        """vLLM's three series: awake, weights_offloaded (level 1), discard_all (level 2)."""
+        states = {"awake": level is None, "weights_offloaded": level == 1,
+                  "discard_all": level == 2}
+        for state, on in states.items():
+            self.sleep_state.labels(sleep_state=state, **self._l(engine)).set(1 if on else 0)
 
     def update_gauges(self, stats: dict) -> None:
+        """Scheduler gauges and counters per engine (data-parallel rank) from its stats."""
         if not self.feeds_engine_stats:
             return
-        self.running.set(stats.get("num_running_reqs", 0))
-        self.waiting.set(stats.get("num_waiting_reqs", 0))
-        self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
-        self.prefix_hit_rate.set(stats.get("prefix_cache_hit_rate", 0.0))
-        self.kv_held.set(stats.get("kv_connector_blocks_held", 0))
-        last = self._last_stats
+        per_rank = stats.get("per_rank")
+        if per_rank is None:
+            per_rank, ranks = [stats], [0]
+        else:
+            ranks = stats.get("ranks") or list(range(len(per_rank)))
+        for rank, st in zip(ranks, per_rank):
+            self._update_engine(str(rank), st)
+
+    def _update_engine(self, engine: str, stats: dict) -> None:
+        lbl = self._l(engine)
+        self.running.labels(**lbl).set(stats.get("num_running_reqs", 0))
+        self.waiting.labels(**lbl).set(stats.get("num_waiting_reqs", 0))
+        self.kv_usage.labels(**lbl).set(stats.get("kv_cache_usage", 0.0))
+        self.kv_held.labels(**lbl).set(stats.get("kv_connector_blocks_held", 0))
+        self._set_sleep(engine, stats.get("sleep_level"))
+        last = self._last_stats.get(engine, {})
         for key, counter in (("prefix_cache_queries", self.prefix_queries),
                              ("prefix_cache_hits", self.prefix_hits),
                              ("num_preemptions", self.preemptions),
@@ -173,15 +309,14 @@ class EngineMetrics:
                              ("kv_connector_expired_sends", self.kv_expired)):
             delta = stats.get(key, 0) - last.get(key, 0)
             if delta > 0:
-                counter.inc(delta)
+                counter.labels(**lbl).inc(delta)
         per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos")
         if per_pos:
             before = last.get("spec_decode_num_accepted_tokens_per_pos") or [0] * len(per_pos)
             for pos, (now, was) in enumerate(zip(per_pos, before)):
                 if now > was:
-                    self.spec_accepted_per_pos.labels(position=str(pos), **self._lbl).inc(
-                        now - was)
-        self._last_stats = dict(stats)
+                    self.spec_accepted_per_pos.labels(position=str(pos), **lbl).inc(now - was)
+        self._last_stats[engine] = dict(stats)
 
     def render(self) -> bytes:
         from prometheus_client import CollectorRegistry, generate_latest

@@ -85,6 +85,9 @@ class EngineCoreOutput:
     # The label of the weights that produced new_token_ids (None: the weights the engine
     # started with, "default"), set by the engine core once weights were updated or labelled.
     weight_version: str | None = None
+    # (when the core first scheduled the request (time.time()), its preemptions so far), on
+    # outputs with tokens: for the per-request metrics (queue / prefill time, preemptions).
+    request_stats: tuple[float | None, int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -102,13 +105,17 @@ class Logprob:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (time.time()) of one request."""
+    """Wall-clock times (time.time()) of one request, and what /metrics needs of it."""
 
     arrival_time: float
-    first_scheduled_time: float | None = None
+    first_scheduled_time: float | None = None  # (when the engine core first scheduled it)
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    num_preemptions: int = 0
+    engine_index: int = 0  # the data-parallel rank that served it
+    n_param: int = 1  # SamplingParams.n
+    max_tokens_param: int | None = None  # SamplingParams.max_tokens as given
 
 
 @dataclass(frozen=True)

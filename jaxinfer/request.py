@@ -87,6 +87,7 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (or scheduled into it)
         self.num_cached_tokens = -1  # prefix-cache hit at first admission (-1: not yet admitted)
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None  # (time.time(), set by the engine core)
         # Tokens sampled by scheduled steps whose results have not come back yet (async
         # scheduling keeps one in flight; synchronous stepping is back to 0 before scheduling).
         # (The runner's InputBatch.pending counts them too, to read their ids on the device.)
@@ -126,6 +127,11 @@ class Request:
     @property
     def use_structured_output(self) -> bool:
         return self.sampling_params.structured_outputs is not None
+
+    @property
+    def stats(self) -> tuple[float | None, int]:
+        """(first scheduled time, preemptions so far): what its outputs carry for metrics."""
+        return (self.first_scheduled_time, self.num_preemptions)
 
     @property
     def num_tokens(self) -> int:

@@ -566,7 +566,7 @@ class Scheduler:
             else None
         return EngineCoreOutput(
             rid, tuple(new_ids), reason, request.stop_reason, tuple(lps), prompt_lps,
-            max(request.num_cached_tokens, 0),
+            max(request.num_cached_tokens, 0), request_stats=request.stats,
             grammar_terminated=grammar is not None and reason == FinishReason.STOP
             and grammar.is_terminated() and new_ids[-1] != request.eos_token_id)
 

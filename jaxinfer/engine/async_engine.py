@@ -136,7 +136,8 @@ class AsyncLLM:
                 self._set_dead(EngineDeadError(f"engine core output handling failed: {e!r}"))
                 return
             try:
-                outputs, to_stop = self.output_processor.process_outputs(eo.outputs)
+                outputs, to_stop = self.output_processor.process_outputs(eo.outputs,
+                                                                         eo.engine_index)
             except Exception as e:  # noqa: BLE001 - a bug on some output of this batch: the
                 # requests of the batch fail (the others go on), nobody is left waiting.
                 logger.exception("processing engine core outputs failed")

@@ -27,7 +27,7 @@ from jaxinfer.config import ResolvedConfig
 from jaxinfer.core.kv_cache_manager import KVCacheManager
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.engine.messages import EngineCoreOutputs, EngineCoreRequest
-from jaxinfer.outputs import EngineCoreOutput
+from jaxinfer.outputs import EngineCoreOutput, SchedulerOutput
 from jaxinfer.request import FinishReason, Request, RequestStatus
 from jaxinfer.validation import check_core_request
 
@@ -253,7 +253,7 @@ class EngineCore:
         # (one batch: schedule whenever stepped, even with only KV transfers under way: the
         # scheduler output carries the connector's work)
         if len(self._in_flight) < depth and (depth == 1 or sched.has_schedulable_requests()):
-            so = sched.schedule()
+            so = self._schedule()
             handle = self.runner.dispatch(so, sched.get_grammar_bitmask())
             self._fail_step_requests()
             if handle is not None:
@@ -287,7 +287,7 @@ class EngineCore:
         runs while the caller processes these outputs)."""
         outs = self._collect_in_flight()
         if self.scheduler.has_unfinished_requests():
-            so = self.scheduler.schedule()
+            so = self._schedule()
             handle = self.runner.dispatch(so, self.scheduler.get_grammar_bitmask())
             self._fail_step_requests()
             if handle is not None:
@@ -303,6 +303,18 @@ class EngineCore:
             outs += self._stamp(self.scheduler.update_from_output(
                 so, self.runner.collect(handle)), handle)
         return outs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's next batch; the time a request is first scheduled is noted (its
+        queue time, in the server's metrics)."""
+        so = self.scheduler.schedule()
+        if so.scheduled_new_reqs:
+            now, requests = time.time(), self.scheduler.requests
+            for new in so.scheduled_new_reqs:
+                request = requests.get(new.req_id)
+                if request is not None and request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+        return so
 
     @staticmethod
     def _stamp(outs: list[EngineCoreOutput], handle) -> list[EngineCoreOutput]:

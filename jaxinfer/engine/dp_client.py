@@ -203,12 +203,13 @@ class _DPBase:
 
     @property
     def stats(self) -> dict:
-        stats = []
+        stats, ranks = [], []
         for r, c in enumerate(self.clients):
             if self.lb.alive[r]:  # (a dead rank's last stats would count forever)
                 self.lb.kv_usage[r] = c.stats.get("kv_cache_usage", 0.0)
                 stats.append(c.stats)
-        return _merge_stats(stats)
+                ranks.append(r)
+        return dict(_merge_stats(stats), ranks=ranks)  # (ranks[i]: per_rank[i]'s rank)
 
     def _after_output(self, rank: int, item) -> EngineCoreOutputs | None:
         """Bookkeeping for an item from rank `rank`: a dead rank's requests finish."""
@@ -224,6 +225,7 @@ class _DPBase:
         for out in item.outputs:
             if out.finish_reason is not None:
                 self.lb.finished(out.request_id)
+        item.engine_index = rank
         return item
 
     def _route(self, request: EngineCoreRequest) -> int:

@@ -173,7 +173,7 @@ class LLMEngine:
         if not self.output_processor.has_unfinished():
             return []
         eo = self.engine_core.get_output()
-        outputs, to_stop = self.output_processor.process_outputs(eo.outputs)
+        outputs, to_stop = self.output_processor.process_outputs(eo.outputs, eo.engine_index)
         if to_stop:  # stop strings: the core stops generating for them
             self.engine_core.abort_requests(to_stop)
         return outputs

@@ -55,6 +55,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     # The core failed (startup or a step) and is going away: the error, for the front end.
     engine_error: str | None = None
     ready: dict[str, Any] | None = None  # the startup handshake: facts the front end needs
+    engine_index: int = 0  # the data-parallel rank it came from (set by the DP client)
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -78,7 +78,8 @@ class OutputProcessor:
             self.child_to_parent[child.request_id] = request_id
         self.requests[request_id] = _RequestState(
             request_id, prompt, prompt_token_ids, params, samples,
-            RequestMetrics(arrival_time=children[0].arrival_time),
+            RequestMetrics(arrival_time=children[0].arrival_time, n_param=params.n,
+                           max_tokens_param=params.max_tokens),
             prompt_logprobs=[] if params.prompt_logprobs is not None else None)
 
     def has_unfinished(self) -> bool:
@@ -102,9 +103,10 @@ class OutputProcessor:
         return {tid: Logprob(p.logprob, p.rank, self.tokenizer.decode([tid]))
                 for tid, p in d.items()}
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]
+    def process_outputs(self, outputs: list[EngineCoreOutput], engine_index: int = 0
                         ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (outputs of updated requests, child ids the scheduler must stop)."""
+        """Returns (outputs of updated requests, child ids the scheduler must stop).
+        engine_index: the data-parallel rank these came from (for the metrics)."""
         now = time.time()
         touched: dict[str, _RequestState] = {}
         to_stop: list[str] = []
@@ -115,7 +117,12 @@ class OutputProcessor:
             state = self.requests[parent_id]
             sample = state.samples[out.request_id]
             m = state.metrics
+            if out.request_stats is not None:  # (the core's: when it first scheduled it)
+                scheduled, preemptions = out.request_stats
+                m.first_scheduled_time = m.first_scheduled_time or scheduled
+                m.num_preemptions = max(m.num_preemptions, preemptions)
             m.first_scheduled_time = m.first_scheduled_time or now
+            m.engine_index = engine_index
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params

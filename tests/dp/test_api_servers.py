@@ -70,6 +70,11 @@ def _metrics(url) -> dict[str, float]:
     return out
 
 
+def _total(metrics, name, label="") -> float:
+    """A series summed over its label sets (e.g. over the engines), those with `label` only."""
+    return sum(v for k, v in metrics.items() if k.startswith(name + "{") and label in k)
+
+
 def _labelled(metrics, name, label) -> dict[str, float]:
     got = {}
     for key, value in metrics.items():
@@ -129,20 +134,23 @@ def test_two_api_servers_over_two_ranks(two_servers, reference):
     assert sum(served.values()) == 200 and set(served) == {"0", "1"} and min(
         served.values()) > 0, served
     # /metrics (whichever server answers) totals every server's requests.
-    ok = 'jaxinfer:request_success_total{finished_reason="length",model_name="tiny"}'
-    assert after[ok] - before.get(ok, 0) == 200
-    assert after['jaxinfer:num_requests_running{model_name="tiny"}'] == 0
+    length = ("vllm:request_success_total", 'finished_reason="length"')
+    assert _total(after, *length) - _total(before, *length) == 200
+    # (both engines served some: the request series carry the rank that served them)
+    assert len(_labelled(after, "vllm:request_success_total", "engine")) == 2
+    assert _total(after, "vllm:num_requests_running") == 0
 
     # Clients that go away mid-stream: whichever server and rank hold them, they are aborted
     # there and every block comes back.
-    aborted = 'jaxinfer:request_success_total{finished_reason="abort",model_name="tiny"}'
+    aborted = ("vllm:request_success_total", 'finished_reason="abort"')
+    before = {aborted: _total(_metrics(url), *aborted)}
     for i in range(4):
         with httpx.stream("POST", url + "/v1/completions", timeout=60, json=dict(
                 body, prompt=[4000 + 17 * i + j for j in range(20)], max_tokens=100,
                 stream=True)) as r:
             assert next(line for line in r.iter_lines() if line.startswith("data: "))
     end = time.time() + 30
-    while _metrics(url).get(aborted, 0) - before.get(aborted, 0) < 4:
+    while _total(_metrics(url), *aborted) - before[aborted] < 4:
         assert time.time() < end, "the disconnected requests were not aborted"
         time.sleep(0.2)
     _wait_all_free(url)

@@ -66,9 +66,9 @@ def _metric(url, name) -> float:
 def _wait_all_free(url, timeout=30):
     end = time.time() + timeout
     while time.time() < end:
-        if (_metric(url, "jaxinfer:kv_cache_usage_perc") == 0.0
-                and _metric(url, "jaxinfer:num_requests_running") == 0
-                and _metric(url, "jaxinfer:num_requests_waiting") == 0):
+        if (_metric(url, "vllm:kv_cache_usage_perc") == 0.0
+                and _metric(url, "vllm:num_requests_running") == 0
+                and _metric(url, "vllm:num_requests_waiting") == 0):
             return
         time.sleep(0.2)
     raise AssertionError(f"{url}: KV blocks still in use")
@@ -179,7 +179,7 @@ def test_client_disconnect_at_the_proxy_frees_both_sides(pd):
     def aborts():
         text = httpx.get(urls["decode"] + "/metrics", timeout=10).text
         return sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("jaxinfer:request_success_total")
+                   if line.startswith("vllm:request_success_total")
                    and 'finished_reason="abort"' in line)
 
     before = aborts()

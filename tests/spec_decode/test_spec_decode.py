@@ -345,11 +345,12 @@ def test_server_reports_spec_decode_metrics(tiny_dir):
         assert r.status_code == 200, r.text
         metrics = httpx.get(live.base_url + "/metrics").text
         values = {m.group(1): float(m.group(2)) for m in re.finditer(
-            r'^jaxinfer:(spec_decode_\w+?)_total\{model_name="tiny"\} (\S+)$', metrics, re.M)}
+            r'^vllm:(spec_decode_\w+?)_total\{engine="0",model_name="tiny"\} (\S+)$', metrics,
+            re.M)}
         assert values["spec_decode_num_draft_tokens"] > 0
         assert values["spec_decode_num_drafts"] > 0
         assert "spec_decode_num_accepted_tokens" in values
-        assert "jaxinfer:spec_decode_num_accepted_tokens_per_pos_total" in metrics
+        assert "vllm:spec_decode_num_accepted_tokens_per_pos_total" in metrics
     finally:
         live.close()
     plain = LLM(tiny_dir, num_kv_blocks=64, **OPTS)
