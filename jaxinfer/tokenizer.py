@@ -78,6 +78,10 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def convert_ids_to_tokens(self, ids) -> list[str]:
+        """The vocabulary's strings of the ids (as transformers' tokenizers)."""
+        return [self._tk.id_to_token(int(i)) or "" for i in ids]
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 

@@ -78,7 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
                    "(or set JAXINFER_API_KEY)")
-    v.add_argument("--served-model-name", default=None)
+    v.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model name(s) requests may use (vLLM's); responses and metrics "
+                   "use the first (default: the model folder's name)")
+    v.add_argument("--responses-store-size", type=int, default=1024,
+                   help="responses kept in memory for /v1/responses' previous_response_id and "
+                   "GET /v1/responses/{id} (oldest dropped first; 0: none)")
     v.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
                    help="larger request bodies get 413 (default 8 MiB)")
     v.add_argument("--max-waiting-requests", type=int, default=None,

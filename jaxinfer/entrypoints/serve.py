@@ -10,6 +10,7 @@ import os
 
 from jaxinfer.engine.async_engine import AsyncLLM
 from jaxinfer.entrypoints.openai.api_server import OpenAIServer
+from jaxinfer.entrypoints.openai.serving_responses import DEFAULT_STORE_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,9 @@ def make_server(llm: AsyncLLM, args, metrics_role: str = "only") -> OpenAIServer
                         chat_template=getattr(args, "chat_template", None),
                         chat_template_content_format=getattr(
                             args, "chat_template_content_format", "auto"),
-                        lora_modules=getattr(args, "lora_modules", None))
+                        lora_modules=getattr(args, "lora_modules", None),
+                        responses_store_size=getattr(args, "responses_store_size",
+                                                     DEFAULT_STORE_SIZE))
 
 
 def serve(server: OpenAIServer, config, sockets=None) -> int:

@@ -77,11 +77,43 @@ def assert_openai_error(r, status=None):
     return err
 
 
+def assert_anthropic_error(r):
+    body = r.json()
+    assert body["type"] == "error" and isinstance(body["error"]["type"], str), body
+    assert body["error"]["message"] and "Traceback" not in body["error"]["message"]
+
+
 def assert_well_formed(r):
-    """2xx with a complete body (a stream ends with [DONE]) or 4xx in OpenAI's shape."""
+    """2xx with a complete body (a stream ends with [DONE]) or 4xx in OpenAI's shape; the
+    Messages route's in Anthropic's (its stream ends with message_stop)."""
     assert r.status_code < 500, (r.status_code, r.text[:500])
+    anthropic = r.request.url.path.startswith("/v1/messages")
     if r.status_code >= 400:
-        assert_openai_error(r)
+        if anthropic and r.status_code not in (401, 413):
+            assert_anthropic_error(r)
+        else:
+            assert_openai_error(r)
+        return
+    if anthropic and r.headers["content-type"].startswith("text/event-stream"):
+        kinds = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+        assert kinds and kinds[0] == "message_start" and kinds[-1] in ("message_stop",
+                                                                      "error"), r.text[-300:]
+        if kinds[-1] == "error":
+            assert '"overloaded_error"' not in r.text and '"api_error"' not in r.text, r.text
+        return
+    if anthropic:
+        body = r.json()
+        assert body.get("type") == "message" or set(body) == {"input_tokens"}, body
+        return
+    if r.request.url.path == "/v1/responses":
+        if r.headers["content-type"].startswith("text/event-stream"):
+            kinds = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+            assert kinds[0] == "response.created", r.text[:300]
+            assert kinds[-1] in ("response.completed", "error"), r.text[-300:]
+            if kinds[-1] == "error":
+                assert '"code": "5' not in r.text, r.text[-300:]
+        else:
+            assert r.json()["object"] == "response"
         return
     assert r.status_code == 200
     if r.headers["content-type"].startswith("text/event-stream"):
@@ -91,7 +123,8 @@ def assert_well_formed(r):
             ev = json.loads(e)
             assert "error" not in ev or ev["error"]["code"] < 500, ev
     else:
-        assert "choices" in r.json()
+        body = r.json()
+        assert "choices" in body or {"tokens", "count"} <= set(body) or "prompt" in body, body
 
 
 def wait_idle(live, timeout=60.0):
@@ -250,9 +283,9 @@ def test_a_client_that_leaves_stops_all_its_sequences(live, stream):
 def _finished_counts(live) -> dict[str, float]:
     out = {}
     for line in httpx.get(live.base_url + "/metrics").text.splitlines():
-        if line.startswith("jaxinfer:request_success_total"):
+        if line.startswith("vllm:request_success_total"):
             reason = line.split('finished_reason="')[1].split('"')[0]
-            out[reason] = float(line.split()[-1])
+            out[reason] = out.get(reason, 0) + float(line.split()[-1])  # (over engines)
     return out
 
 
@@ -356,7 +389,7 @@ CHAT_VALID = VALID + [({"chat_template_kwargs": {"enable_thinking": False}}, Fal
                       ({"continue_final_message": True, "add_generation_prompt": False}, False)]
 
 
-def _fuzz(live, route, model, make_body, places, valid, examples=EXAMPLES):
+def _fuzz(live, route, model, make_body, places, valid, examples=EXAMPLES, streams=True):
     fields = _fields(model) + places
     seen = {"2xx": 0, "4xx": 0}
 
@@ -377,7 +410,7 @@ def _fuzz(live, route, model, make_body, places, valid, examples=EXAMPLES):
     @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(st.dictionaries(st.sampled_from(fields), VALUES, min_size=1, max_size=3),
-           st.booleans())
+           st.booleans() if streams else st.just(False))
     def check(overrides, stream):
         run(overrides, stream)
 
@@ -398,6 +431,113 @@ def test_fuzz_chat_completions(live):
 
     _fuzz(live, "/v1/chat/completions", ChatCompletionRequest, _chat_body, CHAT_PLACES,
           CHAT_VALID)
+
+
+def _body_with(base: dict):
+    def make(overrides: dict) -> dict:
+        body = json.loads(json.dumps(base))
+        for path, value in overrides.items():
+            _set(body, path, value)
+        return body
+    return make
+
+
+def test_fuzz_tokenize_routes(live):
+    """/tokenize (a prompt, a chat) and /detokenize; then the GET routes with junk."""
+    from jaxinfer.entrypoints.openai.serving_tokenize import (DetokenizeRequest,
+                                                              TokenizeChatRequest,
+                                                              TokenizeCompletionRequest)
+
+    n = max(EXAMPLES // 3, 10)
+    _fuzz(live, "/tokenize", TokenizeCompletionRequest,
+          _body_with({"model": MODEL, "prompt": "Hi"}), [],
+          [({"return_token_strs": True, "add_special_tokens": False}, False)], n, False)
+    _fuzz(live, "/tokenize", TokenizeChatRequest,
+          _body_with({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}),
+          ["messages[0].role", "messages[0].content", "messages[0].content[0]",
+           "messages[0].content[0].type", "messages[0].name"],
+          [({"add_generation_prompt": False, "continue_final_message": True}, False),
+           ({"chat_template_kwargs": {"enable_thinking": False}, "tools": [
+               {"type": "function", "function": {"name": "f"}}]}, False)], n,
+          False)
+    _fuzz(live, "/detokenize", DetokenizeRequest,
+          _body_with({"model": MODEL, "tokens": [5, 6, 7]}), [], [({"tokens": []}, False)], n,
+          False)
+    for method, path in (("GET", "/ping"), ("POST", "/ping"), ("GET", "/load"),
+                         ("GET", "/version")):
+        r = httpx.request(method, live.base_url + path + "?x=%ff&y=" + "z" * 5000,
+                          content=b"\xff{junk", timeout=30)
+        assert r.status_code == 200, (path, r.text)
+    plain_request_works(live)
+
+
+def test_fuzz_anthropic_messages(live):
+    """/v1/messages (plain and streamed) and /v1/messages/count_tokens."""
+    from jaxinfer.entrypoints.openai.serving_messages import CountTokensRequest, MessagesRequest
+
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    base = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    places = ["messages[0].role", "messages[0].content", "messages[0].content[0]",
+              "messages[0].content[0].type"]
+    valid = [({"system": [{"type": "text", "text": "Be brief."}], "stop_sequences": ["x"],
+               "top_k": 3, "metadata": {"user_id": "u"}}, False),
+             ({"tools": [tool], "tool_choice": {"type": "tool", "name": "f"}}, True),
+             ({"messages": [{"role": "user", "content": "Hi"},
+                            {"role": "assistant", "content": [
+                                {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                            {"role": "user", "content": [
+                                {"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}],
+               "tools": [tool], "tool_choice": {"type": "none"}}, False)]
+    _fuzz(live, "/v1/messages", MessagesRequest, _body_with(base), places, valid,
+          max(EXAMPLES // 2, 10))
+    count = {k: v for k, v in base.items() if k != "max_tokens"}
+    _fuzz(live, "/v1/messages/count_tokens", CountTokensRequest, _body_with(count), places,
+          [({"system": "Be brief."}, False)], max(EXAMPLES // 4, 10), False)
+
+
+def test_fuzz_responses(live):
+    """/v1/responses (plain and streamed) and GET /v1/responses/{id}."""
+    from jaxinfer.entrypoints.openai.serving_responses import ResponsesRequest
+
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    base = {"model": MODEL, "max_output_tokens": 2, "input": "Hi"}
+    first = post(live, "/v1/responses", base)
+    assert first.status_code == 200, first.text
+    valid = [({"instructions": "Be brief.", "metadata": {"k": "v"}, "top_p": 0.5,
+               "previous_response_id": first.json()["id"]}, False),
+             ({"tools": [tool], "tool_choice": {"type": "function", "name": "f"}}, True),
+             ({"input": [{"role": "user", "content": "Hi"},
+                         {"type": "function_call", "call_id": "c1", "name": "f",
+                          "arguments": "{}"},
+                         {"type": "function_call_output", "call_id": "c1", "output": "ok"}],
+               "tools": [tool], "tool_choice": "none", "store": False}, False),
+             ({"text": {"format": {"type": "json_object"}}}, True)]
+    places = ["input[0]", "input[0].role", "input[0].content", "input[0].type",
+              "text.format.type", "tools[0].type"]
+
+    def make(overrides):
+        body = json.loads(json.dumps(base))
+        for path, value in overrides.items():
+            if path == "input[0]":
+                body["input"] = [value]
+            elif path.startswith("input[0]."):
+                body["input"] = [{"role": "user", "content": "Hi", path[9:]: value}]
+            elif path == "text.format.type":
+                body["text"] = {"format": {"type": value}}
+            elif path == "tools[0].type":
+                body["tools"] = [dict(tool, type=value)]
+            else:
+                body[path] = value
+        return body
+
+    _fuzz(live, "/v1/responses", ResponsesRequest, make, places, valid,
+          max(EXAMPLES // 2, 10))
+    for rid in (first.json()["id"], "resp_nope", "%ff", "x" * 3000):
+        r = httpx.get(live.base_url + "/v1/responses/" + rid, timeout=30)
+        assert r.status_code in (200, 404), r.text
+        assert r.status_code == 404 or r.json()["id"] == rid
+        if r.status_code == 404:
+            assert_openai_error(r, 404)
 
 
 def test_fuzz_chat_behind_reasoning_and_tool_parsers(tiny_dir):

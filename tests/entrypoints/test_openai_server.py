@@ -18,6 +18,7 @@ from jaxinfer.engine.async_engine import AsyncLLM  # noqa: E402
 from tests.helpers import LiveServer  # noqa: E402
 
 MODEL = "smol"
+ALIAS = "smol-alias"
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,9 @@ def server(smollm2_dir):
     llm = AsyncLLM(EngineConfig(model=smollm2_dir, dtype="float32", max_model_len=256,
                                 max_num_seqs=16, max_num_batched_tokens=128, warmup=False,
                                 num_kv_blocks=300))
-    live = LiveServer(llm, MODEL, trust_request_chat_template=True)
+    # (two served names, as `--served-model-name smol smol-alias`: the first is the one
+    # responses and metrics use)
+    live = LiveServer(llm, [MODEL, ALIAS], trust_request_chat_template=True)
     srv = live.server
     srv.base_url = live.base_url
     yield srv
@@ -164,7 +167,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     wait_idle(server)  # the request was aborted: nothing running, every block free
     metrics = httpx.get(server.base_url + "/metrics").text
     line = [m for m in metrics.splitlines()
-            if m.startswith("jaxinfer:request_success_total") and 'finished_reason="abort"' in m]
+            if m.startswith("vllm:request_success_total") and 'finished_reason="abort"' in m]
     assert line and float(line[0].split()[-1]) >= 1
 
 
@@ -195,18 +198,131 @@ def test_bad_requests_get_4xx_and_the_next_one_succeeds(server, client):
     wait_idle(server)
 
 
+def _samples(text: str) -> dict[str, list[tuple[dict, float]]]:
+    """/metrics text -> sample name -> [(labels, value)]."""
+    out: dict[str, list] = {}
+    for line in text.splitlines():
+        m = re.match(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$', line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            out.setdefault(m.group(1), []).append((labels, float(m.group(3))))
+    return out
+
+
+def test_metrics_serve_vllms_grafana_dashboard(server, client):
+    """Every series vLLM's Grafana dashboard queries is exported, with vLLM's labels
+    (model_name = the served name, engine), and carries these requests."""
+    before = _samples(httpx.get(server.base_url + "/metrics").text)
+    n = 3
+    for i in range(n):
+        client.completions.create(model=MODEL, prompt=f"Count to {i + 3}:", max_tokens=5,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    wait_idle(server)
+    after = _samples(httpx.get(server.base_url + "/metrics").text)
+    path = __file__.rsplit("/", 1)[0] + "/data/vllm_grafana_metrics.txt"
+    wanted = [w.strip() for w in open(path) if w.strip() and not w.startswith("#")]
+    assert len(wanted) == 24
+    missing = [w for w in wanted if w not in after]
+    assert not missing, missing
+    for name in wanted:
+        for labels, _ in after[name]:
+            assert labels.get("model_name") == MODEL and labels.get("engine") == "0", (name,
+                                                                                       labels)
+
+    def total(samples, name, **match):
+        return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x
+                                                               for k, x in match.items()))
+
+    def grew(name, **match):
+        return total(after, name, **match) - total(before, name, **match)
+
+    for name in ("vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+                 "vllm:request_decode_time_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_time_per_output_token_seconds_count",
+                 "vllm:request_params_max_tokens_count", "vllm:request_num_preemptions_count",
+                 "vllm:request_prefill_kv_computed_tokens_count"):
+        assert grew(name) == n, name
+    assert grew("vllm:request_success_total", finished_reason="length") == n
+    assert grew("vllm:generation_tokens_total") == 5 * n
+    assert grew("vllm:request_max_num_generation_tokens_sum") == 5 * n
+    assert grew("vllm:request_params_max_tokens_sum") == 5 * n
+    assert grew("vllm:inter_token_latency_seconds_count") == 4 * n
+    assert grew("vllm:request_prefill_time_seconds_sum") > 0
+    assert grew("vllm:request_decode_time_seconds_sum") > 0
+    assert grew("vllm:iteration_tokens_total_sum") >= 5 * n
+    # TPOT = decode time / (tokens - 1), per request
+    tpot = grew("vllm:request_time_per_output_token_seconds_sum")
+    assert tpot == pytest.approx(grew("vllm:request_decode_time_seconds_sum") / 4, rel=1e-6)
+    # e2e >= queue + inference for every request, so for the sums too
+    assert grew("vllm:e2e_request_latency_seconds_sum") >= (
+        grew("vllm:request_queue_time_seconds_sum")
+        + grew("vllm:request_inference_time_seconds_sum")) - 1e-6
+    awake = total(after, "vllm:engine_sleep_state", sleep_state="awake")
+    assert awake == 1.0
+    (info, value), = after["vllm:cache_config_info"]
+    assert value == 1.0 and info["enable_prefix_caching"] == "True" and int(info["block_size"])
+
+
+def test_tokenize_detokenize_version_ping_load_and_served_names(server, client):
+    """vLLM's utility routes, and a request naming the second served name."""
+    base, tok = server.base_url, server.llm.tokenizer
+
+    def post(path, body, status=200):
+        r = httpx.post(base + path, json=body, timeout=60)
+        assert r.status_code == status, (path, body, r.text)
+        return r.json()
+
+    text = "Hello world, count: 1 2 3"
+    got = post("/tokenize", {"model": ALIAS, "prompt": text, "return_token_strs": True})
+    ids = tok.encode(text)
+    assert got == {"count": len(ids), "max_model_len": 256, "tokens": ids,
+                   "token_strs": tok.convert_ids_to_tokens(ids)}
+    assert all(isinstance(s, str) and s for s in got["token_strs"])
+    assert post("/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"] == \
+        tok.encode(text, add_special_tokens=False)
+    assert post("/detokenize", {"model": MODEL, "tokens": ids}) == {"prompt": text}
+    # A chat through the template: the ids the chat route prefills (its usage says how many)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    chat_ids = post("/tokenize", {"messages": msgs})
+    assert chat_ids["tokens"] == tok.apply_chat_template(msgs)
+    r = client.chat.completions.create(model=ALIAS, messages=msgs, max_tokens=2,
+                                       temperature=0)
+    assert r.usage.prompt_tokens == chat_ids["count"] and r.model == MODEL
+    no_prompt = post("/tokenize", {"messages": msgs, "add_generation_prompt": False})
+    assert no_prompt["count"] < chat_ids["count"]
+    # Refusals name the field; an unknown model is a 404
+    for body, field in (({"prompt": "x", "truncate": 3}, "truncate"),
+                        ({"prompt": 5}, "prompt"),
+                        ({"messages": msgs, "continue_final_message": True},
+                         "continue_final_message"),
+                        ({"messages": []}, "messages")):
+        err = post("/tokenize", body, 400)["error"]
+        assert err["param"] == field and field in err["message"], err
+    vocab = server.llm.processor.vocab_size
+    for tokens, field in (([0, vocab], "tokens"), ([-1], "tokens"), (["a"], "tokens.0")):
+        err = post("/detokenize", {"tokens": tokens}, 400)["error"]
+        assert err["param"] == field, err
+    assert post("/tokenize", {"model": "nope", "prompt": "x"}, 404)["error"]["code"] == 404
+    assert post("/detokenize", {"model": "nope", "tokens": [1]}, 404)["error"]["code"] == 404
+    import jaxinfer
+
+    assert httpx.get(base + "/version").json() == {"version": jaxinfer.__version__}
+    assert httpx.get(base + "/ping").status_code == 200
+    assert httpx.post(base + "/ping").status_code == 200
+    wait_idle(server)
+    assert httpx.get(base + "/load").json() == {"server_load": 0}
+    assert client.models.retrieve(ALIAS).id == ALIAS
+
+
 def test_models_health_metrics_and_auth(server, client):
     assert httpx.get(server.base_url + "/health").status_code == 200
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in models.data] == [MODEL, ALIAS]
     metrics = httpx.get(server.base_url + "/metrics").text
-    for name in ("jaxinfer:num_requests_running", "jaxinfer:num_requests_waiting",
-                 "jaxinfer:kv_cache_usage_perc", "jaxinfer:prefix_cache_hit_rate",
-                 "jaxinfer:time_to_first_token_seconds_bucket",
-                 "jaxinfer:inter_token_latency_seconds_bucket",
-                 "jaxinfer:e2e_request_latency_seconds_bucket", "jaxinfer:prompt_tokens_total",
-                 "jaxinfer:generation_tokens_total", "jaxinfer:num_preemptions_total",
-                 "jaxinfer:request_success_total"):
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:num_preemptions_total", "vllm:engine_sleep_state",
+                 "vllm:cache_config_info", "jaxinfer:engine_core_alive"):
         assert name in metrics, name
     server.api_key = "s3cret"
     try:
@@ -590,10 +706,10 @@ def test_200_streams_with_10_percent_disconnecting(server):
     wait_idle(server, timeout=120)
     gauges = {line.split("{")[0]: float(line.split()[-1])
               for line in httpx.get(server.base_url + "/metrics").text.splitlines()
-              if line.startswith(("jaxinfer:num_requests_running",
-                                  "jaxinfer:num_requests_waiting"))}
-    assert gauges == {"jaxinfer:num_requests_running": 0.0,
-                      "jaxinfer:num_requests_waiting": 0.0}, gauges
+              if line.startswith(("vllm:num_requests_running",
+                                  "vllm:num_requests_waiting"))}
+    assert gauges == {"vllm:num_requests_running": 0.0,
+                      "vllm:num_requests_waiting": 0.0}, gauges
 
 
 def test_max_waiting_requests_and_queue_timeout(server, monkeypatch):
@@ -1112,4 +1228,186 @@ def test_special_tokens_in_the_text(server):
                                           "ignore_eos": True,
                                           "logit_bias": {str(special[0]): 100}})
     assert r.json()["choices"][0]["text"] == ""  # (skipped by default)
+    wait_idle(server)
+
+
+# -- Anthropic's Messages API ----------------------------------------------------------------------
+WEATHER_TOOL = {"name": "get_weather", "description": "The weather in a city",
+                "input_schema": {"type": "object", "properties": {"city": {
+                    "type": "string", "enum": ["Paris", "London"]}}, "required": ["city"],
+                    "additionalProperties": False}}
+
+
+GREEDY_BODY = {"temperature": 0}  # (the 2026 SDK has no temperature argument: vLLM takes it)
+
+
+def test_anthropic_messages_through_the_sdk_equal_chat(server, client):
+    """The anthropic SDK against /v1/messages: plain, streaming, a forced tool and
+    count_tokens parse, and carry what the chat route gives for the same greedy request."""
+    anthropic = pytest.importorskip("anthropic")
+    ac = anthropic.Anthropic(base_url=server.base_url, api_key="none", max_retries=0)
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Be brief."}] + msgs,
+        max_tokens=12, temperature=0, stop=["Purple"])
+    m = ac.messages.create(model=ALIAS, system="Be brief.", messages=msgs, max_tokens=12,
+                           extra_body=GREEDY_BODY, stop_sequences=["Purple"])
+    assert m.type == "message" and m.role == "assistant" and m.model == MODEL
+    assert [b.type for b in m.content] == ["text"]
+    assert m.content[0].text == chat.choices[0].message.content
+    assert m.usage.input_tokens == chat.usage.prompt_tokens
+    assert m.usage.output_tokens == chat.usage.completion_tokens
+    expected = {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+    if chat.choices[0].model_extra.get("stop_reason") == "Purple":
+        expected = "stop_sequence"
+    assert m.stop_reason == expected
+    # streaming: the SDK's event accumulation gives the same message
+    with ac.messages.stream(model=MODEL, system="Be brief.", messages=msgs, max_tokens=12,
+                            extra_body=GREEDY_BODY, stop_sequences=["Purple"]) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_delta" in kinds and "message_delta" in kinds
+    assert final.content[0].text == m.content[0].text and final.stop_reason == m.stop_reason
+    assert final.usage.output_tokens == m.usage.output_tokens
+    # a forced tool: a tool_use block whose input is the arguments the chat route gives
+    tool_msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    t = ac.messages.create(model=MODEL, messages=tool_msgs, max_tokens=40, extra_body=GREEDY_BODY,
+                           tools=[WEATHER_TOOL],
+                           tool_choice={"type": "tool", "name": "get_weather"})
+    chat_t = client.chat.completions.create(
+        model=MODEL, messages=tool_msgs, max_tokens=40, temperature=0,
+        tools=[{"type": "function", "function": {
+            "name": "get_weather", "description": WEATHER_TOOL["description"],
+            "parameters": WEATHER_TOOL["input_schema"]}}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (use,) = [b for b in t.content if b.type == "tool_use"]
+    call = chat_t.choices[0].message.tool_calls[0]
+    assert use.name == "get_weather" and use.input == json.loads(call.function.arguments)
+    assert t.stop_reason == "tool_use" and isinstance(use.input.get("city"), str)
+    with ac.messages.stream(model=MODEL, messages=tool_msgs, max_tokens=40,
+                            extra_body=GREEDY_BODY,
+                            tools=[WEATHER_TOOL],
+                            tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        streamed = stream.get_final_message()
+    (streamed_use,) = [b for b in streamed.content if b.type == "tool_use"]
+    assert streamed_use.input == use.input and streamed.stop_reason == "tool_use"
+    # the tool's answer back: tool_use from the assistant, tool_result from the user
+    follow = ac.messages.create(model=MODEL, max_tokens=5, extra_body=GREEDY_BODY,
+                                tools=[WEATHER_TOOL], tool_choice={"type": "none"},
+                                messages=tool_msgs + [
+                                    {"role": "assistant", "content": [use.model_dump()]},
+                                    {"role": "user", "content": [{
+                                        "type": "tool_result", "tool_use_id": use.id,
+                                        "content": "Sunny, 21 C"}]}])
+    assert follow.content and follow.usage.input_tokens > t.usage.input_tokens
+    count = ac.messages.count_tokens(model=MODEL, system="Be brief.", messages=msgs)
+    assert count.input_tokens == chat.usage.prompt_tokens
+    # Refusals name the field, in Anthropic's error shape; the server keeps serving
+    for kwargs, field in (({"max_tokens": 0}, "max_tokens"),
+                          ({"thinking": {"type": "enabled", "budget_tokens": 2048}},
+                           "thinking"),
+                          ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+                          ({"messages": [{"role": "user", "content": [{
+                              "type": "image", "source": {"type": "base64", "data": "x",
+                                                          "media_type": "image/png"}}]}]},
+                           "messages[0].content[0].type")):
+        args = dict(model=MODEL, messages=msgs, max_tokens=4) | kwargs
+        with pytest.raises(anthropic.BadRequestError) as e:
+            ac.messages.create(**args)
+        err = e.value.body
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+        assert field in err["error"]["message"], err
+    with pytest.raises(anthropic.NotFoundError):
+        ac.messages.create(model="claude-nope", messages=msgs, max_tokens=4)
+    wait_idle(server)
+
+
+# -- OpenAI's Responses API --------------------------------------------------------------------
+def test_responses_api_through_the_sdk_equals_chat(server, client):
+    """client.responses: plain, streamed, a function tool and its output, previous_response_id,
+    text.format; the same greedy text as the chat route."""
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name three colours."}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12,
+                                          temperature=0)
+    r = client.responses.create(model=ALIAS, instructions="Be brief.",
+                                input="Name three colours.", max_output_tokens=12,
+                                temperature=0)
+    assert r.object == "response" and r.model == MODEL and r.id.startswith("resp_")
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    finish = chat.choices[0].finish_reason
+    assert r.status == ("incomplete" if finish == "length" else "completed")
+    if finish == "length":
+        assert r.incomplete_details.reason == "max_output_tokens"
+    # the same as input items, streamed: the SDK's accumulated response carries the text
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user",
+              "content": [{"type": "input_text", "text": "Name three colours."}]}]
+    with client.responses.stream(model=MODEL, input=items, max_output_tokens=12,
+                                 temperature=0) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert "response.output_text.delta" in kinds and kinds[-1] == "response.completed"
+    assert final.output_text == r.output_text and final.usage.output_tokens == \
+        r.usage.output_tokens
+    # previous_response_id continues the conversation; GET retrieves a stored response
+    follow = client.responses.create(model=MODEL, previous_response_id=r.id,
+                                     input="And two more?", max_output_tokens=4,
+                                     temperature=0)
+    assert follow.previous_response_id == r.id
+    assert follow.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens - 2
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+    # a forced function tool: a function_call item; its output goes back as an input item
+    tool = {"type": "function", "name": "get_weather", "description": "The weather",
+            "parameters": {"type": "object", "properties": {"city": {
+                "type": "string", "enum": ["Paris", "London"]}}, "required": ["city"],
+                "additionalProperties": False}}
+    t = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[tool],
+                                tool_choice={"type": "function", "name": "get_weather"},
+                                max_output_tokens=40, temperature=0)
+    (call,) = [o for o in t.output if o.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris",
+                                                                                 "London")
+    with client.responses.stream(model=MODEL, input="Weather in Paris?", tools=[tool],
+                                 tool_choice={"type": "function", "name": "get_weather"},
+                                 max_output_tokens=40, temperature=0) as stream:
+        streamed = stream.get_final_response()
+    (scall,) = [o for o in streamed.output if o.type == "function_call"]
+    assert scall.arguments == call.arguments
+    answer = client.responses.create(
+        model=MODEL, max_output_tokens=4, temperature=0, tools=[tool], tool_choice="none",
+        input=[{"role": "user", "content": "Weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id,
+                "output": "Sunny"}])
+    assert answer.status in ("completed", "incomplete") and answer.usage.output_tokens >= 1
+    # text.format json_schema
+    js = client.responses.create(model=MODEL, input="A colour as JSON.", max_output_tokens=30,
+                                 temperature=0, text={"format": {
+                                     "type": "json_schema", "name": "c", "strict": True,
+                                     "schema": {"type": "object", "properties": {"c": {
+                                         "type": "string", "enum": ["red", "blue"]}},
+                                         "required": ["c"], "additionalProperties": False}}})
+    assert json.loads(js.output_text)["c"] in ("red", "blue")
+    # refusals name the field
+    for kwargs, field in (({"background": True}, "background"),
+                          ({"reasoning": {"effort": "high"}}, "reasoning"),
+                          ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+                          ({"input": [{"role": "user", "content": [
+                              {"type": "input_image", "image_url": "data:x"}]}]},
+                           "input[0].content[0].type"),
+                          ({"extra_body": {"frobnicate": 1}}, "frobnicate")):
+        args = dict(model=MODEL, input="x", max_output_tokens=2) | kwargs
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(**args)
+        assert e.value.body["param"] == field, e.value.body
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_nope")
     wait_idle(server)

@@ -27,6 +27,9 @@ from jaxinfer.entrypoints.openai.errors import (APIError, engine_dead, raise_if_
                                                 validation_error)
 from jaxinfer.entrypoints.openai.protocol import CompletionRequest
 from jaxinfer.entrypoints.openai.serving_chat import ChatServing
+from jaxinfer.entrypoints.openai.serving_messages import MessagesServing
+from jaxinfer.entrypoints.openai.serving_responses import DEFAULT_STORE_SIZE, ResponsesServing
+from jaxinfer.entrypoints.openai.serving_tokenize import TokenizeServing
 from jaxinfer.entrypoints.openai.serving_completion import CompletionServing
 from jaxinfer.entrypoints.openai.tools import TOOL_PARSERS
 from jaxinfer.metrics import EngineMetrics
@@ -74,8 +77,18 @@ def parse_lora_modules(values, base_model: str) -> list[tuple[str, str, str]]:
     return out
 
 
+def _cache_config_info(llm) -> dict:
+    """vllm:cache_config_info's labels: the KV cache as it was set up."""
+    rc, info = llm.resolved, llm.engine_core.info
+    return {"block_size": info["block_size"], "num_gpu_blocks": info["num_usable_kv_blocks"],
+            "cache_dtype": rc.kv_cache_dtype,
+            "enable_prefix_caching": rc.cache.enable_prefix_caching,
+            "prefix_caching_hash_algo": rc.cache.prefix_caching_hash_algo,
+            "gpu_memory_utilization": rc.engine.gpu_memory_utilization}
+
+
 class OpenAIServer:
-    def __init__(self, llm: AsyncLLM, model_name: str, api_key: str | None = None,
+    def __init__(self, llm: AsyncLLM, model_name: str | list[str], api_key: str | None = None,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  max_waiting_requests: int | None = None, queue_timeout: float | None = None,
@@ -84,7 +97,7 @@ class OpenAIServer:
                  trust_request_chat_template: bool = False,
                  default_chat_template_kwargs: dict | None = None,
                  chat_template: str | None = None, chat_template_content_format: str = "auto",
-                 lora_modules=None):
+                 lora_modules=None, responses_store_size: int = DEFAULT_STORE_SIZE):
         """metrics_role: "only" (the one API server), "primary" or "secondary" (one of
         several: Prometheus multiprocess mode; the engines' own counters are fed by the
         primary alone, so that they are not counted once per API server).
@@ -138,7 +151,13 @@ class OpenAIServer:
                              f"{', '.join(TOOL_PARSERS)} (got {tool_call_parser!r})")
         # tool_choice="auto": the parser that finds calls in the text (None: refused).
         self.tool_parser = TOOL_PARSERS[tool_call_parser]() if enable_auto_tool_choice else None
-        self.model_name = model_name
+        # --served-model-name with several names (vLLM's): a request may name any of them;
+        # responses and metrics name the first.
+        names = [model_name] if isinstance(model_name, str) else list(model_name)
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"served model names must be non-empty strings, got {model_name!r}")
+        self.model_names = list(dict.fromkeys(names))
+        self.model_name = model_name = names[0]
         # LoRA adapters served under their own model names (--lora-modules, and
         # /v1/load_lora_adapter with VLLM_ALLOW_RUNTIME_LORA_UPDATING): name -> LoRARequest.
         self.lora_requests: dict = {}
@@ -148,12 +167,18 @@ class OpenAIServer:
         self._next_lora_id = 1
         self.api_key = api_key
         self.max_request_body_bytes = max_request_body_bytes
-        self.metrics = EngineMetrics(model_name, role=metrics_role)
+        self.metrics = EngineMetrics(model_name, role=metrics_role,
+                                     max_model_len=llm.max_model_len,
+                                     cache_config=_cache_config_info(llm),
+                                     num_engines=llm.resolved.parallel.data_parallel_size)
         llm.on_step = self._on_step
         llm.on_abort = self.metrics.on_abort
         llm.on_dead = self._on_engine_dead
         self.completion = CompletionServing(self)
         self.chat = ChatServing(self)
+        self.tokenize = TokenizeServing(self)
+        self.messages = MessagesServing(self)
+        self.responses = ResponsesServing(self, responses_store_size)
         self.app = build_app(self)
 
     def _on_engine_dead(self, err: BaseException) -> None:
@@ -192,7 +217,7 @@ class OpenAIServer:
         self.metrics.api_requests.labels(api_server=index, **self.metrics._lbl).inc()
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name and name not in self.lora_requests:
+        if name is not None and name not in self.model_names and name not in self.lora_requests:
             raise APIError(f"The model `{name}` does not exist.", 404, "model",
                            "NotFoundError")
 
@@ -208,7 +233,7 @@ class OpenAIServer:
         if not name or not path:
             raise APIError("both 'lora_name' and 'lora_path' must be provided", 400,
                            "lora_name" if not name else "lora_path")
-        if name in self.lora_requests or name == self.model_name:
+        if name in self.lora_requests or name in self.model_names:
             raise APIError(f"The lora adapter '{name}' has already been loaded.", 400,
                            "lora_name")
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +19,13 @@ from jaxinfer.entrypoints.openai.dev_routes import (add_dev_routes, dev_mode, js
 from jaxinfer.entrypoints.openai.errors import (APIError, engine_dead, error_response,
                                                 internal_error, validation_error)
 from jaxinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from jaxinfer.entrypoints.openai.serving_messages import (CountTokensRequest, MessagesRequest,
+                                                          anthropic_error)
+from jaxinfer.entrypoints.openai.serving_responses import ResponsesRequest
+from jaxinfer.entrypoints.openai.serving_tokenize import (DetokenizeRequest, DetokenizeResponse,
+                                                          TokenizeChatRequest,
+                                                          TokenizeCompletionRequest,
+                                                          TokenizeResponse)
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +78,22 @@ def _openapi_without_422(app: FastAPI) -> dict:
     from fastapi.openapi.utils import get_openapi
 
     if app.openapi_schema is None:
-        spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        with warnings.catch_warnings():  # (a route with two methods: ids made unique below)
+            warnings.filterwarnings("ignore", "Duplicate Operation ID")
+            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path, ops in spec.get("paths", {}).items():
+            if len(ops) > 1:
+                for method, op in ops.items():
+                    op["operationId"] = f"{op.get('operationId', path)}_{method}"
         for ops in spec.get("paths", {}).values():
             for op in ops.values():
                 op.get("responses", {}).pop("422", None)
         schemas = spec.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
-        for model in (CompletionRequest, ChatCompletionRequest):  # bodies parsed by body.py
+        for model in (CompletionRequest, ChatCompletionRequest,  # bodies parsed by body.py
+                      TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest,
+                      MessagesRequest, CountTokensRequest, ResponsesRequest):
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(js.pop("$defs", {}))
             schemas[model.__name__] = js
@@ -155,12 +171,13 @@ def build_app(server) -> FastAPI:
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card(name: str | None = None) -> dict:
-        """The base model's card, or (vLLM's) a LoRA adapter's: root its path, parent the
+        """A served name's card, or (vLLM's) a LoRA adapter's: root its path, parent the
         base model."""
         lora = server.lora_requests.get(name) if name is not None else None
-        return {"id": name if lora else server.model_name, "object": "model",
+        base = name if name in server.model_names else server.model_name
+        return {"id": name if lora else base, "object": "model",
                 "created": int(time.time()), "owned_by": "jaxinfer",
-                "root": lora.lora_path if lora else server.model_name,
+                "root": lora.lora_path if lora else base,
                 "parent": (lora.base_model_name or server.model_name) if lora else None,
                 "max_model_len": server.llm.max_model_len}
 
@@ -168,7 +185,8 @@ def build_app(server) -> FastAPI:
                                             **_ERROR}})
     async def models():
         return {"object": "list",
-                "data": [model_card()] + [model_card(n) for n in server.lora_requests]}
+                "data": [model_card(n) for n in server.model_names]
+                + [model_card(n) for n in server.lora_requests]}
 
     @app.get("/v1/models/{model:path}",
              responses={401: {"description": "Missing or wrong API key", **_ERROR},
@@ -196,6 +214,32 @@ def build_app(server) -> FastAPI:
         req = await server.parse(raw, ChatCompletionRequest)
         return await server.chat.create(req, raw)
 
+    _utility_routes(app, server)
+
+    @app.post("/v1/responses", openapi_extra=_request_body(ResponsesRequest), responses={
+        **_GENERATE_RESPONSES,
+        200: {"description": "The response object (application/json), or its events "
+                             "(text/event-stream) with stream=true",
+              "content": {"application/json": {"schema": {
+                  "type": "object", "required": ["id", "object", "output", "status"]}},
+                  "text/event-stream": {"schema": {
+                      "type": "object", "required": ["data"],
+                      "properties": {"data": {"type": "string"},
+                                     "event": {"type": "string"}}}}}},
+        404: {"description": "Unknown model or previous_response_id", **_ERROR}})
+    async def responses(raw: Request):
+        server._count_request()
+        return await server.responses.create(raw)
+
+    @app.get("/v1/responses/{response_id}", responses={
+        200: {"description": "A stored response", "content": {"application/json": {
+            "schema": {"type": "object", "required": ["id", "object", "output"]}}}},
+        401: {"description": "Missing or wrong API key", **_ERROR},
+        404: {"description": "Not stored (or no longer: --responses-store-size)", **_ERROR}})
+    async def retrieve_response(response_id: str):
+        return server.responses.retrieve(response_id)
+
+    _anthropic_routes(app, server)
     app.openapi = lambda: _openapi_without_422(app)
 
     @app.on_event("startup")
@@ -209,6 +253,103 @@ def build_app(server) -> FastAPI:
         server.llm.shutdown()
 
     return app
+
+
+_ANTHROPIC_ERROR = {"content": {"application/json": {"schema": {
+    "type": "object", "required": ["type", "error"], "properties": {
+        "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"],
+                                              "properties": {"type": {"type": "string"},
+                                                             "message": {"type": "string"}}}}}}}}
+
+
+def _anthropic_routes(app, server) -> None:
+    """Anthropic's Messages API (vLLM serves it too); its errors in Anthropic's shape."""
+    bad = {400: {"description": "Bad request: the message names the field",
+                 **_ANTHROPIC_ERROR},
+           404: {"description": "Unknown model", **_ANTHROPIC_ERROR},
+           413: {"description": "Body over --max-request-body-bytes", **_ERROR},
+           429: {"description": "Over --max-waiting-requests", **_ANTHROPIC_ERROR},
+           499: {"description": "The client went away", **_ANTHROPIC_ERROR},
+           500: {"description": "The engine failed this request", **_ANTHROPIC_ERROR},
+           503: {"description": "Queue timeout, or the engine is dead", **_ANTHROPIC_ERROR}}
+
+    async def answer(make):
+        try:
+            return await make()
+        except APIError as e:
+            return anthropic_error(e)
+        except EngineDeadError as e:
+            return anthropic_error(engine_dead(e))
+
+    @app.post("/v1/messages", openapi_extra=_request_body(MessagesRequest), responses={
+        200: {"description": "The message (application/json), or its server-sent events "
+                             "(text/event-stream) with stream=true",
+              "content": {"application/json": {"schema": {
+                  "type": "object", "required": ["id", "type", "content"]}},
+                  "text/event-stream": {"schema": {
+                      "type": "object", "required": ["data"],
+                      "properties": {"data": {"type": "string"},
+                                     "event": {"type": "string"}}}}}}, **bad})
+    async def messages(raw: Request):
+        server._count_request()
+        return await answer(lambda: server.messages.create(raw))
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=_request_body(CountTokensRequest),
+              responses={200: {"description": "The prompt's token count",
+                               "content": {"application/json": {"schema": {
+                                   "type": "object", "required": ["input_tokens"]}}}},
+                         **bad})
+    async def count_tokens(raw: Request):
+        return await answer(lambda: server.messages.count_tokens(raw))
+
+
+def _utility_routes(app, server) -> None:
+    """vLLM's /tokenize, /detokenize, /version, /ping and /load."""
+    import jaxinfer
+
+    json_schema = {"application/json": {"schema": {"type": "object"}}}
+    bad = {400: {"description": "Bad request: the error names the field", **_ERROR},
+           404: {"description": "Unknown model", **_ERROR},
+           413: {"description": "Body over --max-request-body-bytes", **_ERROR},
+           503: {"description": "The engine is dead", **_ERROR}}
+    tokenize_body = {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"anyOf": [{"$ref": "#/components/schemas/TokenizeCompletionRequest"},
+                             {"$ref": "#/components/schemas/TokenizeChatRequest"}]}}}}}
+
+    @app.post("/tokenize", openapi_extra=tokenize_body, response_model=TokenizeResponse,
+              responses={200: {"description": "The prompt's (or the rendered chat's) token "
+                                              "ids"}, **bad})
+    async def tokenize(raw: Request):
+        return await server.tokenize.tokenize(raw)
+
+    @app.post("/detokenize", openapi_extra=_request_body(DetokenizeRequest),
+              response_model=DetokenizeResponse,
+              responses={200: {"description": "The token ids' text"}, **bad})
+    async def detokenize(raw: Request):
+        return await server.tokenize.detokenize(raw)
+
+    @app.get("/version", responses={200: {"description": "jaxinfer's version",
+                                           "content": json_schema}})
+    async def version():
+        return {"version": jaxinfer.__version__}
+
+    ping_responses = {200: {"description": "As /health: the engine is up (empty body)"},
+                      503: {"description": "The engine is dead", **_ERROR}}
+
+    # (GET and POST: SageMaker's health check posts; one route, so a 405 allows both)
+    @app.api_route("/ping", methods=["GET", "POST"], response_class=Response,
+                   responses=ping_responses)
+    async def ping():
+        err = server.llm.dead_error
+        if err is not None:
+            return error_response(engine_dead(err))
+        return Response(status_code=200)
+
+    @app.get("/load", responses={200: {"description": "Generation requests in flight on this "
+                                                      "API server (vLLM's server_load)",
+                                       "content": json_schema}})
+    async def load():
+        return {"server_load": len(server.llm.output_processor.requests)}
 
 
 class _AuthAndBodyLimit:

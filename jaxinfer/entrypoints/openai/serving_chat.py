@@ -35,44 +35,18 @@ class ChatServing:
     def __init__(self, server):
         self.server = server  # the OpenAIServer: its checks, admission, engine and model name
 
-    async def create(self, req: ChatCompletionRequest, raw: Request):
+    async def create(self, req: ChatCompletionRequest, raw: Request, info: dict | None = None):
+        """info: filled with the prompt's token count (for the Messages route's stream)."""
         self.server.check_model(req.model)
-        if req.chat_template is not None and not self.server.trust_request_chat_template:
-            raise APIError("chat_template: a chat template passed with the request is not "
-                           "rendered unless the server runs with --trust-request-chat-template "
-                           "(a template is code)", 400, "chat_template")
         params = self.server.sampling_params(req)
         await self.server.check_structured(req, params)
         mode = self._tool_mode(req)
         if mode == "auto" and self.server.tool_parser.special_tokens:
             params = params.clone(skip_special_tokens=False)  # (the calls' markers)
-        fmt = "openai" if self.server.content_format == "openai" else "string"
-        conversation = messages_for_template(req.conversation(fmt))
-        chars = sum(len(m["content"]) if isinstance(m["content"], str)
-                    else sum(len(p.get("text") or "") for p in m["content"])
-                    for m in conversation)
-        at_least, limit = chars // self.server.llm.tokenizer.max_token_chars, self.server.llm.max_model_len
-        if at_least > limit and params.truncate_prompt_tokens is None:
-            # refused without rendering or tokenizing it
-            raise APIError(f"The messages have at least {at_least} tokens ({chars} characters), "
-                           f"longer than the model's maximum context length of {limit} tokens.",
-                           400, "messages")
-        try:
-            template_kwargs = {**self.server.default_chat_template_kwargs,
-                               **(req.chat_template_kwargs or {})}
-            extra = dict(template_kwargs)
-            if req.tools:
-                extra["tools"] = req.tools
-            if req.documents is not None:
-                extra["documents"] = req.documents
-            ids = await asyncio.to_thread(
-                self.server.llm.tokenizer.apply_chat_template, conversation,
-                chat_template=req.chat_template or self.server.chat_template,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message, **extra)
-        except Exception as e:  # template errors are the request's fault
-            raise APIError(f"could not render the chat template: {e}", 400, "messages") from None
+        ids, template_kwargs = await self.render(req, params.truncate_prompt_tokens is not None)
         ids = self.server.llm.processor.truncate(ids, params)
+        if info is not None:
+            info["prompt_tokens"] = len(ids)
         self.server.check_prompt(ids)
         asked = req.max_tokens or req.max_completion_tokens
         self.server.check_length(len(ids), params.max_tokens if asked else None)
@@ -192,6 +166,47 @@ class ChatServing:
         return StreamingResponse(guard(events()), media_type="text/event-stream")
 
     # -- chat -----------------------------------------------------------------------------------
+    async def render(self, req: ChatCompletionRequest, truncating: bool = False,
+                     add_special_tokens: bool = False) -> tuple[list[int], dict]:
+        """The request's messages through the chat template: (token ids, the template's
+        kwargs). Also /tokenize's (add_special_tokens: on top of what the template places)."""
+        if req.chat_template is not None and not self.server.trust_request_chat_template:
+            raise APIError("chat_template: a chat template passed with the request is not "
+                           "rendered unless the server runs with --trust-request-chat-template "
+                           "(a template is code)", 400, "chat_template")
+        fmt = "openai" if self.server.content_format == "openai" else "string"
+        conversation = messages_for_template(req.conversation(fmt))
+        chars = sum(len(m["content"]) if isinstance(m["content"], str)
+                    else sum(len(p.get("text") or "") for p in m["content"])
+                    for m in conversation)
+        at_least, limit = chars // self.server.llm.tokenizer.max_token_chars, self.server.llm.max_model_len
+        if at_least > limit and not truncating:
+            # refused without rendering or tokenizing it
+            raise APIError(f"The messages have at least {at_least} tokens ({chars} characters), "
+                           f"longer than the model's maximum context length of {limit} tokens.",
+                           400, "messages")
+        tok = self.server.llm.tokenizer
+        try:
+            template_kwargs = {**self.server.default_chat_template_kwargs,
+                               **(req.chat_template_kwargs or {})}
+            extra = dict(template_kwargs)
+            if req.tools:
+                extra["tools"] = req.tools
+            if req.documents is not None:
+                extra["documents"] = req.documents
+
+            def render():
+                text = tok.apply_chat_template(
+                    conversation, chat_template=req.chat_template or self.server.chat_template,
+                    add_generation_prompt=req.add_generation_prompt, tokenize=False,
+                    continue_final_message=req.continue_final_message, **extra)
+                return tok.encode(text, add_special_tokens=add_special_tokens)
+
+            ids = await asyncio.to_thread(render)
+        except Exception as e:  # template errors are the request's fault
+            raise APIError(f"could not render the chat template: {e}", 400, "messages") from None
+        return ids, template_kwargs
+
     def _chat_logprobs(self, c: CompletionOutput, start: int, top_n: int, req=None):
         if c.logprobs is None:
             return None
