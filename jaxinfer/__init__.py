@@ -5,11 +5,13 @@
 
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "LoRARequest"]
+           "CompletionOutput", "LoRARequest", "PoolingParams", "PoolingRequestOutput",
+           "EmbeddingRequestOutput"]
 
 
 def __getattr__(name):

@@ -69,10 +69,10 @@ class LLM:
         if self._paused:  # (its requests would wait for a resume that cannot come)
             raise RuntimeError("generation is paused (pause_generation / sleep): call "
                                "resume_generation() or wake_up() first")
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        if self.llm_engine.resolved.runner == "pooling":
+            raise ValueError("this LLM runs a pooling model (runner='pooling'): use "
+                             "LLM.embed / LLM.encode / LLM.score, not generate")
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -102,6 +102,92 @@ class LLM:
             self.llm_engine.abort_request(ids)  # nothing half-submitted stays behind
             raise
         return self._run(ids, use_tqdm)
+
+    # -- pooling models (runner="pooling") -------------------------------------------------
+    def encode(self, prompts, pooling_params=None, *, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool = True, lora_request=None) -> list:
+        """Each prompt's pooled vector (vLLM's LLM.encode): PoolingRequestOutput with
+        outputs.data a float32 numpy array (after pooling_params: Matryoshka dimensions,
+        normalization). pooling_params: one PoolingParams for all prompts or one per prompt."""
+        from jaxinfer.pooling import PoolingOutput, PoolingRequestOutput
+
+        outs, params, pooler = self._pool(prompts, pooling_params, truncate_prompt_tokens,
+                                          use_tqdm, lora_request)
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(_finish(o, pooler, p)),
+                                     o.prompt_token_ids, True, o.num_cached_tokens, o.prompt)
+                for o, p in zip(outs, params)]
+
+    def embed(self, prompts, pooling_params=None, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, lora_request=None) -> list:
+        """Each prompt's embedding (vLLM's LLM.embed): EmbeddingRequestOutput with
+        outputs.embedding a list of floats."""
+        from jaxinfer.pooling import EmbeddingOutput, EmbeddingRequestOutput
+
+        outs, params, pooler = self._pool(prompts, pooling_params, truncate_prompt_tokens,
+                                          use_tqdm, lora_request)
+        return [EmbeddingRequestOutput(o.request_id,
+                                       EmbeddingOutput(_finish(o, pooler, p).tolist()),
+                                       o.prompt_token_ids, True, o.num_cached_tokens, o.prompt)
+                for o, p in zip(outs, params)]
+
+    def score(self, text_1, text_2, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list:
+        """vLLM's LLM.score with an embedding model: the cosine similarity of text_1's and
+        each of text_2's embeddings (one text_1 against many, or pairs of equal lists)."""
+        from jaxinfer.pooling import PoolingParams, ScoringOutput, ScoringRequestOutput
+
+        left = [text_1] if isinstance(text_1, (str, dict)) else list(text_1)
+        right = [text_2] if isinstance(text_2, (str, dict)) else list(text_2)
+        if len(left) == 1:
+            left = left * len(right)
+        if len(left) != len(right) or not right:
+            raise ValueError(f"score: text_1 has {len(left)} items and text_2 {len(right)}: "
+                             "give one text_1, or as many as text_2")
+        unit = PoolingParams(use_activation=True)
+        embs = self.embed(left + right, unit, truncate_prompt_tokens=truncate_prompt_tokens,
+                          use_tqdm=use_tqdm)
+        n = len(right)
+        out = []
+        for i in range(n):
+            a, b = embs[i].outputs.embedding, embs[n + i].outputs.embedding
+            score = float(sum(x * y for x, y in zip(a, b)))
+            out.append(ScoringRequestOutput(f"score-{i}", ScoringOutput(score),
+                                            embs[i].prompt_token_ids
+                                            + embs[n + i].prompt_token_ids))
+        return out
+
+    def _pool(self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request):
+        from jaxinfer.pooling import PoolingParams
+
+        rc = self.llm_engine.resolved
+        if rc.runner != "pooling":
+            raise ValueError("LLM.embed / encode / score need a pooling model: "
+                             "LLM(model, runner='pooling')")
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} PoolingParams for {len(prompts)} prompts")
+        for p in params:
+            if p is not None:
+                p.verify(rc.pooler)
+        sampling = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                   truncate_prompt_tokens=truncate_prompt_tokens
+                                   if p is None or p.truncate_prompt_tokens is None
+                                   else p.truncate_prompt_tokens) for p in params]
+        ids = []
+        try:
+            for prompt, sp in zip(prompts, sampling):
+                rid = f"pool-{self._counter}"
+                self._counter += 1
+                self.llm_engine.add_request(rid, prompt, sp, lora_request=lora_request)
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm), params, rc.pooler
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -229,3 +315,22 @@ class LLM:
             raise ValueError("collective_rpc: timeout is not supported (the call runs "
                              "between two steps of the engine core)")
         return self.llm_engine.collective_rpc(method, args, kwargs)
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _finish(out: RequestOutput, pooler, params):
+    """A finished pooling request's vector, as its PoolingParams ask."""
+    import numpy as np
+
+    from jaxinfer.pooling import finish
+
+    if out.pooled is None:  # (aborted / failed before its prompt was done)
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        raise RuntimeError(f"request {out.request_id} ended ({reason}) without its vector")
+    return finish(np.frombuffer(out.pooled, np.float32), pooler, params)

@@ -66,6 +66,9 @@ class RunnerOutput:
     sampled_token_ids: tuple[tuple[int, ...], ...]  # per request; () while still prefilling
     logprobs: dict[str, tuple[Logprobs, ...]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[Logprobs | None, ...]] = field(default_factory=dict)
+    # A pooling engine: request id -> its pooled vector (float32 bytes), for the requests
+    # whose prompt the step completed.
+    pooled: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class EngineCoreOutput:
     # (when the core first scheduled the request (time.time()), its preemptions so far), on
     # outputs with tokens: for the per-request metrics (queue / prefill time, preemptions).
     request_stats: tuple[float | None, int] | None = None
+    pooled: bytes | None = None  # a pooling engine: the prompt's vector (float32 bytes)
 
     @property
     def finished(self) -> bool:
@@ -157,3 +161,6 @@ class RequestOutput:
     # Disaggregated prefill/decode: what the KV connector handed out when the request
     # finished (a prefill instance's answer tells the decode instance where the KV is).
     kv_transfer_params: dict | None = None
+    # A pooling engine (runner="pooling"): the prompt's pooled vector, float32 bytes, before
+    # PoolingParams (truncation, normalization) are applied: LLM.embed / the server do that.
+    pooled: bytes | None = None

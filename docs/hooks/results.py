@@ -223,9 +223,27 @@ def _rl_weights(d: dict) -> str:
             + _table(header, rows) + (f"\n\nNot measured: {note}." if note else ""))
 
 
+def _embeddings(d: dict) -> str:
+    table = d["median_embeddings_per_s"]
+    engines = [e for e in ("jaxinfer", "hf", "vllm") if e in table]
+    names = {"jaxinfer": "jaxinfer", "hf": "HF transformers", "vllm": "vLLM CPU"}
+    header = ["workload"] + [f"{names[e]} emb/s" for e in engines] + [
+        f"jaxinfer / {names[e]}" for e in engines if e != "jaxinfer"]
+    rows = []
+    for w, spec in d["workloads"].items():
+        row = [f"{spec['inputs']} x {spec['tokens_each']} tokens"]
+        row += [f"{table[e][w]:.1f}" for e in engines]
+        row += [f"{table['jaxinfer'][w] / table[e][w]:.2f}x" for e in engines
+                if e != "jaxinfer"]
+        rows.append(row)
+    return (f"{d['cpu']} ({d['ncpu']} cores), {d['model']} {d['dtype']}, {d['pooling']}; "
+            f"median of {d['repeats']} rounds (every run in the JSON)\n\n"
+            + _table(header, rows))
+
+
 RENDERERS = {"compare_cpu": _compare_cpu, "quantization": _quantization, "startup": _startup,
              "kernels": _kernels, "bench_defaults": _bench_defaults, "lora": _lora,
-             "rl_weights": _rl_weights}
+             "rl_weights": _rl_weights, "embeddings": _embeddings}
 
 
 def render(name: str) -> str:

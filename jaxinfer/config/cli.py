@@ -13,13 +13,14 @@ import json
 
 from jaxinfer.config.engine import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, SCHEDULING_POLICIES,
                                     STEP_COMPILATIONS, WARMUP_BUCKETS, EngineConfig)
-from jaxinfer.config.features import (KVTransferConfig, SpeculativeConfig,
-                                      StructuredOutputsConfig)
+from jaxinfer.config.features import (RUNNERS, KVTransferConfig, PoolerConfig,
+                                      SpeculativeConfig, StructuredOutputsConfig)
 from jaxinfer.config.quant import QUANTIZATION_METHODS
 from jaxinfer.reasoning import REASONING_PARSERS
 
 _SUB_CONFIGS = {"structured_outputs_config": StructuredOutputsConfig,
-                "speculative_config": SpeculativeConfig, "kv_transfer_config": KVTransferConfig}
+                "speculative_config": SpeculativeConfig, "kv_transfer_config": KVTransferConfig,
+                "pooler_config": PoolerConfig}
 
 
 def json_object(text: str) -> dict:
@@ -118,6 +119,15 @@ FLAGS: dict[str, dict] = {
     "enable_sleep_mode": dict(help="allow sleep levels 1 and 2: free the device's weights "
                                    "and KV cache between rollouts (RL; serve: /sleep, "
                                    "/wake_up with VLLM_SERVER_DEV_MODE=1)"),
+    "runner": dict(choices=RUNNERS, help="generate (text), pooling (embeddings: "
+                   "/v1/embeddings, /v1/score, /rerank), auto: pooling for a bare decoder "
+                   "checkpoint (e.g. Qwen3Model), else generate"),
+    "task": dict(type=str, choices=("embed", "generate"), help="vLLM's older spelling: embed = "
+                 "--runner pooling"),
+    "pooler_config": dict(help='how a pooling engine pools, as JSON (vLLM\'s names): '
+                          '{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool, '
+                          '"dimensions": N} (default: the folder\'s sentence-transformers '
+                          'config, else LAST, normalized)'),
     "generation_config": dict(help="auto: the model's generation_config.json sets the default "
                               "sampling parameters (a request's own values override them); "
                               "vllm: the built-in defaults; or a folder with a "

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
-from jaxinfer.config.features import (KVTransferConfig, SpeculativeConfig,
-                                      StructuredOutputsConfig)
+from jaxinfer.config.features import (RUNNERS, KVTransferConfig, PoolerConfig,
+                                      SpeculativeConfig, StructuredOutputsConfig)
 from jaxinfer.config.model import ModelConfig, resolve_dtype
 from jaxinfer.config.parallel import ParallelConfig, get_pp_partition
+
+logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 WARMUP_BUCKETS = ("start", "all")
@@ -201,6 +205,15 @@ class EngineConfig:
     # vLLM's enable_sleep_mode: sleep(level=1 | 2) may free the device's weights and KV
     # cache (RL rollouts between training steps; docs/rl.md). Level 0 (pause) needs nothing.
     enable_sleep_mode: bool = False
+    # vLLM's runner: "generate" (text), "pooling" (one vector per prompt: embeddings,
+    # LLM.embed, /v1/embeddings; prefill only, no sampling) or "auto" (pooling for a bare
+    # decoder checkpoint such as Qwen3Model, else generate). `task="embed"` (vLLM's older
+    # spelling) is runner="pooling".
+    runner: str = "auto"
+    task: str | None = None
+    # How a pooling engine pools: a PoolerConfig or a dict of its fields, e.g.
+    # {"pooling_type": "MEAN", "normalize": true}. None: from the model folder.
+    pooler_config: PoolerConfig | dict | None = None
 
     def parallel_config(self) -> ParallelConfig:
         """The parallel sizes above as the ParallelConfig the engine is built from (checked:
@@ -252,6 +265,7 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         self._check_lora()
+        self._check_runner()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported "
                              f"(supported: {', '.join(KV_CACHE_DTYPES)})")
@@ -265,6 +279,29 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
 
+
+    def _check_runner(self) -> None:
+        if self.task is not None:
+            if self.task not in ("embed", "generate"):
+                raise ValueError(f"task={self.task!r} is not supported (supported: embed, "
+                                 "generate; or use runner)")
+            runner = "pooling" if self.task == "embed" else "generate"
+            if self.runner not in ("auto", runner):
+                raise ValueError(f"task={self.task!r} contradicts runner={self.runner!r}")
+            object.__setattr__(self, "runner", runner)
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner={self.runner!r} is not supported (supported: "
+                             f"{', '.join(RUNNERS)})")
+        pc = _sub_config(self.pooler_config, PoolerConfig, "pooler_config")
+        object.__setattr__(self, "pooler_config", pc)
+        if self.runner != "pooling":
+            return
+        for name, bad in (("speculative_config", self.speculative_config is not None),
+                          ("enable_lora", self.enable_lora),
+                          ("kv_transfer_config", self.kv_transfer_config is not None),
+                          ("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1)):
+            if bad:
+                raise ValueError(f"runner='pooling' cannot be combined with {name} yet")
 
     def _check_lora(self) -> None:
         for name, low in (("max_loras", 1), ("max_lora_rank", 1)):
@@ -318,6 +355,8 @@ class ResolvedConfig:
     # empty with generation_config="vllm" or when the file sets none of them)
     default_sampling: dict
     eos_token_ids: tuple[int, ...]  # config.json's and generation_config.json's, in order
+    runner: str = "generate"  # "generate" | "pooling" (EngineConfig.runner resolved)
+    pooler: Any = None  # pooling.ResolvedPooler of a pooling engine, else None
 
 
 # generation_config.json key -> the SamplingParams field it sets by default (vLLM's list)
@@ -404,8 +443,16 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     if max_tokens < config.max_num_seqs:
         raise ValueError(f"max_num_batched_tokens={max_tokens} must be >= max_num_seqs="
                          f"{config.max_num_seqs}")
+    runner, pooler = _resolve_runner(config, model_dir, mcfg)
+    prefix_caching = config.enable_prefix_caching
+    if pooler is not None and pooler.pooling_type != "LAST" and prefix_caching:
+        # (MEAN / CLS need every prompt token's hidden state: a prefix hit would skip some;
+        # vLLM caches prefixes of LAST-pooled requests only, too)
+        logger.info("pooling_type %s: prefix caching off (it needs every prompt token's "
+                    "hidden state)", pooler.pooling_type)
+        prefix_caching = False
     cache = CacheConfig(block_size=config.block_size, num_blocks=config.num_kv_blocks,
-                        enable_prefix_caching=config.enable_prefix_caching,
+                        enable_prefix_caching=prefix_caching,
                         hash_seed=config.seed)
     sched = SchedulerConfig(max_model_len=max_model_len, max_num_batched_tokens=max_tokens,
                             max_num_seqs=config.max_num_seqs,
@@ -444,4 +491,18 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
                           scheduler=sched, cache=cache, parallel=config.parallel_config(),
                           default_sampling=generation_defaults(config.generation_config,
                                                                model_dir),
-                          eos_token_ids=eos)
+                          eos_token_ids=eos, runner=runner, pooler=pooler)
+
+
+def _resolve_runner(config: EngineConfig, model_dir: str, mcfg: ModelConfig):
+    """(runner, the resolved pooler of a pooling engine or None)."""
+    from jaxinfer.pooling import BASE_MODEL_ARCHITECTURES, resolve_pooler
+
+    runner = config.runner
+    if runner == "auto":
+        runner = "pooling" if mcfg.architecture in BASE_MODEL_ARCHITECTURES else "generate"
+    if runner != "pooling":
+        if config.pooler_config is not None:
+            raise ValueError("pooler_config is for runner='pooling'")
+        return runner, None
+    return runner, resolve_pooler(config.pooler_config, model_dir, mcfg.hidden_size)

@@ -113,6 +113,8 @@ def _qwen3_fields(d: dict[str, Any]) -> dict[str, Any]:
     return dict(qk_norm=True)
 
 
+_BARE = {"tie_word_embeddings": True}
+
 FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Qwen2ForCausalLM": _qwen2_fields,
     "Qwen3ForCausalLM": _qwen3_fields,
@@ -122,6 +124,12 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
                                       **_moe_fields(d, "Qwen3MoeForCausalLM")},
     "MixtralForCausalLM": lambda d: _moe_fields(d, "MixtralForCausalLM"),
     "Gemma3ForCausalLM": lambda d: {**_qwen3_fields(d), **_gemma3_fields(d)},
+    # bare decoders (no LM head), served as pooling models (runner="pooling"): the LM head
+    # (never used by a pooling step) is the embedding, so none is looked for in the weights
+    "LlamaModel": lambda d: _BARE,
+    "MistralModel": lambda d: _BARE,
+    "Qwen2Model": lambda d: {**_qwen2_fields(d), **_BARE},
+    "Qwen3Model": lambda d: {**_qwen3_fields(d), **_BARE},
 }
 
 

@@ -199,3 +199,37 @@ class KVTransferConfig:
     @property
     def is_kv_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+RUNNERS = ("auto", "generate", "pooling")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling engine (runner="pooling") makes one vector of a prompt (vLLM's
+    `pooler_config`): pooling_type LAST (the last token's final hidden state), MEAN (the
+    average over the prompt's tokens) or CLS (the first token's); use_activation (also taken
+    as `normalize`): L2-normalize the vector (embeddings); dimensions: the default Matryoshka
+    truncation. None: what the model folder's sentence-transformers config says, else LAST,
+    normalized (vLLM's defaults for a decoder used as an embedding model)."""
+
+    pooling_type: str | None = None
+    use_activation: bool | None = None
+    normalize: bool | None = None  # (vLLM's older name of use_activation)
+    dimensions: int | None = None
+
+    def __post_init__(self):
+        if self.pooling_type is not None:
+            kind = str(self.pooling_type).upper()
+            if kind not in POOLING_TYPES:
+                raise ValueError(f"pooler_config.pooling_type={self.pooling_type!r} is not "
+                                 f"supported (supported: {', '.join(POOLING_TYPES)})")
+            object.__setattr__(self, "pooling_type", kind)
+        if self.normalize is not None:
+            if self.use_activation not in (None, self.normalize):
+                raise ValueError("pooler_config: normalize and use_activation disagree")
+            object.__setattr__(self, "use_activation", bool(self.normalize))
+        d = self.dimensions
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise ValueError(f"pooler_config.dimensions must be an integer >= 1, got {d!r}")

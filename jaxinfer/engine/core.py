@@ -275,7 +275,7 @@ class EngineCore:
         t1 = time.perf_counter()
         ro = self.runner.collect(handle)
         t2 = time.perf_counter()
-        outs = self._stamp(sched.update_from_output(so, ro), handle)
+        outs = self._stamp(sched.update_from_output(so, ro), handle, ro)
         if self.speculative:
             sched.update_draft_token_ids(self.runner.take_draft_token_ids())
         if self.step_timings is not None and handle is not None:
@@ -300,8 +300,8 @@ class EngineCore:
         outs: list[EngineCoreOutput] = []
         while self._in_flight:
             so, handle = self._in_flight.popleft()
-            outs += self._stamp(self.scheduler.update_from_output(
-                so, self.runner.collect(handle)), handle)
+            ro = self.runner.collect(handle)
+            outs += self._stamp(self.scheduler.update_from_output(so, ro), handle, ro)
         return outs
 
     def _schedule(self) -> SchedulerOutput:
@@ -317,8 +317,12 @@ class EngineCore:
         return so
 
     @staticmethod
-    def _stamp(outs: list[EngineCoreOutput], handle) -> list[EngineCoreOutput]:
-        """Label the tokens with the weights that sampled them (once weights changed)."""
+    def _stamp(outs: list[EngineCoreOutput], handle, ro=None) -> list[EngineCoreOutput]:
+        """Label the tokens with the weights that sampled them (once weights changed); a
+        pooling engine's outputs carry their pooled vectors."""
+        if ro is not None and ro.pooled:
+            outs = [dataclasses.replace(o, pooled=ro.pooled[o.request_id])
+                    if o.request_id in ro.pooled else o for o in outs]
         version = getattr(handle, "weight_version", None)
         if version is None:
             return outs

@@ -48,6 +48,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = None
     kv_transfer_params: dict | None = None  # from the KV connector when it finished
+    pooled: bytes | None = None  # a pooling engine's vector of the prompt
 
     @property
     def finished(self) -> bool:
@@ -126,6 +127,8 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params
+            if out.pooled is not None:
+                state.pooled = out.pooled
             if out.new_token_ids:
                 m.first_token_time = m.first_token_time or now
                 m.last_token_time = now
@@ -178,4 +181,5 @@ class OutputProcessor:
                              prompt_logprobs=state.prompt_logprobs,
                              outputs=outs, finished=state.finished, metrics=state.metrics,
                              num_cached_tokens=state.num_cached_tokens,
-                             kv_transfer_params=state.kv_transfer_params)
+                             kv_transfer_params=state.kv_transfer_params,
+                             pooled=state.pooled)

@@ -36,7 +36,8 @@ def _safetensors_index(model_dir: str) -> dict[str, str]:
     if os.path.isfile(index):
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(model_dir, fn) for name, fn in weight_map.items()}
+        return _bare_names({name: os.path.join(model_dir, fn)
+                            for name, fn in weight_map.items()})
     single = os.path.join(model_dir, "model.safetensors")
     if not os.path.isfile(single):
         raise FileNotFoundError(
@@ -45,7 +46,18 @@ def _safetensors_index(model_dir: str) -> dict[str, str]:
     from safetensors import safe_open
 
     with safe_open(single, framework="numpy") as f:
-        return {name: single for name in f.keys()}
+        return _bare_names({name: single for name in f.keys()})
+
+
+def _bare_names(files_by_name: dict[str, str]) -> dict[str, str]:
+    """A bare decoder's checkpoint (HF's Qwen3Model & co: embed_tokens / layers / norm without
+    the "model." prefix) under the names the model classes use; _iter_tensors reads each from
+    its stored name."""
+    if any(n.startswith("model.") for n in files_by_name) or \
+            "embed_tokens.weight" not in files_by_name:
+        return files_by_name
+    return {("model." + n if n.split(".")[0] in ("embed_tokens", "layers", "norm") else n): fn
+            for n, fn in files_by_name.items()}
 
 
 _RAW_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
@@ -72,14 +84,15 @@ def _iter_tensors(files_by_name: dict[str, str], wanted: list[str]):
         header, base = _safetensors_header(fn)
         with safe_open(fn, framework="numpy") as f:
             for name in names:
-                info = header[name]
+                stored = name if name in header else name.removeprefix("model.")
+                info = header[stored]
                 if info["dtype"] in _RAW_DTYPES:
                     start, end = info["data_offsets"]
                     raw = np.fromfile(fn, np.uint8, end - start, offset=base + start)
                     yield name, raw.view(np_dtype(_RAW_DTYPES[info["dtype"]])).reshape(
                         info["shape"])
                 else:
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_tensor(stored)
 
 
 _SCALE_NAMES = {".weight_scale": "scale", ".weight_scale_inv": "scale",

@@ -16,6 +16,12 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen_moe", "QwenMoeForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    # Bare decoders (HF's *Model: weights without the "model." prefix, no LM head), as
+    # pooling models (embeddings, e.g. Qwen3-Embedding); the loader maps their names.
+    "LlamaModel": ("llama", "LlamaForCausalLM"),
+    "MistralModel": ("llama", "LlamaForCausalLM"),
+    "Qwen2Model": ("llama", "LlamaForCausalLM"),
+    "Qwen3Model": ("llama", "LlamaForCausalLM"),
 }
 
 

@@ -47,11 +47,13 @@ class ModelRunner:
     def __init__(self, program: StepProgram, *, num_kv_blocks: int, block_size: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, kv_dtype,
                  buckets: BucketTable | None = None, speculative_config=None,
-                 pipeline_depth: int = 1, logits_processors=(), lora=None):
+                 pipeline_depth: int = 1, logits_processors=(), lora=None,
+                 pooling: str = ""):
         """program: how steps are compiled and run (step_program.make_step_program);
         pipeline_depth: step batches in flight at most (P under pipeline parallelism);
         logits_processors: custom LogitsProcessor instances (jaxinfer/logits_processors.py);
-        lora: the LoRAManager of an engine serving adapters (lora/manager.py), or None."""
+        lora: the LoRAManager of an engine serving adapters (lora/manager.py), or None;
+        pooling: a pooling engine's pooling type (LAST / MEAN / CLS; "": a generating one)."""
         self.lora = lora
         self.program = program
         self.model_config = cfg = program.model_config
@@ -72,7 +74,11 @@ class ModelRunner:
         # variant). A draft model or EAGLE head drafts inside the step (its drafts come back
         # with the sampled tokens); else an n-gram proposer drafts from the tokens on the host.
         self.num_spec = speculative_config.num_speculative_tokens if speculative_config else 0
-        self.base_features = StepFeatures(spec=self.num_spec > 0)
+        self.base_features = StepFeatures(spec=self.num_spec > 0, pooling=pooling)
+        self.pooling = pooling
+        # MEAN / CLS pooling over chunks: request id -> its sum so far / its first token's
+        # state, until the step that completes its prompt
+        self._pool_partial: dict[str, np.ndarray] = {}
         drafter = getattr(program, "drafter", None)
         self.proposer = None
         if speculative_config is not None and drafter is None:
@@ -88,7 +94,7 @@ class ModelRunner:
                                    eagle=drafter is not None and drafter.kind == "eagle",
                                    num_host_buffers=pipeline_depth + 1,
                                    logits_processors=self.logits_processors,
-                                   lora=lora is not None)
+                                   lora=lora is not None, pooling=pooling)
         # Requests whose inputs could not be prepared (request id -> error), left out of the
         # step that dispatch() launched; the engine core finishes them with that error.
         self.failed_requests: dict[str, str] = {}
@@ -125,6 +131,7 @@ class ModelRunner:
             if step is None:
                 return
             batch, features = step
+            features = dataclasses.replace(features, pooling=self.pooling)  # (engine-wide)
             t, r = batch.input_ids.shape[0], batch.req_slots.shape[0]
             _, self.state = self.compiled.get(t, r, features)(self.state,
                                                               self.program.place(batch))
@@ -196,6 +203,12 @@ class ModelRunner:
         return self.compiled.choose(*self.buckets.pick(n_tok, n_req), features)
 
     def dispatch(self, so: SchedulerOutput, grammar=None) -> InFlightStep | None:
+        if self._pool_partial and so.finished_req_ids:  # (aborted mid-prompt)
+            for rid in so.finished_req_ids:
+                self._pool_partial.pop(rid, None)
+        return self._dispatch(so, grammar)
+
+    def _dispatch(self, so: SchedulerOutput, grammar=None) -> InFlightStep | None:
         """Apply the diff, build the inputs and launch the step; does not wait for it. The
         rows that sample a real token count it at once (InputBatch.num_tokens / pending), so
         the next step can be built before this one is collected. None: nothing to run.
@@ -265,7 +278,31 @@ class ModelRunner:
                 self._drafts = drafts
         else:
             write_sampled(self.batch, out, inflight.step, inflight.positions)
-        return runner_output(out, inflight.step)
+        ro = runner_output(out, inflight.step)
+        if "pooled" in out:
+            ro.pooled.update(self._pooled(out["pooled"], inflight.step))
+        return ro
+
+    def _pooled(self, pooled: np.ndarray, step) -> dict[str, bytes]:
+        """The vectors of the requests whose prompt this step completed; MEAN adds each
+        chunk's sum to the request's (restarting at position 0: a preempted request is
+        recomputed), CLS keeps the state of position 0."""
+        done: dict[str, bytes] = {}
+        partial = self._pool_partial
+        for i, rid in enumerate(step.req_ids):
+            row, first = pooled[i], step.computed[i] == 0
+            if self.pooling == "MEAN":
+                row = row if first else partial.get(rid, 0) + row
+            elif self.pooling == "CLS" and not first:
+                row = partial.get(rid, row)
+            if step.samples[i]:
+                partial.pop(rid, None)
+                if self.pooling == "MEAN":
+                    row = row / max(int(step.num_prompt_tokens[i]), 1)
+                done[rid] = np.asarray(row, np.float32).tobytes()
+            elif self.pooling != "LAST":
+                partial[rid] = row
+        return done
 
     def execute(self, so: SchedulerOutput, grammar=None) -> RunnerOutput:
         return self.collect(self.dispatch(so, grammar))

@@ -42,7 +42,8 @@ class BuiltStep:
 class StepBuilder:
     def __init__(self, batch: InputBatch, *, block_size: int, max_blocks: int,
                  num_slots: int, bitmask_width: int, num_spec: int, eagle: bool,
-                 num_host_buffers: int = 2, logits_processors=(), lora: bool = False):
+                 num_host_buffers: int = 2, logits_processors=(), lora: bool = False,
+                 pooling: str = ""):
         """num_spec: K drafts at most per request (0: no speculative decoding); eagle: rows
         also carry the token after each one (an EAGLE head drafts from them);
         num_host_buffers: buffers per shape used in turn (a buffer is refilled only after the
@@ -53,6 +54,7 @@ class StepBuilder:
         self.num_host_buffers = num_host_buffers
         self.logits_processors = tuple(logits_processors)
         self.lora = lora  # steps carry each token's adapter slot
+        self.pooling = pooling  # a pooling engine's pooling type (StepFeatures.pooling)
         self._host_buffers: dict[tuple, list[StepBatch]] = {}
 
     def new_buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool = False,
@@ -133,7 +135,8 @@ class StepBuilder:
                                 penalties=penalties, prompt_logprobs=wants_pl,
                                 structured=structured, spec=self.num_spec > 0, verify=verify,
                                 bias=bias,
-                                logits_processors=self.logits_processors if processors else ())
+                                logits_processors=self.logits_processors if processors else (),
+                                pooling=self.pooling)
         t, r = choose_bucket(n_tok, n_req, features)
         batch = self._buffers(t, r, wants_pl, structured, verify, bias, processors)
         if processors:

@@ -45,6 +45,8 @@ def step_tail(model, hidden, input_ids, sampler: SamplerState, batch: StepBatch,
     model: needs only its LM head (compute_logits) and mesh; hidden: the final-normed states
     [T, H]; target_hidden: what an EAGLE head reads (default hidden). Returns (outputs,
     draft_kv, sampler state)."""
+    if features.pooling:  # a pooling engine: no LM head, no sampling
+        return _pooling_tail(model, hidden, batch, features.pooling), draft_kv, sampler
     spec = features.spec
     # The rows the LM head computes: each sequence's last token, or (spec) its 1 + d_i
     # verify positions, each tied to its sequence row `rows`.
@@ -102,6 +104,26 @@ def step_tail(model, hidden, input_ids, sampler: SamplerState, batch: StepBatch,
     if model.mesh is not None:  # every process can read the (small) results back
         out = jax.lax.with_sharding_constraint(out, NamedSharding(model.mesh, P()))
     return out, draft_kv, SamplerState(counts, prompt_mask, last_sampled)
+
+
+def _pooling_tail(model, hidden, batch: StepBatch, kind: str) -> dict:
+    """Each row's pooled final hidden state, float32 [R, H]: LAST its last token's, CLS its
+    first token's (the host keeps it from the chunk at position 0), MEAN the sum over its
+    tokens (the host adds the chunks up and divides). token_ids: a placeholder (0) that
+    finishes the request (max_tokens=1) once its prompt is done."""
+    r = batch.logits_indices.shape[0]
+    qsl = batch.attn.query_start_loc
+    if kind == "LAST":
+        pooled = hidden[batch.logits_indices]
+    elif kind == "CLS":
+        pooled = hidden[qsl[:r]]
+    else:  # MEAN: padding tokens (past the last row) map to row r and are dropped
+        row = jnp.searchsorted(qsl[1:], jnp.arange(hidden.shape[0]), side="right")
+        pooled = jax.ops.segment_sum(hidden.astype(jnp.float32), row, num_segments=r)
+    out = {"token_ids": jnp.zeros((r,), jnp.int32), "pooled": pooled.astype(jnp.float32)}
+    if model.mesh is not None:
+        out = jax.lax.with_sharding_constraint(out, NamedSharding(model.mesh, P()))
+    return out
 
 
 def _prompt_logprobs(model, hidden, batch: StepBatch):

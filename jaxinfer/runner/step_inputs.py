@@ -34,9 +34,13 @@ class StepFeatures:
     # The engine's custom logits processors, when some row uses one (else empty): the step
     # traces their apply() in.
     logits_processors: tuple = ()
+    # A pooling engine (runner="pooling"): "LAST" | "MEAN" | "CLS"; the step returns each
+    # row's pooled final hidden state (MEAN: the row's sum) instead of sampling ("": off).
+    pooling: str = ""
 
     def __str__(self) -> str:
-        on = [f.name if f.name != "bias" else f"bias{self.bias}"
+        on = [f.name if f.name not in ("bias", "pooling") else
+              f"{f.name}{getattr(self, f.name)}"
               for f in dataclasses.fields(self) if getattr(self, f.name)]
         return "+".join(on) or "plain"
 

@@ -281,7 +281,8 @@ class Worker:
                            pipeline_depth=len(self.model) if isinstance(self.model, list) else 1,
                            logits_processors=[load_processor(p)(rc)
                                               for p in cfg.logits_processors or ()],
-                           lora=lora)
+                           lora=lora,
+                           pooling=rc.pooler.pooling_type if rc.runner == "pooling" else "")
 
     @property
     def step_compilation(self) -> str:

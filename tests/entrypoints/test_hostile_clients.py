@@ -124,7 +124,8 @@ def assert_well_formed(r):
             assert "error" not in ev or ev["error"]["code"] < 500, ev
     else:
         body = r.json()
-        assert "choices" in body or {"tokens", "count"} <= set(body) or "prompt" in body, body
+        assert ("choices" in body or {"tokens", "count"} <= set(body) or "prompt" in body
+                or "data" in body or "results" in body), body
 
 
 def wait_idle(live, timeout=60.0):
@@ -389,7 +390,8 @@ CHAT_VALID = VALID + [({"chat_template_kwargs": {"enable_thinking": False}}, Fal
                       ({"continue_final_message": True, "add_generation_prompt": False}, False)]
 
 
-def _fuzz(live, route, model, make_body, places, valid, examples=EXAMPLES, streams=True):
+def _fuzz(live, route, model, make_body, places, valid, examples=EXAMPLES, streams=True,
+          works=None):
     fields = _fields(model) + places
     seen = {"2xx": 0, "4xx": 0}
 
@@ -400,7 +402,7 @@ def _fuzz(live, route, model, make_body, places, valid, examples=EXAMPLES, strea
         r = post(live, route, body)
         assert_well_formed(r)
         seen["2xx" if r.status_code < 300 else "4xx"] += 1
-        plain_request_works(live)
+        (works or plain_request_works)(live)
         return r
 
     for overrides, stream in valid:
@@ -448,7 +450,7 @@ def test_fuzz_tokenize_routes(live):
                                                               TokenizeChatRequest,
                                                               TokenizeCompletionRequest)
 
-    n = max(EXAMPLES // 3, 10)
+    n = max(EXAMPLES // 6, 10)
     _fuzz(live, "/tokenize", TokenizeCompletionRequest,
           _body_with({"model": MODEL, "prompt": "Hi"}), [],
           [({"return_token_strs": True, "add_special_tokens": False}, False)], n, False)
@@ -489,10 +491,10 @@ def test_fuzz_anthropic_messages(live):
                                 {"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}],
                "tools": [tool], "tool_choice": {"type": "none"}}, False)]
     _fuzz(live, "/v1/messages", MessagesRequest, _body_with(base), places, valid,
-          max(EXAMPLES // 2, 10))
+          max(EXAMPLES // 4, 10))
     count = {k: v for k, v in base.items() if k != "max_tokens"}
     _fuzz(live, "/v1/messages/count_tokens", CountTokensRequest, _body_with(count), places,
-          [({"system": "Be brief."}, False)], max(EXAMPLES // 4, 10), False)
+          [({"system": "Be brief."}, False)], max(EXAMPLES // 8, 10), False)
 
 
 def test_fuzz_responses(live):
@@ -531,13 +533,47 @@ def test_fuzz_responses(live):
         return body
 
     _fuzz(live, "/v1/responses", ResponsesRequest, make, places, valid,
-          max(EXAMPLES // 2, 10))
+          max(EXAMPLES // 4, 10))
     for rid in (first.json()["id"], "resp_nope", "%ff", "x" * 3000):
         r = httpx.get(live.base_url + "/v1/responses/" + rid, timeout=30)
         assert r.status_code in (200, 404), r.text
         assert r.status_code == 404 or r.json()["id"] == rid
         if r.status_code == 404:
             assert_openai_error(r, 404)
+
+
+def test_fuzz_pooling_routes(tiny_dir):
+    """A pooling server: /v1/embeddings, /v1/score, /rerank."""
+    from jaxinfer.engine.async_engine import AsyncLLM
+    from jaxinfer.entrypoints.openai.serving_embedding import (EmbeddingRequest, RerankRequest,
+                                                               ScoreRequest)
+
+    llm = AsyncLLM(EngineConfig(model=tiny_dir, **dict(ENGINE, runner="pooling")))
+    pool = LiveServer(llm, MODEL, max_prompts_per_request=MAX_PROMPTS)
+
+    def works(live):
+        r = post(live, "/v1/embeddings", {"model": MODEL, "input": "Hi"})
+        assert r.status_code == 200 and len(r.json()["data"]) == 1, r.text
+        assert httpx.get(live.base_url + "/health", timeout=30).status_code == 200
+
+    try:
+        n = max(EXAMPLES // 6, 10)
+        _fuzz(pool, "/v1/embeddings", EmbeddingRequest,
+              _body_with({"model": MODEL, "input": ["Hi", "there"]}), [],
+              [({"encoding_format": "base64", "truncate_prompt_tokens": 4,
+                 "add_special_tokens": False, "normalize": False}, False),
+               ({"input": [[5, 6, 7], [8]]}, False)], n, False, works)
+        _fuzz(pool, "/v1/score", ScoreRequest,
+              _body_with({"model": MODEL, "text_1": "Hi", "text_2": ["a", "b"]}), [],
+              [({"text_1": ["x", "y"]}, False)], n, False, works)
+        _fuzz(pool, "/rerank", RerankRequest,
+              _body_with({"model": MODEL, "query": "Hi", "documents": ["a", "b"]}), [],
+              [({"top_n": 1, "return_documents": False}, False)], n, False, works)
+        assert post(pool, "/v1/completions", {"model": MODEL, "prompt": "x"}).status_code == 404
+        stats = pool.server.llm.stats
+        assert stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
+    finally:
+        pool.close()
 
 
 def test_fuzz_chat_behind_reasoning_and_tool_parsers(tiny_dir):

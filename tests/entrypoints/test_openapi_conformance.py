@@ -103,3 +103,54 @@ def test_boundary_values_of_every_documented_range(live):
         counts[op.path] = codes
     for path in ("/v1/completions", "/v1/chat/completions"):
         assert counts[path].get(400, 0) > 100 and counts[path].get(200, 0) > 0, counts
+
+
+def test_pooling_server_documented_responses(tmp_path_factory, smollm2_dir):
+    """A pooling server (runner="pooling"): its routes (embeddings, score, rerank), schema-valid
+    and schema-violating requests and the boundary values, all as documented."""
+    from schemathesis.specs.openapi import checks
+
+    from jaxinfer.engine.async_engine import AsyncLLM
+
+    path = tmp_path_factory.mktemp("tiny-openapi-pooling")
+    make_tiny_model_dir(path, "llama", smollm2_dir)
+    llm = AsyncLLM(EngineConfig(model=str(path), runner="pooling", dtype="float32",
+                                max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64,
+                                warmup=False, num_kv_blocks=64, enable_multiprocessing=False))
+    live = LiveServer(llm, "tiny")
+    try:
+        schema = schemathesis.openapi.from_url(live.base_url + "/openapi.json")
+        ops = [r.ok() for r in schema.get_all_operations()]
+        posts = {op.path for op in ops if op.method == "post"}
+        assert {"/v1/embeddings", "/v1/score", "/rerank"} <= posts
+        assert "/v1/completions" not in posts
+        codes: dict[str, dict[int, int]] = {}
+        for op in ops:
+            if op.path not in ("/v1/embeddings", "/v1/score", "/score", "/rerank",
+                               "/v1/rerank"):
+                continue
+            for mode in (schemathesis.GenerationMode.POSITIVE,
+                         schemathesis.GenerationMode.NEGATIVE):
+                @settings(max_examples=10, deadline=None, database=None, derandomize=True,
+                          suppress_health_check=list(HealthCheck))
+                @given(op.as_strategy(generation_mode=mode))
+                def check(case):
+                    response = case.call(base_url=live.base_url, timeout=120)
+                    got = codes.setdefault(op.path, {})
+                    got[response.status_code] = got.get(response.status_code, 0) + 1
+                    case.validate_response(response,
+                                           excluded_checks=[checks.positive_data_acceptance])
+
+                check()
+            config = schema.config.generation_for(operation=op, phase="coverage")
+            for case in schema.iter_coverage_cases(op, generation_modes=[
+                    schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE],
+                    generation_config=config):
+                response = case.call(base_url=live.base_url, timeout=120)
+                got = codes.setdefault(op.path, {})
+                got[response.status_code] = got.get(response.status_code, 0) + 1
+                case.validate_response(response,
+                                       excluded_checks=[checks.positive_data_acceptance])
+        assert codes["/v1/embeddings"].get(200, 0) > 0 and codes["/v1/embeddings"].get(400, 0)
+    finally:
+        live.close()

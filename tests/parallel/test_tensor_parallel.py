@@ -25,6 +25,8 @@ def run_tp(model_dir, tp, mode="tiny"):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# (slow: CI keeps the TP parity tests and the single-device quantization / fp8 KV tests)
+@pytest.mark.slow
 def test_tp_with_quantized_weights_and_fp8_kv_matches_single_device(tmp_path, smollm2_dir):
     """fp8 weights (per-channel scales sharded with them) and an fp8 KV cache: TP=2 gives
     TP=1's greedy tokens."""

@@ -27,6 +27,7 @@ from jaxinfer.entrypoints.openai.errors import (APIError, engine_dead, raise_if_
                                                 validation_error)
 from jaxinfer.entrypoints.openai.protocol import CompletionRequest
 from jaxinfer.entrypoints.openai.serving_chat import ChatServing
+from jaxinfer.entrypoints.openai.serving_embedding import EmbeddingServing
 from jaxinfer.entrypoints.openai.serving_messages import MessagesServing
 from jaxinfer.entrypoints.openai.serving_responses import DEFAULT_STORE_SIZE, ResponsesServing
 from jaxinfer.entrypoints.openai.serving_tokenize import TokenizeServing
@@ -179,6 +180,7 @@ class OpenAIServer:
         self.tokenize = TokenizeServing(self)
         self.messages = MessagesServing(self)
         self.responses = ResponsesServing(self, responses_store_size)
+        self.embedding = EmbeddingServing(self)
         self.app = build_app(self)
 
     def _on_engine_dead(self, err: BaseException) -> None:

@@ -19,6 +19,8 @@ from jaxinfer.entrypoints.openai.dev_routes import (add_dev_routes, dev_mode, js
 from jaxinfer.entrypoints.openai.errors import (APIError, engine_dead, error_response,
                                                 internal_error, validation_error)
 from jaxinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from jaxinfer.entrypoints.openai.serving_embedding import (EmbeddingRequest, RerankRequest,
+                                                           ScoreRequest)
 from jaxinfer.entrypoints.openai.serving_messages import (CountTokensRequest, MessagesRequest,
                                                           anthropic_error)
 from jaxinfer.entrypoints.openai.serving_responses import ResponsesRequest
@@ -93,7 +95,8 @@ def _openapi_without_422(app: FastAPI) -> dict:
             schemas.pop(name, None)
         for model in (CompletionRequest, ChatCompletionRequest,  # bodies parsed by body.py
                       TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest,
-                      MessagesRequest, CountTokensRequest, ResponsesRequest):
+                      MessagesRequest, CountTokensRequest, ResponsesRequest,
+                      EmbeddingRequest, ScoreRequest, RerankRequest):
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(js.pop("$defs", {}))
             schemas[model.__name__] = js
@@ -200,6 +203,30 @@ def build_app(server) -> FastAPI:
     if dev_mode():  # (vLLM's VLLM_SERVER_DEV_MODE: pause / sleep / weight routes)
         add_dev_routes(app, server)
 
+    _utility_routes(app, server)
+    if server.llm.resolved.runner == "pooling":
+        _pooling_routes(app, server)
+    else:
+        _generate_routes(app, server)
+    app.openapi = lambda: _openapi_without_422(app)
+
+    @app.on_event("startup")
+    async def _startup():
+        # Read the core's outputs from now on: a core that dies is noticed at once.
+        server.llm.start_output_handler()
+        await server.load_static_loras()
+
+    @app.on_event("shutdown")
+    async def _shutdown():
+        server.llm.shutdown()
+
+    return app
+
+
+def _generate_routes(app, server) -> None:
+    """A generating model's routes: completions, chat, OpenAI's Responses API, Anthropic's
+    Messages API."""
+
     @app.post("/v1/completions", responses=_GENERATE_RESPONSES,
               openapi_extra=_request_body(CompletionRequest))
     async def completions(raw: Request):
@@ -213,8 +240,6 @@ def build_app(server) -> FastAPI:
         server._count_request()
         req = await server.parse(raw, ChatCompletionRequest)
         return await server.chat.create(req, raw)
-
-    _utility_routes(app, server)
 
     @app.post("/v1/responses", openapi_extra=_request_body(ResponsesRequest), responses={
         **_GENERATE_RESPONSES,
@@ -240,19 +265,45 @@ def build_app(server) -> FastAPI:
         return server.responses.retrieve(response_id)
 
     _anthropic_routes(app, server)
-    app.openapi = lambda: _openapi_without_422(app)
 
-    @app.on_event("startup")
-    async def _startup():
-        # Read the core's outputs from now on: a core that dies is noticed at once.
-        server.llm.start_output_handler()
-        await server.load_static_loras()
 
-    @app.on_event("shutdown")
-    async def _shutdown():
-        server.llm.shutdown()
+def _pooling_routes(app, server) -> None:
+    """A pooling model's routes (runner="pooling"): embeddings, score, rerank."""
+    bad = {400: {"description": "Bad request: the error names the field", **_ERROR},
+           401: {"description": "Missing or wrong API key", **_ERROR},
+           404: {"description": "Unknown model", **_ERROR},
+           413: {"description": "Body over --max-request-body-bytes", **_ERROR},
+           429: {"description": "Over --max-waiting-requests (Retry-After)", **_ERROR},
+           499: {"description": "The client went away", **_ERROR},
+           500: {"description": "The engine failed this request", **_ERROR},
+           503: {"description": "Queue timeout, or the engine is dead", **_ERROR}}
 
-    return app
+    def ok(what, required):
+        return {200: {"description": what, "content": {"application/json": {"schema": {
+            "type": "object", "required": required}}}}, **bad}
+
+    @app.post("/v1/embeddings", openapi_extra=_request_body(EmbeddingRequest),
+              responses=ok("The inputs' embeddings", ["object", "data", "usage"]))
+    async def embeddings(raw: Request):
+        server._count_request()
+        return await server.embedding.embeddings(raw)
+
+    async def score(raw: Request):
+        server._count_request()
+        return await server.embedding.score(raw)
+
+    async def rerank(raw: Request):
+        server._count_request()
+        return await server.embedding.rerank(raw)
+
+    for path in ("/v1/score", "/score"):
+        app.post(path, openapi_extra=_request_body(ScoreRequest), name=path,
+                 responses=ok("Cosine similarity of each text pair's embeddings",
+                              ["data"]))(score)
+    for path in ("/v1/rerank", "/rerank"):
+        app.post(path, openapi_extra=_request_body(RerankRequest), name=path,
+                 responses=ok("The documents by the cosine similarity of their embedding "
+                              "and the query's", ["results"]))(rerank)
 
 
 _ANTHROPIC_ERROR = {"content": {"application/json": {"schema": {

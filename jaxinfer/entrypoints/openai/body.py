@@ -143,39 +143,39 @@ def _token_list(ids: list, field: str, vocab_size: int, max_model_len: int | Non
 
 
 def check_prompt(obj: dict[str, Any], *, max_prompts: int, vocab_size: int,
-                 max_model_len: int | None) -> None:
+                 max_model_len: int | None, field: str = "prompt") -> None:
     """The completions prompt: a string, a list of strings, token ids, or lists of token ids,
     at most `max_prompts` of them, each list of ids within the context and the vocabulary."""
-    if "prompt" not in obj:
-        raise BodyError("prompt: field required", "prompt")
+    if field not in obj:
+        raise BodyError(f"{field}: field required", field)
     if isinstance(obj.get("truncate_prompt_tokens"), int):
         max_model_len = None  # (longer prompts are cut to their last tokens, then checked)
-    prompt = obj["prompt"]
+    prompt = obj[field]
     if isinstance(prompt, str):
         return
     if not isinstance(prompt, list):
-        raise BodyError("prompt must be a string, a list of strings, a list of token ids or a "
-                        f"list of lists of token ids, got {type(prompt).__name__}", "prompt")
+        raise BodyError(f"{field} must be a string, a list of strings, a list of token ids or a "
+                        f"list of lists of token ids, got {type(prompt).__name__}", field)
     if not prompt:
-        raise BodyError("prompt must not be empty", "prompt")
+        raise BodyError(f"{field} must not be empty", field)
     first = prompt[0]
     if type(first) is int:
-        _token_list(prompt, "prompt", vocab_size, max_model_len)
+        _token_list(prompt, field, vocab_size, max_model_len)
         return
     if len(prompt) > max_prompts:
-        raise BodyError(f"prompt has {len(prompt)} prompts, more than the limit of "
-                        f"{max_prompts} per request (--max-prompts-per-request)", "prompt")
+        raise BodyError(f"{field} has {len(prompt)} prompts, more than the limit of "
+                        f"{max_prompts} per request (--max-prompts-per-request)", field)
     if isinstance(first, str):
         if not all(isinstance(p, str) for p in prompt):
-            raise BodyError("prompt: a list of prompts must be all strings or all lists of "
-                            "token ids", "prompt")
+            raise BodyError(f"{field}: a list of prompts must be all strings or all lists of "
+                            "token ids", field)
         return
     if isinstance(first, list):
         for i, p in enumerate(prompt):
             if not isinstance(p, list):
-                raise BodyError("prompt: a list of prompts must be all strings or all lists "
-                                "of token ids", "prompt")
-            _token_list(p, f"prompt[{i}]", vocab_size, max_model_len)
+                raise BodyError(f"{field}: a list of prompts must be all strings or all lists "
+                                "of token ids", field)
+            _token_list(p, f"{field}[{i}]", vocab_size, max_model_len)
         return
-    raise BodyError("prompt must be a string, a list of strings, a list of token ids or a list "
-                    f"of lists of token ids; prompt[0] is {type(first).__name__}", "prompt")
+    raise BodyError(f"{field} must be a string, a list of strings, a list of token ids or a list "
+                    f"of lists of token ids; {field}[0] is {type(first).__name__}", field)
