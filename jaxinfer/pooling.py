@@ -165,13 +165,8 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-    num_cached_tokens: int = 0
-    prompt: str | None = None
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    outputs: EmbeddingOutput  # (the same fields; the vector as a list)
 
 
 @dataclass

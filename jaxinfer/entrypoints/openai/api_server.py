@@ -27,11 +27,11 @@ from jaxinfer.entrypoints.openai.errors import (APIError, engine_dead, raise_if_
                                                 validation_error)
 from jaxinfer.entrypoints.openai.protocol import CompletionRequest
 from jaxinfer.entrypoints.openai.serving_chat import ChatServing
+from jaxinfer.entrypoints.openai.serving_completion import CompletionServing
 from jaxinfer.entrypoints.openai.serving_embedding import EmbeddingServing
 from jaxinfer.entrypoints.openai.serving_messages import MessagesServing
 from jaxinfer.entrypoints.openai.serving_responses import DEFAULT_STORE_SIZE, ResponsesServing
 from jaxinfer.entrypoints.openai.serving_tokenize import TokenizeServing
-from jaxinfer.entrypoints.openai.serving_completion import CompletionServing
 from jaxinfer.entrypoints.openai.tools import TOOL_PARSERS
 from jaxinfer.metrics import EngineMetrics
 from jaxinfer.outputs import RequestOutput
@@ -464,6 +464,21 @@ class OpenAIServer:
     async def parse(self, raw: Request, model):
         """The request body as `model`: parsed and bounded by body.py, then validated; a 400
         naming the field otherwise."""
+        def check(obj):
+            if model is CompletionRequest:
+                check_prompt(obj, max_prompts=self.max_prompts_per_request,
+                             vocab_size=self.llm.processor.vocab_size,
+                             max_model_len=self.llm.max_model_len)
+
+        obj = await self.read_json(raw, check)
+        try:
+            return model.model_validate(obj)
+        except ValidationError as e:
+            raise validation_error(e.errors()) from None
+
+    async def read_json(self, raw: Request, check=None) -> dict:
+        """A route's JSON body, parsed and bounded by body.py (check(obj): more checks that
+        raise BodyError) before any model sees it; a 400 naming the field otherwise."""
         self._check_alive()
         try:
             data = await raw.body()
@@ -472,22 +487,19 @@ class OpenAIServer:
         try:
             obj = parse_json_body(data)
             check_list_limits(obj)
-            if model is CompletionRequest:
-                check_prompt(obj, max_prompts=self.max_prompts_per_request,
-                             vocab_size=self.llm.processor.vocab_size,
-                             max_model_len=self.llm.max_model_len)
-            else:
-                messages = obj.get("messages")
-                if isinstance(messages, list) and len(messages) > self.llm.max_model_len:
-                    raise BodyError(f"messages has {len(messages)} messages, more than the "
+            for field in ("messages", "input"):  # (chat, Messages, Responses: each message
+                # or item is at least a token; bounded before pydantic walks them)
+                items = obj.get(field)  # ("input" of the embeddings: token ids, checked there)
+                if (isinstance(items, list) and len(items) > self.llm.max_model_len
+                        and (field == "messages" or isinstance(items[0], dict))):
+                    raise BodyError(f"{field} has {len(items)} messages, more than the "
                                     f"model's maximum context length of "
-                                    f"{self.llm.max_model_len} tokens", "messages")
+                                    f"{self.llm.max_model_len} tokens", field)
+            if check is not None:
+                check(obj)
         except BodyError as e:
             raise APIError(str(e), 400, e.param) from None
-        try:
-            return model.model_validate(obj)
-        except ValidationError as e:
-            raise validation_error(e.errors()) from None
+        return obj
 
     @staticmethod
     def kv_params(outs: list[RequestOutput]) -> dict:

@@ -59,6 +59,22 @@ def validation_error(errors: list[dict]) -> APIError:
     return APIError(f"{param}: {msg}" if param else msg, 400, param)
 
 
+def validated(model, obj: dict):
+    """`obj` as pydantic `model`, or a 400 naming the field: the deepest of pydantic's errors
+    (of a union, the member that got furthest); an unknown field is named as such."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        errors = sorted(e.errors(), key=lambda x: -len(x.get("loc", ())))
+    err = errors[0] if errors else {}
+    if err.get("type") == "extra_forbidden":
+        field = ".".join(str(x) for x in err.get("loc", ()) if not str(x)[:1].isupper())
+        raise APIError(f"{field}: unsupported request field", 400, field)
+    raise validation_error(errors)
+
+
 _TYPE_NAMES = ("str", "int", "float", "bool", "list", "dict", "none", "constrained-str",
                "constrained-int", "function-after", "function-before", "function-wrap")
 

@@ -179,7 +179,8 @@ class ChatServing:
         chars = sum(len(m["content"]) if isinstance(m["content"], str)
                     else sum(len(p.get("text") or "") for p in m["content"])
                     for m in conversation)
-        at_least, limit = chars // self.server.llm.tokenizer.max_token_chars, self.server.llm.max_model_len
+        limit = self.server.llm.max_model_len
+        at_least = chars // self.server.llm.tokenizer.max_token_chars
         if at_least > limit and not truncating:
             # refused without rendering or tokenizing it
             raise APIError(f"The messages have at least {at_least} tokens ({chars} characters), "

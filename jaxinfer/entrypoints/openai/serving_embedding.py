@@ -13,12 +13,10 @@ from types import SimpleNamespace
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from jaxinfer.entrypoints.openai.body import (BodyError, check_list_limits, check_prompt,
-                                              parse_json_body)
-from jaxinfer.entrypoints.openai.errors import APIError
-from jaxinfer.entrypoints.openai.serving_messages import precise_error
+from jaxinfer.entrypoints.openai.body import check_prompt
+from jaxinfer.entrypoints.openai.errors import APIError, validated
 from jaxinfer.pooling import PoolingParams, finish
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.validation import INT32_MAX
@@ -68,20 +66,14 @@ class EmbeddingServing:
 
     async def _parse(self, raw, model, prompt_field: str | None = None):
         server = self.server
-        server._check_alive()
-        try:
-            obj = parse_json_body(await raw.body())
-            check_list_limits(obj)
+
+        def check(obj):
             if prompt_field is not None:
                 check_prompt(obj, max_prompts=server.max_prompts_per_request,
                              vocab_size=server.llm.processor.vocab_size,
                              max_model_len=server.llm.max_model_len, field=prompt_field)
-        except BodyError as e:
-            raise APIError(str(e), 400, e.param) from None
-        try:
-            return model.model_validate(obj)
-        except ValidationError as e:
-            raise precise_error(e) from None
+
+        return validated(model, await server.read_json(raw, check))
 
     async def _token_ids(self, texts, truncate: int | None, add_special_tokens: bool,
                          field: str) -> list[list[int]]:

@@ -10,11 +10,11 @@ import uuid
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jaxinfer.entrypoints.openai.body import BodyError, check_list_limits, parse_json_body
-from jaxinfer.entrypoints.openai.errors import APIError, validation_error
+from jaxinfer.entrypoints.openai.errors import APIError, validated
 from jaxinfer.entrypoints.openai.protocol import ChatCompletionRequest, UnsupportedField
+from jaxinfer.entrypoints.openai.streaming import chat_chunks
 from jaxinfer.validation import MAX_STOP_STRINGS, MAX_TOOLS
 
 # HTTP status -> Anthropic's error type
@@ -99,18 +99,6 @@ class CountTokensRequest(_Strict):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None
-
-
-def precise_error(e: ValidationError) -> APIError:
-    """The deepest of pydantic's errors (of a union, the member that got furthest) as a 400
-    naming its field; an unknown field is named as such."""
-    errors = sorted(e.errors(), key=lambda x: -len(x.get("loc", ())))
-    err = errors[0] if errors else {}
-    if err.get("type") == "extra_forbidden":
-        loc = [str(x) for x in err.get("loc", ()) if not str(x)[:1].isupper()]
-        field = ".".join(loc)
-        return APIError(f"{field}: unsupported request field", 400, field)
-    return validation_error(errors)
 
 
 def anthropic_error(err: APIError) -> JSONResponse:
@@ -220,22 +208,11 @@ class MessagesServing:
         self.server = server
 
     async def _parse(self, raw, model):
-        self.server._check_alive()
-        try:
-            obj = parse_json_body(await raw.body())
-            check_list_limits(obj)
-        except BodyError as e:
-            raise APIError(str(e), 400, e.param) from None
-        try:
-            return model.model_validate(obj)
-        except ValidationError as e:
-            raise precise_error(e) from None
+        return validated(model, await self.server.read_json(raw))
 
-    def _chat_request(self, body: dict) -> ChatCompletionRequest:
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            raise validation_error(e.errors()) from None
+    @staticmethod
+    def _chat_request(body: dict) -> ChatCompletionRequest:
+        return validated(ChatCompletionRequest, body)
 
     async def count_tokens(self, raw) -> dict:
         req = await self._parse(raw, CountTokensRequest)
@@ -333,48 +310,44 @@ async def _events(stream: StreamingResponse, msg_id: str, model: str, info: dict
         out.append(_event("content_block_start", {"index": index, "content_block": block}))
         return out
 
-    async for raw in stream.body_iterator:
-        for line in raw.splitlines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:  # (the stream failed after it started)
-                err = chunk["error"]
-                yield _event("error", {"error": {
-                    "type": ERROR_TYPES.get(err.get("code"), "api_error"),
-                    "message": err.get("message", "")}})
-                return
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices", ()):
-                delta = choice.get("delta") or {}
-                thought = delta.get("reasoning")
-                if thought:
-                    if open_kind != "thinking":
-                        for e in start("thinking", {"type": "thinking", "thinking": "",
-                                                    "signature": ""}):
-                            yield e
-                    yield _event("content_block_delta", {"index": index, "delta": {
-                        "type": "thinking_delta", "thinking": thought}})
-                if delta.get("content"):
-                    if open_kind != "text":
-                        for e in start("text", {"type": "text", "text": ""}):
-                            yield e
-                    yield _event("content_block_delta", {"index": index, "delta": {
-                        "type": "text_delta", "text": delta["content"]}})
-                for call in delta.get("tool_calls") or ():
-                    k = call.get("index", 0)
-                    fn = call.get("function") or {}
-                    if k not in calls:
-                        for e in start("tool_use", {"type": "tool_use", "id": call.get("id"),
-                                                    "name": fn.get("name"), "input": {}}):
-                            yield e
-                        calls[k] = index
-                    if fn.get("arguments"):
-                        yield _event("content_block_delta", {"index": calls[k], "delta": {
-                            "type": "input_json_delta", "partial_json": fn["arguments"]}})
-                if choice.get("finish_reason") is not None:
-                    finish, stop_reason = choice["finish_reason"], choice.get("stop_reason")
+    async for chunk in chat_chunks(stream):
+        if "error" in chunk:  # (the stream failed after it started)
+            err = chunk["error"]
+            yield _event("error", {"error": {
+                "type": ERROR_TYPES.get(err.get("code"), "api_error"),
+                "message": err.get("message", "")}})
+            return
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for choice in chunk.get("choices", ()):
+            delta = choice.get("delta") or {}
+            thought = delta.get("reasoning")
+            if thought:
+                if open_kind != "thinking":
+                    for e in start("thinking", {"type": "thinking", "thinking": "",
+                                                "signature": ""}):
+                        yield e
+                yield _event("content_block_delta", {"index": index, "delta": {
+                    "type": "thinking_delta", "thinking": thought}})
+            if delta.get("content"):
+                if open_kind != "text":
+                    for e in start("text", {"type": "text", "text": ""}):
+                        yield e
+                yield _event("content_block_delta", {"index": index, "delta": {
+                    "type": "text_delta", "text": delta["content"]}})
+            for call in delta.get("tool_calls") or ():
+                k = call.get("index", 0)
+                fn = call.get("function") or {}
+                if k not in calls:
+                    for e in start("tool_use", {"type": "tool_use", "id": call.get("id"),
+                                                "name": fn.get("name"), "input": {}}):
+                        yield e
+                    calls[k] = index
+                if fn.get("arguments"):
+                    yield _event("content_block_delta", {"index": calls[k], "delta": {
+                        "type": "input_json_delta", "partial_json": fn["arguments"]}})
+            if choice.get("finish_reason") is not None:
+                finish, stop_reason = choice["finish_reason"], choice.get("stop_reason")
     if open_kind is not None:
         yield _event("content_block_stop", {"index": index})
     reason, sequence = _stop(finish, stop_reason, bool(calls))

@@ -13,12 +13,11 @@ from collections import OrderedDict
 from typing import Any, Literal
 
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from jaxinfer.entrypoints.openai.body import BodyError, check_list_limits, parse_json_body
-from jaxinfer.entrypoints.openai.errors import APIError, validation_error
+from jaxinfer.entrypoints.openai.errors import APIError, validated
 from jaxinfer.entrypoints.openai.protocol import ChatCompletionRequest
-from jaxinfer.entrypoints.openai.serving_messages import precise_error
+from jaxinfer.entrypoints.openai.streaming import chat_chunks
 from jaxinfer.validation import MAX_TOOLS
 
 DEFAULT_STORE_SIZE = 1024  # responses kept for previous_response_id (oldest dropped first)
@@ -185,16 +184,7 @@ class ResponsesServing:
         return kept[0]
 
     async def create(self, raw):
-        self.server._check_alive()
-        try:
-            obj = parse_json_body(await raw.body())
-            check_list_limits(obj)
-        except BodyError as e:
-            raise APIError(str(e), 400, e.param) from None
-        try:
-            req = ResponsesRequest.model_validate(obj)
-        except ValidationError as e:
-            raise precise_error(e) from None
+        req = validated(ResponsesRequest, await self.server.read_json(raw))
         if req.background:
             _refuse("background", "background responses are not supported")
         if req.truncation == "auto":
@@ -245,10 +235,7 @@ class ResponsesServing:
         if req.stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
-        try:
-            chat = ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            raise validation_error(e.errors()) from None
+        chat = validated(ChatCompletionRequest, body)
         shell = self._shell(req, self.server.response_model(chat))
         result = await self.server.chat.create(chat, raw)
         if not req.stream:
@@ -324,57 +311,53 @@ class ResponsesServing:
                                  part={"type": "output_text", "text": "", "annotations": []}))
             return out
 
-        async for raw in stream.body_iterator:
-            for line in raw.splitlines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    err = chunk["error"]
-                    yield event("error", code=str(err.get("code")), message=err.get("message"),
-                                param=err.get("param"))
-                    return
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices", ()):
-                    delta = choice.get("delta") or {}
-                    if delta.get("reasoning"):
-                        if current is None or current["type"] != "reasoning":
-                            for e in start({"type": "reasoning", "id": _id("rs"),
-                                            "summary": [], "status": "in_progress",
-                                            "content": [{"type": "reasoning_text",
-                                                         "text": ""}]}):
-                                yield e
-                        current["content"][0]["text"] += delta["reasoning"]
-                        yield event("response.reasoning_text.delta", item_id=current["id"],
-                                    output_index=len(output) - 1, content_index=0,
-                                    delta=delta["reasoning"])
-                    if delta.get("content"):
-                        if current is None or current["type"] != "message":
-                            for e in start(_message_item("", "in_progress")):
-                                yield e
-                        current["content"][0]["text"] += delta["content"]
-                        yield event("response.output_text.delta", item_id=current["id"],
-                                    output_index=len(output) - 1, content_index=0,
-                                    delta=delta["content"], logprobs=[])
-                    for call in delta.get("tool_calls") or ():
-                        k = call.get("index", 0)
-                        fn = call.get("function") or {}
-                        if k not in calls:
-                            calls[k] = {"type": "function_call", "id": _id("fc"),
-                                        "call_id": call.get("id") or _id("call"),
-                                        "name": fn.get("name"), "arguments": "",
-                                        "status": "in_progress"}
-                            for e in start(calls[k]):
-                                yield e
-                        if fn.get("arguments"):
-                            calls[k]["arguments"] += fn["arguments"]
-                            yield event("response.function_call_arguments.delta",
-                                        item_id=calls[k]["id"],
-                                        output_index=output.index(calls[k]),
-                                        delta=fn["arguments"])
-                    if choice.get("finish_reason") is not None:
-                        finish = choice["finish_reason"]
+        async for chunk in chat_chunks(stream):
+            if "error" in chunk:
+                err = chunk["error"]
+                yield event("error", code=str(err.get("code")), message=err.get("message"),
+                            param=err.get("param"))
+                return
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", ()):
+                delta = choice.get("delta") or {}
+                if delta.get("reasoning"):
+                    if current is None or current["type"] != "reasoning":
+                        for e in start({"type": "reasoning", "id": _id("rs"),
+                                        "summary": [], "status": "in_progress",
+                                        "content": [{"type": "reasoning_text",
+                                                     "text": ""}]}):
+                            yield e
+                    current["content"][0]["text"] += delta["reasoning"]
+                    yield event("response.reasoning_text.delta", item_id=current["id"],
+                                output_index=len(output) - 1, content_index=0,
+                                delta=delta["reasoning"])
+                if delta.get("content"):
+                    if current is None or current["type"] != "message":
+                        for e in start(_message_item("", "in_progress")):
+                            yield e
+                    current["content"][0]["text"] += delta["content"]
+                    yield event("response.output_text.delta", item_id=current["id"],
+                                output_index=len(output) - 1, content_index=0,
+                                delta=delta["content"], logprobs=[])
+                for call in delta.get("tool_calls") or ():
+                    k = call.get("index", 0)
+                    fn = call.get("function") or {}
+                    if k not in calls:
+                        calls[k] = {"type": "function_call", "id": _id("fc"),
+                                    "call_id": call.get("id") or _id("call"),
+                                    "name": fn.get("name"), "arguments": "",
+                                    "status": "in_progress"}
+                        for e in start(calls[k]):
+                            yield e
+                    if fn.get("arguments"):
+                        calls[k]["arguments"] += fn["arguments"]
+                        yield event("response.function_call_arguments.delta",
+                                    item_id=calls[k]["id"],
+                                    output_index=output.index(calls[k]),
+                                    delta=fn["arguments"])
+                if choice.get("finish_reason") is not None:
+                    finish = choice["finish_reason"]
         if current is not None:
             for e in close(current):
                 yield e

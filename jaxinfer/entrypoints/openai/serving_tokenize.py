@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from jaxinfer.entrypoints.openai.body import BodyError, check_list_limits, parse_json_body
-from jaxinfer.entrypoints.openai.errors import APIError, validation_error
+from jaxinfer.entrypoints.openai.errors import APIError, validated
 from jaxinfer.entrypoints.openai.protocol import ChatCompletionRequest
 
 MAX_DETOKENIZE_TOKENS = 1 << 20  # ids in one /detokenize body (a few MB of JSON)
@@ -56,38 +55,18 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def _validate(model, obj: dict):
-    try:
-        return model.model_validate(obj)
-    except ValidationError as e:
-        err = e.errors()[0] if e.errors() else {}
-        if err.get("type") == "extra_forbidden":  # (name the field we do not take)
-            field = ".".join(str(x) for x in err.get("loc", ()))
-            raise APIError(f"{field}: unsupported request field", 400, field) from None
-        raise validation_error(e.errors()) from None
-
-
 class TokenizeServing:
     def __init__(self, server):
         self.server = server
 
-    async def _body(self, raw) -> dict:
-        self.server._check_alive()
-        try:
-            obj = parse_json_body(await raw.body())
-            check_list_limits(obj)
-        except BodyError as e:
-            raise APIError(str(e), 400, e.param) from None
-        return obj
-
     async def tokenize(self, raw) -> dict:
-        obj = await self._body(raw)
+        obj = await self.server.read_json(raw)
         server, tok = self.server, self.server.llm.tokenizer
         if tok is None:
             raise APIError("this server runs without a tokenizer (--skip-tokenizer-init)", 400,
                            None)
         if "messages" in obj:
-            req = _validate(TokenizeChatRequest, obj)
+            req = validated(TokenizeChatRequest, obj)
             if req.continue_final_message and req.add_generation_prompt:
                 raise APIError("Cannot set both `continue_final_message` and "
                                "`add_generation_prompt` to True.", 400,
@@ -95,10 +74,10 @@ class TokenizeServing:
             server.check_model(req.model)
             fields = req.model_dump(exclude={"add_special_tokens", "return_token_strs"},
                                     exclude_none=True)
-            chat = _validate(ChatCompletionRequest, fields)
+            chat = validated(ChatCompletionRequest, fields)
             ids, _ = await server.chat.render(chat, add_special_tokens=req.add_special_tokens)
         else:
-            req = _validate(TokenizeCompletionRequest, obj)
+            req = validated(TokenizeCompletionRequest, obj)
             server.check_model(req.model)
             limit = server.llm.max_model_len
             # (bounded as a prompt is: no tokenizing megabytes for a count)
@@ -115,12 +94,12 @@ class TokenizeServing:
                                 tokens=ids, token_strs=strs).model_dump()
 
     async def detokenize(self, raw) -> dict:
-        obj = await self._body(raw)
+        obj = await self.server.read_json(raw)
         server, tok = self.server, self.server.llm.tokenizer
         if tok is None:
             raise APIError("this server runs without a tokenizer (--skip-tokenizer-init)", 400,
                            None)
-        req = _validate(DetokenizeRequest, obj)
+        req = validated(DetokenizeRequest, obj)
         server.check_model(req.model)
         vocab = server.llm.processor.vocab_size
         bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)

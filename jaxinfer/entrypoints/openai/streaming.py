@@ -47,6 +47,16 @@ async def guard(events):
         yield "data: [DONE]\n\n"
 
 
+async def chat_chunks(stream):
+    """The JSON chunks of the chat route's event stream (a StreamingResponse not yet sent),
+    for the routes that re-shape them (Responses, Messages); an error event is a chunk with
+    "error"."""
+    async for raw in stream.body_iterator:
+        for line in raw.splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 class Delta(NamedTuple):
     text: str  # the new text to send (may be empty)
     start: int  # characters of the choice's text sent before it
