@@ -204,6 +204,35 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
+    async def encode(self, prompt, pooling_params=None, request_id: str | None = None, *,
+                     priority: int = 0, lora_request=None,
+                     truncate_prompt_tokens: int | None = None):
+        """vLLM's AsyncLLM.encode: a pooling engine's (runner="pooling") vector of one prompt,
+        yielded once as a PoolingRequestOutput when its prompt is done (outputs.data: float32,
+        after pooling_params' truncation and normalization)."""
+        import numpy as np
+
+        from jaxinfer.pooling import PoolingOutput, PoolingRequestOutput, finish
+
+        pooler = self.resolved.pooler
+        if self.resolved.runner != "pooling":
+            raise ValueError("encode needs a pooling model: runner='pooling'")
+        if pooling_params is not None:
+            pooling_params.verify(pooler)
+            if pooling_params.truncate_prompt_tokens is not None:
+                truncate_prompt_tokens = pooling_params.truncate_prompt_tokens
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                truncate_prompt_tokens=truncate_prompt_tokens)
+        async for out in self.generate(prompt, params, request_id, priority=priority,
+                                       lora_request=lora_request):
+            if out.finished:
+                if out.pooled is None:
+                    raise RuntimeError(f"request {out.request_id} ended without its vector")
+                yield PoolingRequestOutput(
+                    out.request_id, PoolingOutput(finish(np.frombuffer(out.pooled, np.float32),
+                                                         pooler, pooling_params)),
+                    out.prompt_token_ids, True, out.num_cached_tokens, out.prompt)
+
     def abort(self, request_id: str) -> None:
         """Abort a live request (a no-op when it has finished)."""
         self._streams.pop(request_id, None)

@@ -196,3 +196,30 @@ def test_sentence_transformers_folder_sets_the_pooler(tmp_path, qwen3):
         assert (pooler.pooling_type, pooler.normalize) == ("LAST", True)
     finally:
         llm.shutdown()
+
+
+def test_async_encode_equals_offline_embed(qwen3):
+    """AsyncLLM.encode (vLLM's): one PoolingRequestOutput per prompt, the same vector as
+    LLM.embed; several at once are batched by the scheduler."""
+    import asyncio
+
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine.async_engine import AsyncLLM
+
+    causal, _, decoder = qwen3
+    llm = AsyncLLM(EngineConfig(model=causal, enable_multiprocessing=False, **BASE))
+
+    async def run():
+        async def one(i, p):
+            outs = [o async for o in llm.encode({"prompt_token_ids": p}, request_id=f"e{i}")]
+            assert len(outs) == 1 and outs[0].finished
+            return outs[0]
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+
+    try:
+        outs = asyncio.run(run())
+        for p, o in zip(PROMPTS, outs):
+            assert float(np.asarray(o.outputs.data, np.float64)
+                         @ _reference(decoder, p, "LAST")) > 0.99999
+    finally:
+        llm.shutdown()
