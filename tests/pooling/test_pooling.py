@@ -223,3 +223,16 @@ def test_async_encode_equals_offline_embed(qwen3):
                          @ _reference(decoder, p, "LAST")) > 0.99999
     finally:
         llm.shutdown()
+
+
+def test_data_parallel_pooling(qwen3):
+    """Two engine-core processes: both pool (the DP client carries the vectors and the rank)."""
+    causal, _, decoder = qwen3
+    llm = LLM(causal, data_parallel_size=2, **BASE)
+    try:
+        prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 1, 9, 33)]
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+        _check(outs, decoder, "LAST", prompts)
+        assert all(r["num_steps"] > 0 for r in llm.llm_engine.get_stats()["per_rank"])
+    finally:
+        llm.shutdown()
