@@ -113,14 +113,18 @@ def test_pause_sleep_update_and_rpc_routes(live):
 
 
 def test_routes_do_not_exist_without_dev_mode(monkeypatch):
+    from types import SimpleNamespace
+
     from jaxinfer.entrypoints.openai.app import build_app
 
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
-    paths = {r.path for r in build_app(object()).routes}  # (routes only: no engine needed)
+    # (routes only: no engine needed, only what the routes are chosen by)
+    server = SimpleNamespace(llm=SimpleNamespace(resolved=SimpleNamespace(runner="generate")))
+    paths = {r.path for r in build_app(server).routes}
     assert "/v1/completions" in paths
     dev = {"/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping",
            "/collective_rpc", "/update_weights_from_path", "/weight_info",
            "/update_weight_version", "/update_weights_from_transfer"}
     assert not paths & dev
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
-    assert dev <= {r.path for r in build_app(object()).routes}
+    assert dev <= {r.path for r in build_app(server).routes}
