@@ -182,6 +182,7 @@ class EngineMetrics:
                     metric.labels(**self._l(str(e)))
             if self.feeds_engine_stats:
                 self._set_sleep(str(e), None)
+        self._children: dict[tuple[int, str], object] = {}
         self._routed_seen: list[int] = []
         # request -> (tokens so far, last token time, engine label)
         self._seen: dict[str, tuple[int, float | None, str]] = {}
@@ -189,6 +190,15 @@ class EngineMetrics:
 
     def _l(self, engine: str, **extra) -> dict:
         return dict(self._lbl, engine=engine, **extra)
+
+    def _at(self, metric, engine: str):
+        """`metric`'s child for this engine, looked up once (labels() locks and checks: too
+        slow for every output of every step)."""
+        key = (id(metric), engine)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**self._l(engine))
+        return child
 
     # -- per step -------------------------------------------------------------------------------
     def on_step(self, outputs: list[RequestOutput], stats: dict) -> None:
@@ -200,57 +210,56 @@ class EngineMetrics:
             prev_n, prev_t, engine = self._seen.get(out.request_id, (0, None, None))
             if engine is None:
                 engine = str(m.engine_index if m is not None else 0)
-            lbl = self._l(engine)
             new = n - prev_n
             if prev_t is None and n > 0:
                 if m is not None:
-                    self.ttft.labels(**lbl).observe(now - m.arrival_time)
-                self.prompt_tokens.labels(**lbl).inc(len(out.prompt_token_ids))
-                self.prompt_tokens_cached.labels(**lbl).inc(out.num_cached_tokens)
+                    self._at(self.ttft, engine).observe(now - m.arrival_time)
+                self._at(self.prompt_tokens, engine).inc(len(out.prompt_token_ids))
+                self._at(self.prompt_tokens_cached, engine).inc(out.num_cached_tokens)
                 iteration[engine] = iteration.get(engine, 0) + len(out.prompt_token_ids)
             elif new > 0 and prev_t is not None:
-                self.itl.labels(**lbl).observe(now - prev_t)
+                self._at(self.itl, engine).observe(now - prev_t)
             if new > 0:
-                self.generation_tokens.labels(**lbl).inc(new)
+                self._at(self.generation_tokens, engine).inc(new)
                 iteration[engine] = iteration.get(engine, 0) + new
                 self._seen[out.request_id] = (n, now, engine)
             if out.finished:
                 self._seen.pop(out.request_id, None)
-                self._finished(out, n, now, lbl)
+                self._finished(out, n, now, engine)
         for engine, count in iteration.items():
-            self.iteration_tokens.labels(**self._l(engine)).observe(count)
+            self._at(self.iteration_tokens, engine).observe(count)
         self.update_gauges(stats)
 
-    def _finished(self, out: RequestOutput, n: int, now: float, lbl: dict) -> None:
+    def _finished(self, out: RequestOutput, n: int, now: float, engine: str) -> None:
         m = out.metrics
-        self.req_prompt.labels(**lbl).observe(len(out.prompt_token_ids))
-        self.req_gen.labels(**lbl).observe(n)
-        self.req_max_gen.labels(**lbl).observe(max((len(c.token_ids) for c in out.outputs),
+        self._at(self.req_prompt, engine).observe(len(out.prompt_token_ids))
+        self._at(self.req_gen, engine).observe(n)
+        self._at(self.req_max_gen, engine).observe(max((len(c.token_ids) for c in out.outputs),
                                                    default=0))
-        self.req_kv_computed.labels(**lbl).observe(
+        self._at(self.req_kv_computed, engine).observe(
             max(len(out.prompt_token_ids) - out.num_cached_tokens, 0))
         for c in out.outputs:
             self.request_success.labels(finished_reason=c.finish_reason or "abort",
-                                        **lbl).inc()
+                                        **self._l(engine)).inc()
         if m is None:
             return
-        self.e2e.labels(**lbl).observe(now - m.arrival_time)
-        self.req_n.labels(**lbl).observe(m.n_param)
+        self._at(self.e2e, engine).observe(now - m.arrival_time)
+        self._at(self.req_n, engine).observe(m.n_param)
         if m.max_tokens_param is not None:
-            self.req_max_tokens.labels(**lbl).observe(m.max_tokens_param)
-        self.req_preemptions.labels(**lbl).observe(m.num_preemptions)
+            self._at(self.req_max_tokens, engine).observe(m.max_tokens_param)
+        self._at(self.req_preemptions, engine).observe(m.num_preemptions)
         scheduled = m.first_scheduled_time
         if scheduled is not None:
-            self.queue_time.labels(**lbl).observe(max(scheduled - m.arrival_time, 0.0))
+            self._at(self.queue_time, engine).observe(max(scheduled - m.arrival_time, 0.0))
         if scheduled is not None and m.first_token_time is not None:
             last = m.last_token_time or m.first_token_time
-            self.prefill_time.labels(**lbl).observe(max(m.first_token_time - scheduled, 0.0))
-            self.inference_time.labels(**lbl).observe(max(last - scheduled, 0.0))
+            self._at(self.prefill_time, engine).observe(max(m.first_token_time - scheduled, 0.0))
+            self._at(self.inference_time, engine).observe(max(last - scheduled, 0.0))
             decode = max(last - m.first_token_time, 0.0)
-            self.decode_time.labels(**lbl).observe(decode)
+            self._at(self.decode_time, engine).observe(decode)
             # (vLLM: requests with one output token or none count as zero)
             per_sample = max((len(c.token_ids) for c in out.outputs), default=0)
-            self.tpot.labels(**lbl).observe(decode / (per_sample - 1) if per_sample > 1
+            self._at(self.tpot, engine).observe(decode / (per_sample - 1) if per_sample > 1
                                             else 0.0)
 
     def on_abort(self, request_id: str) -> None:
@@ -291,11 +300,10 @@ class EngineMetrics:
             self._update_engine(str(rank), st)
 
     def _update_engine(self, engine: str, stats: dict) -> None:
-        lbl = self._l(engine)
-        self.running.labels(**lbl).set(stats.get("num_running_reqs", 0))
-        self.waiting.labels(**lbl).set(stats.get("num_waiting_reqs", 0))
-        self.kv_usage.labels(**lbl).set(stats.get("kv_cache_usage", 0.0))
-        self.kv_held.labels(**lbl).set(stats.get("kv_connector_blocks_held", 0))
+        self._at(self.running, engine).set(stats.get("num_running_reqs", 0))
+        self._at(self.waiting, engine).set(stats.get("num_waiting_reqs", 0))
+        self._at(self.kv_usage, engine).set(stats.get("kv_cache_usage", 0.0))
+        self._at(self.kv_held, engine).set(stats.get("kv_connector_blocks_held", 0))
         self._set_sleep(engine, stats.get("sleep_level"))
         last = self._last_stats.get(engine, {})
         for key, counter in (("prefix_cache_queries", self.prefix_queries),
@@ -309,13 +317,14 @@ class EngineMetrics:
                              ("kv_connector_expired_sends", self.kv_expired)):
             delta = stats.get(key, 0) - last.get(key, 0)
             if delta > 0:
-                counter.labels(**lbl).inc(delta)
+                self._at(counter, engine).inc(delta)
         per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos")
         if per_pos:
             before = last.get("spec_decode_num_accepted_tokens_per_pos") or [0] * len(per_pos)
             for pos, (now, was) in enumerate(zip(per_pos, before)):
                 if now > was:
-                    self.spec_accepted_per_pos.labels(position=str(pos), **lbl).inc(now - was)
+                    self.spec_accepted_per_pos.labels(position=str(pos),
+                                                    **self._l(engine)).inc(now - was)
         self._last_stats[engine] = dict(stats)
 
     def render(self) -> bytes:
