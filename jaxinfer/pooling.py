@@ -12,12 +12,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from jaxinfer.config.families import BARE_DECODERS
 from jaxinfer.config.features import PoolerConfig
+
+BASE_MODEL_ARCHITECTURES = tuple(BARE_DECODERS)
 
 # sentence-transformers' pooling config key -> our pooling type
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
              "pooling_mode_cls_token": "CLS"}
-BASE_MODEL_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
 
 
 def sentence_transformers_pooler(model_dir: str) -> dict:

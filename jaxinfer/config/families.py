@@ -113,8 +113,6 @@ def _qwen3_fields(d: dict[str, Any]) -> dict[str, Any]:
     return dict(qk_norm=True)
 
 
-_BARE = {"tie_word_embeddings": True}
-
 FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Qwen2ForCausalLM": _qwen2_fields,
     "Qwen3ForCausalLM": _qwen3_fields,
@@ -124,13 +122,15 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
                                       **_moe_fields(d, "Qwen3MoeForCausalLM")},
     "MixtralForCausalLM": lambda d: _moe_fields(d, "MixtralForCausalLM"),
     "Gemma3ForCausalLM": lambda d: {**_qwen3_fields(d), **_gemma3_fields(d)},
-    # bare decoders (no LM head), served as pooling models (runner="pooling"): the LM head
-    # (never used by a pooling step) is the embedding, so none is looked for in the weights
-    "LlamaModel": lambda d: _BARE,
-    "MistralModel": lambda d: _BARE,
-    "Qwen2Model": lambda d: {**_qwen2_fields(d), **_BARE},
-    "Qwen3Model": lambda d: {**_qwen3_fields(d), **_BARE},
 }
+# Bare decoders (HF's *Model: no LM head), served as pooling models (runner="auto" picks
+# pooling for them): the LM head (never used by a pooling step) is the embedding, so none is
+# looked for in the weights. Architecture -> the fields of its family.
+BARE_DECODERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "LlamaModel": lambda d: {}, "MistralModel": lambda d: {}, "Qwen2Model": _qwen2_fields,
+    "Qwen3Model": _qwen3_fields}
+FAMILY_FIELDS.update({arch: (lambda d, f=f: {**f(d), "tie_word_embeddings": True})
+                      for arch, f in BARE_DECODERS.items()})
 
 
 def family_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:

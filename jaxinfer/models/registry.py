@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 
+from jaxinfer.config.families import BARE_DECODERS
+
 _REGISTRY: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
@@ -16,13 +18,10 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen_moe", "QwenMoeForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
-    # Bare decoders (HF's *Model: weights without the "model." prefix, no LM head), as
-    # pooling models (embeddings, e.g. Qwen3-Embedding); the loader maps their names.
-    "LlamaModel": ("llama", "LlamaForCausalLM"),
-    "MistralModel": ("llama", "LlamaForCausalLM"),
-    "Qwen2Model": ("llama", "LlamaForCausalLM"),
-    "Qwen3Model": ("llama", "LlamaForCausalLM"),
 }
+# Bare decoders (HF's *Model: weights without the "model." prefix, no LM head), as pooling
+# models (embeddings, e.g. Qwen3-Embedding): the Llama family's class; the loader maps names.
+_REGISTRY.update({arch: ("llama", "LlamaForCausalLM") for arch in BARE_DECODERS})
 
 
 def register_model(architecture: str, module: str, class_name: str) -> None:
