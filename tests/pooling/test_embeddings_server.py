@@ -53,11 +53,13 @@ def test_embeddings_equal_hf_and_one_by_one(live, smollm2_dir):
         with torch.no_grad():
             h = hf(torch.tensor([ids[i]])).last_hidden_state[0].numpy().mean(0)
         assert float(got[i] @ (h / np.linalg.norm(h))) > 0.99999
-    # token ids in, base64 out: the same vector
-    b64 = live.client.embeddings.create(model=MODEL, input=[ids[3]], encoding_format="base64")
-    vec = np.frombuffer(base64.b64decode(b64.data[0].embedding), "<f4") \
-        if isinstance(b64.data[0].embedding, str) else np.array(b64.data[0].embedding)
-    assert float(vec @ got[3]) > 0.99999
+    # token ids in, base64 out (the raw body: little-endian float32): the same vector
+    r = httpx.post(live.base_url + "/v1/embeddings", json={
+        "model": MODEL, "input": [ids[3]], "encoding_format": "base64"})
+    b64 = r.json()["data"][0]["embedding"]
+    assert isinstance(b64, str)
+    vec = np.frombuffer(base64.b64decode(b64), "<f4")
+    assert vec.shape == (576,) and float(vec @ got[3]) > 0.99999
 
 
 def test_score_rerank_and_refusals(live):

@@ -163,6 +163,9 @@ def _chat_tool_choice(choice):
 
 class ResponsesServing:
     def __init__(self, server, store_size: int = DEFAULT_STORE_SIZE):
+        if not isinstance(store_size, int) or store_size < 0:
+            raise ValueError(f"--responses-store-size must be an integer >= 0 (0: keep none), "
+                             f"got {store_size!r}")
         self.server = server
         self.store_size = store_size
         # id -> (the response object, the conversation it continues: chat messages without
