@@ -84,12 +84,17 @@ def abstract(tree):
 
 def place_replicated(mesh, tree):
     """Host numpy pytree -> device arrays: on the default device, or replicated over `mesh`
-    (every process contributes its identical copy)."""
+    (every process contributes its identical copy); one transfer in one process
+    (transfer.put_packed)."""
+    from jaxinfer.runner.transfer import put_packed
+
     if mesh is None:
-        return jax.device_put(tree)
+        return put_packed(tree)
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     sharding = NamedSharding(mesh, P())
+    if jax.process_count() == 1:
+        return put_packed(tree, sharding)
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
 
 
