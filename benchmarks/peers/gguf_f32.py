@@ -1,9 +1,13 @@
-"""Rewrite a GGUF with every tensor dequantized to F32 (metadata and tokenizer unchanged).
+"""Rewrite a GGUF with every tensor dequantized to F32, or its matrices rounded on to BF16
+(metadata and tokenizer unchanged).
 
 llama.cpp then runs exactly the float32 weights jaxinfer converts from the same GGUF (the
 embedded SmolLM2 ships as Q4_1; `jaxinfer prepare-default-model` dequantizes it to fp32), so a
 comparison measures the engines, not the quantization. Needs the `gguf` package (test extra).
-Usage: python benchmarks/peers/gguf_f32.py IN.gguf OUT.gguf
+BF16 (`bf16`): the weights a bfloat16 engine holds (jaxinfer / vLLM with dtype="bfloat16"
+round the same float32 values to nearest even); 1-D tensors (norms) stay F32, as llama.cpp's
+own converter leaves them.
+Usage: python benchmarks/peers/gguf_f32.py IN.gguf OUT.gguf [f32|bf16]
 """
 
 from __future__ import annotations
@@ -13,9 +17,13 @@ import sys
 import numpy as np
 
 
-def rewrite_f32(src: str, dst: str) -> str:
+def rewrite_f32(src: str, dst: str, kind: str = "f32") -> str:
     import gguf
+    import ml_dtypes
     from gguf.quants import dequantize
+
+    if kind not in ("f32", "bf16"):
+        raise ValueError(f"kind={kind!r}: f32 or bf16")
 
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"]
@@ -39,7 +47,11 @@ def rewrite_f32(src: str, dst: str) -> str:
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF stores dims innermost first
         w = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
-        writer.add_tensor(t.name, w)
+        if kind == "bf16" and w.ndim >= 2:
+            writer.add_tensor(t.name, w.astype(ml_dtypes.bfloat16).view(np.uint16),
+                              raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(t.name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -48,4 +60,4 @@ def rewrite_f32(src: str, dst: str) -> str:
 
 
 if __name__ == "__main__":
-    print(rewrite_f32(sys.argv[1], sys.argv[2]))
+    print(rewrite_f32(sys.argv[1], sys.argv[2], *sys.argv[3:4]))

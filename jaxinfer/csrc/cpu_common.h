@@ -45,11 +45,24 @@ inline v16 i8_to_float16x(const int8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
 }
+
+// 16 bfloat16 values -> floats: each one's 16 bits become a float's high half (exact).
+inline v16 bf16_to_float16x(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return reinterpret_cast<v16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 #else
 inline v16 i8_to_float16x(const int8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
               _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+}
+
+inline v16 bf16_to_float16x(const uint16_t* p) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
+  return join(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)),
+              _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)));
 }
 #endif
 
@@ -106,6 +119,16 @@ typedef uint32_t v16u32 __attribute__((vector_size(64)));
 
 inline v16 i8_to_float16x(const int8_t* p) {
   return __builtin_convertvector(*reinterpret_cast<const v16s8*>(p), v16);
+}
+
+typedef uint16_t v16u16 __attribute__((vector_size(32), aligned(2), may_alias));
+
+inline v16 bf16_to_float16x(const uint16_t* p) {
+  const v16u32 bits = __builtin_convertvector(*reinterpret_cast<const v16u16*>(p), v16u32)
+                      << 16;
+  v16 out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
 }
 
 // (as the AVX2 form above, with GCC's generic vectors)

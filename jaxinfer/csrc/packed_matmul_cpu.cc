@@ -5,6 +5,9 @@
 // rows of x stay in cache. Panels are shared out over XLA's intra-op thread pool (the calling
 // thread works too and waits only for panels already claimed).
 //
+// bfloat16 models keep their weights bf16 in the same panels (half the bytes to stream); each
+// widens exactly to float32 as it is loaded, so x, the sums and y stay float32.
+//
 // Quantized weights (int8, fp8 e4m3) use the same panels, one byte per weight, with float32
 // scales per output column and group of input rows (and for GGUF's asymmetric blocks an
 // offset): each 16 weights widen to floats as they are loaded, each group's sums are scaled
@@ -32,6 +35,12 @@ namespace {
 
 constexpr int64_t kNR = 32;  // panel width (2 x 16 floats)
 constexpr int64_t kMR = 6;  // rows per register block
+
+// A bfloat16 weight (bf16 models: half the bytes of float32 panels; each widens exactly to
+// a float as it is loaded, and x and the sums stay float32).
+struct Bf16 {
+  uint16_t bits;
+};
 
 // One byte of an fp8 e4m3 (OCP "fn": no infinities) weight.
 struct Fp8E4M3 {
@@ -80,6 +89,10 @@ inline void load_nibbles(const Nibbles* p, v16& lo, v16& hi) {
 inline v16 load_w(const float* p) { return load16(p); }
 
 inline v16 load_w(const int8_t* p) { return jaxinfer_cpu::i8_to_float16x(p); }
+
+inline v16 load_w(const Bf16* p) {
+  return jaxinfer_cpu::bf16_to_float16x(reinterpret_cast<const uint16_t*>(p));
+}
 
 // (the loader clips fp8 weights to +-448: no NaN patterns)
 inline v16 load_w(const Fp8E4M3* p) {
@@ -294,7 +307,20 @@ void panel_product(const float* x, const W* w, const Groups& gr, float* y, int64
   const int64_t per = gr.G > 0 ? (K / gr.G) * kNR : 0;  // a panel's scales
   const float* sc = gr.scale ? gr.scale + p * per : nullptr;
   const float* of = gr.offset ? gr.offset + p * per : nullptr;
-  if constexpr (!std::is_same_v<W, float>) {
+  if constexpr (std::is_same_v<W, Bf16>) {
+    if (M >= kWidenRows) {  // (as quantized panels below: widened once, then float panels)
+      thread_local std::vector<float> buf;
+      buf.resize(static_cast<size_t>(K * kNR));
+      for (int64_t k = 0; k < K; ++k) {
+        prefetch_row(panel + k * kNR, k);
+        store16(buf.data() + k * kNR, load_w(panel + k * kNR));
+        store16(buf.data() + k * kNR + 16, load_w(panel + k * kNR + 16));
+      }
+      panel_rows<float>(x, buf.data(), nullptr, nullptr, nullptr, 0, y, M, K, N, col0, ncols,
+                        false);
+      return;
+    }
+  } else if constexpr (!std::is_same_v<W, float>) {
     if (sc != nullptr && M >= kWidenRows) {
       thread_local std::vector<float> buf;
       buf.resize(static_cast<size_t>(K * kNR));
@@ -492,10 +518,18 @@ ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const
   return ffi::Error::Success();
 }
 
-ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::F32> w, ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  return PackedMatmul<float>(pool, x.typed_data(), w.typed_data(), Groups{}, y->typed_data(),
-                             x.dimensions(), w.dimensions(), y->dimensions());
+// Float panels: w float32 or bfloat16 [P, K, kNR].
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                            ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  if (w.element_type() == ffi::DataType::F32)
+    return PackedMatmul(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()),
+                        Groups{}, y->typed_data(), x.dimensions(), w.dimensions(),
+                        y->dimensions());
+  if (w.element_type() == ffi::DataType::BF16)
+    return PackedMatmul(pool, x.typed_data(), static_cast<const Bf16*>(w.untyped_data()),
+                        Groups{}, y->typed_data(), x.dimensions(), w.dimensions(),
+                        y->dimensions());
+  return ffi::Error::InvalidArgument("packed_matmul_cpu: weights must be float32 or bfloat16");
 }
 
 // f(the weights typed: const int8_t* or const Fp8E4M3*), or an error naming `who`.
@@ -625,12 +659,20 @@ ffi::Error GroupedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, cons
   return ffi::Error::Success();
 }
 
-ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                             ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> group_sizes,
+// Float experts: w float32 or bfloat16 [E, P, K, kNR].
+ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                             ffi::Buffer<ffi::S32> group_sizes,
                              ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  return GroupedMatmul<float>(pool, x.typed_data(), w.typed_data(), nullptr, 0,
-                              group_sizes.typed_data(), y->typed_data(), x.dimensions(),
-                              w.dimensions(), group_sizes.dimensions(), y->dimensions());
+  auto run = [&](auto* wt) {
+    return GroupedMatmul(pool, x.typed_data(), wt, nullptr, 0, group_sizes.typed_data(),
+                         y->typed_data(), x.dimensions(), w.dimensions(),
+                         group_sizes.dimensions(), y->dimensions());
+  };
+  if (w.element_type() == ffi::DataType::F32)
+    return run(static_cast<const float*>(w.untyped_data()));
+  if (w.element_type() == ffi::DataType::BF16)
+    return run(static_cast<const Bf16*>(w.untyped_data()));
+  return ffi::Error::InvalidArgument("grouped_matmul_cpu: weights must be float32 or bfloat16");
 }
 
 // Quantized experts: w int8 / fp8 e4m3 [E, P, K, kNR], scale float32 [E, P, K / G, kNR].
@@ -656,7 +698,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferGroupedMatmulCpu, GroupedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
@@ -682,5 +724,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmulCpu, PackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

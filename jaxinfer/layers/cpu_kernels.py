@@ -28,6 +28,7 @@ import shutil
 import subprocess
 
 import jax
+import ml_dtypes
 import numpy as np
 
 logger = logging.getLogger(__name__)
@@ -183,40 +184,48 @@ def pack(w: np.ndarray) -> np.ndarray:
 
 
 def matmul(x, w_packed, out_features: int, scale=None, offset=None):
-    """x [..., K] float32 @ the packed weight [P, K, 32] -> [..., out_features]. Quantized
-    (int8 / fp8 e4m3 panels): scale float32 [P, K / G, 32] (packed as the weight: `pack` of
-    the [K / G, N] scales), one per output column and group of G input rows, and optionally
-    an offset of the same shape (w = q * scale + offset)."""
+    """x [..., K] @ the packed weight [P, K, 32] (float32 or bfloat16) -> [..., out_features]
+    in x's dtype (the kernel computes in float32). Quantized (int8 / fp8 e4m3 panels): scale
+    float32 [P, K / G, 32] (packed as the weight: `pack` of the [K / G, N] scales), one per
+    output column and group of G input rows, and optionally an offset of the same shape
+    (w = q * scale + offset)."""
     if not available():
         raise RuntimeError("packed weights need the C++ kernels, which could not be built here")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    out = jax.ShapeDtypeStruct((x2.shape[0], out_features), x.dtype)
+    lead, dtype = x.shape[:-1], x.dtype
+    x2 = x.reshape(-1, x.shape[-1]).astype(np.float32)  # (a bf16 model's rows: exact)
+    out = jax.ShapeDtypeStruct((x2.shape[0], out_features), np.float32)
     if scale is None:
         call = jax.ffi.ffi_call(MATMUL_TARGET, out, vmap_method="sequential")
-        return call(x2, w_packed).reshape(*lead, out_features)
+        return call(x2, w_packed).reshape(*lead, out_features).astype(dtype)
     if offset is None:
         offset = jax.numpy.zeros((0,), np.float32)
     call = jax.ffi.ffi_call(QUANT_MATMUL_TARGET, out, vmap_method="sequential")
-    return call(x2, w_packed, scale, offset).reshape(*lead, out_features)
+    return call(x2, w_packed, scale, offset).reshape(*lead, out_features).astype(dtype)
 
 
 def grouped_matmul(x, w_packed, group_sizes, out_features: int, scale=None):
-    """Mixture-of-experts rows: x [M, K] float32, sorted by expert, group_sizes int32 [E]
-    (rows of each expert, in order), w_packed [E, P, K, 32] (each expert packed) -> [M, N];
+    """Mixture-of-experts rows: x [M, K], sorted by expert, group_sizes int32 [E] (rows of
+    each expert, in order), w_packed [E, P, K, 32] (each expert packed; float32 or bfloat16
+    panels) -> [M, N] in x's dtype;
     rows past sum(group_sizes) come back zero. Quantized experts (int8 / fp8 e4m3): scale
     [E, P, K / G, 32], each expert's scales packed as its weight."""
     if not available():
         raise RuntimeError("packed weights need the C++ kernels, which could not be built here")
-    out = jax.ShapeDtypeStruct((x.shape[0], out_features), x.dtype)
+    dtype, x = x.dtype, x.astype(np.float32)
+    out = jax.ShapeDtypeStruct((x.shape[0], out_features), np.float32)
     if scale is None:
         call = jax.ffi.ffi_call(GROUPED_MATMUL_TARGET, out, vmap_method="sequential")
-        return call(x, w_packed, group_sizes.astype(np.int32))
+        return call(x, w_packed, group_sizes.astype(np.int32)).astype(dtype)
     call = jax.ffi.ffi_call(GROUPED_QUANT_MATMUL_TARGET, out, vmap_method="sequential")
-    return call(x, w_packed, scale, group_sizes.astype(np.int32))
+    return call(x, w_packed, scale, group_sizes.astype(np.int32)).astype(dtype)
+
+
+# Model dtypes whose weights the kernel takes packed as they are (bfloat16 ones widen exactly
+# to float32 as they load; activations and sums are float32 either way).
+PACKED_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
 
 
 def use_packed_weights(attention_backend: str, dtype, mesh) -> bool:
-    """Packed weights and the matmul kernel go with the `cpu` backend: float32 models on one
-    device (under a mesh XLA could not partition the custom call; the kernel is fp32)."""
-    return attention_backend == "cpu" and mesh is None and np.dtype(dtype) == np.float32
+    """Packed weights and the matmul kernel go with the `cpu` backend: float32 and bfloat16
+    models on one device (under a mesh XLA could not partition the custom call)."""
+    return attention_backend == "cpu" and mesh is None and np.dtype(dtype) in PACKED_DTYPES

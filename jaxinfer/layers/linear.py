@@ -1,8 +1,9 @@
 """Linear and gated-MLP layers. Weights are stored [in, out] (HF's [out, in] transposed), or,
-with packed=True (float32 models on the `cpu` backend), in column panels [ceil(out/32), in, 32]
-multiplied by the C++ kernel (layers/cpu_kernels.py); the loader packs them (the Param's
-`unpacked_shape` metadata says what it packs from). With a QuantConfig (layers/quantization.py)
-the weight is held in fp8 / int8 with a float32 `weight_scale` [KB, *out] beside it."""
+with packed=True (float32 and bfloat16 models on the `cpu` backend), in column panels
+[ceil(out/32), in, 32] multiplied by the C++ kernel (layers/cpu_kernels.py); the loader packs
+them (the Param's `unpacked_shape` metadata says what it packs from). With a QuantConfig
+(layers/quantization.py) the weight is held in fp8 / int8 with a float32 `weight_scale`
+[KB, *out] beside it."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ outputs are summed, weighted by the router probabilities (renormalised over the 
 Grouped computation, never all experts for every token: the T*k (token, expert) pairs are
 sorted by expert and each expert's rows multiplied by its own weights, as one grouped matmul
 per projection:
-- packed float32 weights (the `cpu` backend): the C++ grouped kernel, which streams only the
-  weights of experts some token chose (layers/cpu_kernels.py);
+- packed float32 / bfloat16 weights (the `cpu` backend): the C++ grouped kernel, which
+  streams only the weights of experts some token chose (layers/cpu_kernels.py);
 - otherwise `jax.lax.ragged_dot`, which XLA lowers to grouped GEMMs on GPU (on CPU it expands
   to a masked dense product per expert: correct, not fast).
 `moe_reference` computes every expert for every token with one-hot weights: the test oracle.

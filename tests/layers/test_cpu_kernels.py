@@ -175,6 +175,34 @@ def test_packed_matmul_matches_numpy(m, k, n):
     np.testing.assert_allclose(np.asarray(out), x @ w, rtol=2e-5, atol=2e-4)
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 64, 33), (12, 32, 96), (40, 96, 70)])
+def test_bf16_panels_match_float_products_of_the_bf16_weights(m, k, n):
+    """bfloat16 panels (a bf16 model's weights, half the bytes) widen exactly: the product
+    equals float32 x @ the bf16 weights as floats, from one row (streamed) to the widened
+    prefill path (12+ rows); a bf16 x comes back bf16. Grouped (MoE) panels too."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(m + k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(ml_dtypes.bfloat16)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    out = jax.jit(lambda x, wp: cpu_kernels.matmul(x, wp, n))(x, cpu_kernels.pack(w))
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-4)
+    xb = jnp.asarray(x, jnp.bfloat16)
+    out = jax.jit(lambda x, wp: cpu_kernels.matmul(x, wp, n))(xb, cpu_kernels.pack(w))
+    assert out.dtype == jnp.bfloat16
+    ref = np.asarray(xb, np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=1e-2, atol=1e-2)
+    # two experts, the rows split 1 : m - 1
+    w2 = rng.standard_normal((k, n)).astype(ml_dtypes.bfloat16)
+    wp = np.stack([cpu_kernels.pack(w), cpu_kernels.pack(w2)])
+    gs = jnp.asarray([1, m - 1], jnp.int32)
+    got = jax.jit(lambda x, wp, gs: cpu_kernels.grouped_matmul(x, wp, gs, n))(x, wp, gs)
+    want = np.concatenate([x[:1] @ w.astype(np.float64), x[1:] @ w2.astype(np.float64)])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-4)
+
+
 def test_packed_matmul_refuses_mismatched_shapes():
     x = jnp.ones((2, 16), jnp.float32)
     wp = jnp.asarray(cpu_kernels.pack(np.ones((16, 64), np.float32)))  # 2 panels
@@ -184,7 +212,7 @@ def test_packed_matmul_refuses_mismatched_shapes():
 
 def test_packed_model_matches_unpacked():
     """The same checkpoint loaded packed (`cpu` backend, fp32, one device) and plain (xla):
-    layer outputs agree; bf16 models and tensor-parallel builds are never packed."""
+    layer outputs agree."""
     from jaxinfer.checkpoints.default_model import ensure_default_model
     from jaxinfer.models.loader import load_model
 
@@ -205,8 +233,10 @@ def test_packed_model_matches_unpacked():
         for a, b in zip(jax.tree.leaves(fn(packed)), jax.tree.leaves(fn(plain))):
             b = np.asarray(b)  # (fp32 sums in another order: relative to the output's scale)
             np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
+    # bf16 models are packed too (bf16 panels); tensor-parallel builds never
     bf16, _, _ = load_model(path, dtype="bfloat16", attention_backend="cpu", load_format="dummy")
-    assert bf16.model.layers[0].mlp.down_proj.weight[...].ndim == 2
+    assert bf16.model.layers[0].mlp.down_proj.weight[...].ndim == 3
+    assert bf16.model.layers[0].mlp.down_proj.weight[...].dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("kind", ["float", "int8", "4bit"])

@@ -139,12 +139,22 @@ def test_checkpoint_layout_is_the_one_saved(saved):
         assert files == ["model.safetensors"]
 
 
-def test_bfloat16_load_is_close(saved):
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
+def test_bfloat16_load_is_close(saved, backend):
+    """bf16 weights: XLA's dots, or (the `cpu` backend) the C++ kernel's bf16 panels, then
+    decode steps through the paged cache."""
     name, hf, path = saved
-    model, _, dtype = load_model(path, dtype="bfloat16")
+    model, _, dtype = load_model(path, dtype="bfloat16", attention_backend=backend)
     assert dtype == "bfloat16"
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight[...]
+    assert (qkv.ndim == 3 and qkv.shape[-1] == 32) == (backend == "cpu")  # (panels [P, K, 32])
     prompt = list(range(3, 20))
     import jax.numpy as jnp
 
-    ours = PagedRunner(model, dtype=jnp.bfloat16).step({"a": prompt})["a"]
+    runner = PagedRunner(model, dtype=jnp.bfloat16)
+    ours = runner.step({"a": prompt})["a"]
     assert rel_err(ours, _hf_logits(hf, prompt)) < 5e-2, name
+    for tok in (5, 77):
+        prompt.append(tok)
+        ours = runner.step({"a": [tok]})["a"][0]
+        assert rel_err(ours, _hf_logits(hf, prompt)[-1]) < 5e-2, name
