@@ -54,7 +54,8 @@ def _compare_cpu(d: dict) -> str:
     env = d.get("environment", {})
     if env.get("cpu") or d.get("repeats"):  # (runs from 2026-11-26 on say which CPU, and
         # report the median of alternated rounds)
-        parts.append(f"{d.get('model', 'SmolLM2-135M-Instruct')} ({d.get('weights', '')}), "
+        parts.append(f"{d.get('model', 'SmolLM2-135M-Instruct')} ({d.get('weights', '')}, "
+                     f"{d.get('dtype', 'float32')}), "
                      f"{env.get('cpus')} cores of {env.get('cpu')}; median of "
                      f"{d.get('repeats', 1)} alternated rounds")
     for w in d["workloads"]:
@@ -63,6 +64,9 @@ def _compare_cpu(d: dict) -> str:
         rows = [[eng, r.get("output_tok_s"), r.get("batch_ttft_s"), r.get("decode_ms_per_token"),
                  f"{ratio[eng]:.2f}x" if eng in ratio else "-",
                  r.get("output_tok_s_runs", "-")] for eng, r in res.items()]
+        rows += [[f"{eng}: llama-bench tg{o}", r["llama_bench_tg_tok_s"], "-",
+                  r["llama_bench_decode_ms_per_token"], "-", "-"]
+                 for eng, r in res.items() if "llama_bench_tg_tok_s" in r]
         parts.append(f"**{n} requests x {i} prompt / {o} output tokens**\n\n" + _table(
             ["engine", "output tok/s", "batch TTFT s", "decode ms/token",
              "jaxinfer / engine", "every run's tok/s"], rows))

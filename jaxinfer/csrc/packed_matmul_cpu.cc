@@ -438,24 +438,44 @@ void work(Shared<W>& sh) {
   // Paired panels claim their chunks one ahead, so the pairs' cached passes can fetch the next
   // one's first pair; the others claim a chunk when they start it (no chunk held idle).
   auto claim = [&] { return sh.next.fetch_add(sh.per_task, std::memory_order_relaxed); };
-  const bool ahead = std::is_same_v<W, float> && sh.M >= kPairRows;
+  constexpr bool kFloatPanels = std::is_same_v<W, float> || std::is_same_v<W, Bf16>;
+  const bool ahead = kFloatPanels && sh.M >= kPairRows;
   int64_t first = claim();
   while (first < sh.panels) {
     const int64_t after = ahead ? claim() : sh.panels;
     const int64_t last = std::min(sh.panels, first + sh.per_task);
     int64_t p = first;
-    if constexpr (std::is_same_v<W, float>) {
+    if constexpr (kFloatPanels) {
       if (sh.M >= kPairRows) {  // pairs of full panels
-        const int64_t panel = sh.K * kNR, lines = 2 * panel / 16;  // a pair's cache lines
+        const int64_t panel = sh.K * kNR;
+        const int64_t lines = 2 * panel * sizeof(W) / 64;  // a pair's cache lines
         // ceil(M / 6) passes of 4 to 6 rows, the rows shared out evenly (a pass of 6 and a
         // 2-row tail per panel left FMAs waiting on their 4 accumulators' latency).
         const int64_t passes = (sh.M + kMR - 1) / kMR, cached_passes = passes - 1;
         const int64_t per_k = cached_passes >= 4 ? 1 : cached_passes >= 2 ? 2 : 4;  // (4 K)
         for (; p + 1 < last && (p + 2) * kNR <= sh.N; p += 2) {
-          const float* pa = sh.w + p * panel;
+          const float* pa;
+          const float* pf = nullptr;
           const int64_t q = p + 2 < last ? p + 2 : after;  // the pair to fetch
-          const float* pf = q < sh.panels ? sh.w + q * panel : nullptr;
-          const int64_t pf_lines = std::min(lines, (sh.panels - q) * panel / 16);
+          if constexpr (std::is_same_v<W, Bf16>) {
+            // bf16: the pair widened once into float panels (in L2 already: the previous
+            // pair's passes fetched it), then multiplied as float panels are.
+            thread_local std::vector<float> buf;
+            buf.resize(static_cast<size_t>(2 * panel));
+            const W* src = sh.w + p * panel;
+            for (int64_t r = 0; r < 2 * sh.K; ++r) {
+              prefetch_row(src + r * kNR, r);
+              store16(buf.data() + r * kNR, load_w(src + r * kNR));
+              store16(buf.data() + r * kNR + 16, load_w(src + r * kNR + 16));
+            }
+            pa = buf.data();
+          } else {
+            pa = sh.w + p * panel;
+          }
+          // (the fetch walks the next pair's bytes 64 at a time, whatever W is)
+          if (q < sh.panels) pf = reinterpret_cast<const float*>(sh.w + q * panel);
+          const int64_t pf_lines =
+              std::min(lines, (sh.panels - q) * panel * static_cast<int64_t>(sizeof(W)) / 64);
           int64_t m0 = 0;
           for (int64_t pass = 0; pass < passes; ++pass) {
             const int64_t mr = (sh.M * (pass + 1)) / passes - m0;  // (4 to 6 from M = 12)
@@ -508,7 +528,8 @@ ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // A few chunks per thread: balance without much contention on the counter.
   sh->per_task = std::max<int64_t>(1, sh->panels / (4 * (threads + 1)));
-  if (std::is_same_v<W, float> && sh->M >= kPairRows)  // (whole pairs of panels per chunk)
+  if ((std::is_same_v<W, float> || std::is_same_v<W, Bf16>) &&
+      sh->M >= kPairRows)  // (whole pairs of panels per chunk)
     sh->per_task = std::max<int64_t>(2, sh->per_task + sh->per_task % 2);
   const int64_t chunks = (sh->panels + sh->per_task - 1) / sh->per_task;
   const int64_t helpers = jaxinfer_cpu::helper_count(threads, chunks);

@@ -518,12 +518,15 @@ inline v16 sum16(v16 (&p)[16]) {
                                  15, 31);
 }
 
-// Decode-shaped items (a few query tokens of one sequence, every KV head; f32 cache, D a
-// multiple of 16): each page is read key by key, a key's K (then V) rows of all heads being one
+// Decode-shaped items (a few query tokens of one sequence, every KV head; a float32, bf16 or
+// fp8 cache, D a multiple of 16): each page is read key by key, a key's K (then V) rows of all heads being one
 // contiguous run, so each page streams through the hardware prefetcher instead of arriving as
 // head-strided pieces (decode attention is bound by these bytes: per-head reads ran at ~12 GB/s
 // of this machine's ~31). The accumulators live in L1. Returns false on a bad block id.
-// Cache entries as floats, 16 at a time: float32, or fp8 (e4m3 "fn" / e5m2) widened.
+// Cache entries as floats, 16 at a time: float32, or bf16 / fp8 (e4m3 "fn" / e5m2) widened.
+struct BF16 {
+  uint16_t b;
+};
 struct E4M3 {
   uint8_t b;
 };
@@ -531,6 +534,7 @@ struct E5M2 {
   uint8_t b;
 };
 inline v16 kv16(const float* p) { return load16(p); }
+inline v16 kv16(const BF16* p) { return jaxinfer_cpu::bf16_to_float16x(&p->b); }
 inline v16 kv16(const E4M3* p) { return jaxinfer_cpu::e4m3_to_float16x(&p->b); }
 inline v16 kv16(const E5M2* p) { return jaxinfer_cpu::e5m2_to_float16x(&p->b); }
 
@@ -548,8 +552,8 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
   float* m = acc + nr * D;
   float* l = m + nr;
   float* s = l + nr;
-  const float* q = static_cast<const float*>(p.q) + (start + r0) * Hq * D;
-  for (int64_t i = 0; i < nr * D; ++i) qf[i] = q[i] * p.scale;
+  const int64_t q0 = (start + r0) * Hq * D;  // (q and out: float32, bf16 or f16)
+  for (int64_t i = 0; i < nr * D; ++i) qf[i] = load(p.q, q0 + i, p.q_kind) * p.scale;
   std::fill(acc, acc + nr * D, 0.0f);
   std::fill(m, m + nr, kMaskValue);
   std::fill(l, l + nr, 0.0f);
@@ -662,10 +666,10 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
       }
     }
   }
-  float* out = static_cast<float*>(p.out) + (start + r0) * Hq * D;
   for (int64_t row = 0; row < nr; ++row) {
     const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) out[row * D + d] = acc[row * D + d] * inv;
+    for (int64_t d = 0; d < D; ++d)
+      store(p.out, q0 + row * D + d, acc[row * D + d] * inv, p.q_kind);
   }
   return true;
 }
@@ -693,6 +697,8 @@ void work(Shared& sh) {
       ok = run_decode_item<E4M3>(p, it, scratch);
     else if (p.kv_kind == Kind::kF8E5M2)
       ok = run_decode_item<E5M2>(p, it, scratch);
+    else if (p.kv_kind == Kind::kBF16)
+      ok = run_decode_item<BF16>(p, it, scratch);
     else
       ok = run_decode_item<float>(p, it, scratch);
     if (!ok)
@@ -764,9 +770,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   // are tiles enough to share out.
   int64_t tiles = 0;
   for (int64_t s = 0; s < ns; ++s) tiles += (p.qsl[s + 1] - p.qsl[s] + kTile - 1) / kTile;
-  const bool decode_ok = tiles >= 8 && p.q_kind == Kind::kF32 &&
-                         (p.kv_kind == Kind::kF32 || p.kv_kind == Kind::kF8E4M3 ||
-                          p.kv_kind == Kind::kF8E5M2) &&
+  const bool decode_ok = tiles >= 8 &&
+                         (p.kv_kind == Kind::kF32 || p.kv_kind == Kind::kBF16 ||
+                          p.kv_kind == Kind::kF8E4M3 || p.kv_kind == Kind::kF8E5M2) &&
                          p.D % 16 == 0;
   for (int64_t s = 0; s < ns; ++s) {
     const int64_t q_len = p.qsl[s + 1] - p.qsl[s];

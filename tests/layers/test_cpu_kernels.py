@@ -101,6 +101,26 @@ def test_decode_items_take_all_heads_and_match(hq, hkv, bs):
     check(args, n, tol=2e-5)
 
 
+@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
+def test_decode_items_read_a_bf16_cache(q_dtype):
+    """A bf16 model's decode rows (bf16 q and cache; or float32 q over a bf16 cache) take the
+    all-heads path too, each 16 cache entries widened exactly: the float32 answer over the
+    same bf16 values, rounded once into q's dtype."""
+    rng = np.random.default_rng(7)
+    q_lens = [1] * 10 + [2, 37]
+    ctx = [0, 1, 15, 16, 17, 200, 31, 129, 300, 64, 5, 20]
+    args, n = make_case(rng, q_lens, ctx, hq=9, hkv=3, d=64, bs=16, dtype=jnp.bfloat16)
+    args = (args[0].astype(q_dtype),) + tuple(args[1:])
+    ref = ragged_paged_attention_reference(args[0].astype(jnp.float32),
+                                           *(a.astype(jnp.float32) for a in args[1:3]),
+                                           *args[3:], sm_scale=0.125)
+    out = run(args)
+    assert out.dtype == q_dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32)[:n], np.asarray(ref)[:n],
+                               atol=1e-2 if q_dtype == jnp.bfloat16 else 2e-5,
+                               rtol=1e-2 if q_dtype == jnp.bfloat16 else 2e-5)
+
+
 @pytest.mark.parametrize("sliding_window", [1, 7, 40])
 def test_decode_items_with_sliding_window(sliding_window):
     rng = np.random.default_rng(100 + sliding_window)
