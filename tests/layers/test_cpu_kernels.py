@@ -195,7 +195,8 @@ def test_packed_matmul_matches_numpy(m, k, n):
     np.testing.assert_allclose(np.asarray(out), x @ w, rtol=2e-5, atol=2e-4)
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 64, 33), (12, 32, 96), (40, 96, 70)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 64, 33), (12, 32, 96), (40, 96, 70),
+                                   (33, 576, 1000), (12, 33, 64)])
 def test_bf16_panels_match_float_products_of_the_bf16_weights(m, k, n):
     """bfloat16 panels (a bf16 model's weights, half the bytes) widen exactly: the product
     equals float32 x @ the bf16 weights as floats, from one row (streamed) to the widened
