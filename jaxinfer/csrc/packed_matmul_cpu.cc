@@ -421,12 +421,120 @@ inline void pair_pass(int mr, int pf_kind, const float* x, const float* pa, cons
 #undef JAXINFER_PASS
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#include <sys/syscall.h>
+#include <unistd.h>
+// bf16 panels from kAmxRows rows on CPUs with AMX: the tile unit multiplies a 16 x 32 block of
+// bf16 rows by a 32 x 16 block of weights (as 16 k pairs x 16 columns x 2) into 16 x 16 float32
+// sums per instruction. Exact as float32 FMAs on the widened weights would be for a bf16
+// model's rows (bf16 values already; other rows are rounded to nearest): each product of two
+// bf16 values is exact in float32 and the sums are float32. A pair of panels is interleaved by
+// k pairs ([K / 2][64 columns][2], zero pairs past K up to a multiple of 32), the rows of x
+// converted once per product ([M up to 16s][K up to 32s], zero padded).
+constexpr bool kAmx = true;
+constexpr int64_t kAmxRows = 16;
+
+// Linux hands out the tile state only to processes that ask (once per process).
+inline bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// x [M, K] float -> [Mp, Kp] bf16 (Mp, Kp: M, K rounded up to 16, 32), rounded to nearest even.
+inline void x_to_bf16(const float* x, uint16_t* out, int64_t M, int64_t K, int64_t Kp) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    uint16_t* o = out + m * Kp;
+    int64_t k = 0;
+#if defined(__AVX512BF16__)
+    for (; k + 32 <= K; k += 32)
+      _mm512_storeu_si512(o + k, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                     _mm512_loadu_ps(xr + k + 16), _mm512_loadu_ps(xr + k))));
+#endif
+    for (; k < K; ++k) {
+      uint32_t bits;
+      std::memcpy(&bits, xr + k, 4);
+      o[k] = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+    }
+  }
+}
+
+// Panels a, b (bf16 [K, 32] each, K even) -> buf [Kp / 2][64][2] (k pairs past K zero).
+inline void interleave_pair(const uint16_t* a, const uint16_t* b, uint16_t* buf, int64_t K,
+                            int64_t Kp) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
+                                      8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t k2 = 0; k2 < K / 2; ++k2) {
+    for (int half = 0; half < 2; ++half) {  // columns 0-31 from a, 32-63 from b
+      const uint16_t* src = (half == 0 ? a : b) + 2 * k2 * kNR;
+      const __m512i r0 = _mm512_loadu_si512(src), r1 = _mm512_loadu_si512(src + kNR);
+      uint16_t* d = buf + (k2 * 64 + half * 32) * 2;
+      _mm512_storeu_si512(d, _mm512_permutex2var_epi16(r0, lo, r1));
+      _mm512_storeu_si512(d + 32, _mm512_permutex2var_epi16(r0, hi, r1));
+    }
+  }
+  std::memset(buf + (K / 2) * 128, 0, (Kp - K) / 2 * 128 * sizeof(uint16_t));
+}
+
+// All rows x the interleaved pair (columns col0 .. col0 + 63 of y): 32 rows x 32 columns per
+// pass of four accumulator tiles (0-3), two row tiles (4, 5) and two weight tiles (6, 7).
+inline void amx_pair(const uint16_t* xb, const uint16_t* buf, float* y, int64_t M, int64_t Kp,
+                     int64_t N, int64_t col0, float* scratch) {
+  const int64_t Mp = (M + 15) / 16 * 16;
+  for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+    const bool two = m0 + 16 < Mp;
+    for (int half = 0; half < 2; ++half) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k0 = 0; k0 < Kp; k0 += 32) {
+        const uint16_t* b = buf + (k0 / 2) * 128 + half * 64;  // 16 k pairs, 256 B apart
+        _tile_loadd(6, b, 256);
+        _tile_loadd(7, b + 32, 256);
+        _tile_loadd(4, xb + m0 * Kp + k0, Kp * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, xb + (m0 + 16) * Kp + k0, Kp * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, scratch, 32 * 4);
+      _tile_stored(1, scratch + 16, 32 * 4);
+      if (two) {
+        _tile_stored(2, scratch + 16 * 32, 32 * 4);
+        _tile_stored(3, scratch + 16 * 32 + 16, 32 * 4);
+      }
+      const int64_t rows = std::min<int64_t>(32, M - m0);
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(y + (m0 + r) * N + col0 + half * 32, scratch + r * 32, 32 * sizeof(float));
+    }
+  }
+}
+#else
+constexpr bool kAmx = false;
+constexpr int64_t kAmxRows = 0;
+#endif
+
 template <typename W>
 struct Shared {
   const float* x;
   const W* w;
   Groups groups;  // quantized weights' scales (else scale == nullptr)
   std::vector<float> xsum;  // (groups.xsum's storage)
+  std::vector<uint16_t> xbf;  // (bf16 panels with AMX: x as bf16 [Mp, Kp])
+  int64_t Kp = 0;
   float* y;
   int64_t M, K, N, panels, per_task;
   std::atomic<int64_t> next{0};
@@ -440,6 +548,23 @@ void work(Shared<W>& sh) {
   auto claim = [&] { return sh.next.fetch_add(sh.per_task, std::memory_order_relaxed); };
   constexpr bool kFloatPanels = std::is_same_v<W, float> || std::is_same_v<W, Bf16>;
   const bool ahead = kFloatPanels && sh.M >= kPairRows;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+  struct Tiles {  // this thread's tile registers, configured for amx_pair while it works
+    explicit Tiles(bool on) : on(on) {
+      if (!on) return;
+      TileConfig c;
+      for (int t = 0; t < 8; ++t) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+      }
+      _tile_loadconfig(&c);
+    }
+    ~Tiles() {
+      if (on) _tile_release();
+    }
+    bool on;
+  } tiles(std::is_same_v<W, Bf16> && !sh.xbf.empty());
+#endif
   int64_t first = claim();
   while (first < sh.panels) {
     const int64_t after = ahead ? claim() : sh.panels;
@@ -457,6 +582,25 @@ void work(Shared<W>& sh) {
           const float* pa;
           const float* pf = nullptr;
           const int64_t q = p + 2 < last ? p + 2 : after;  // the pair to fetch
+          if constexpr (std::is_same_v<W, Bf16> && kAmx) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+            if (!sh.xbf.empty()) {
+              thread_local std::vector<uint16_t> ibuf;
+              thread_local std::vector<float> scratch(32 * 32);
+              ibuf.resize(static_cast<size_t>(sh.Kp * 64));
+              const uint16_t* src = reinterpret_cast<const uint16_t*>(sh.w + p * panel);
+              interleave_pair(src, src + panel, ibuf.data(), sh.K, sh.Kp);
+              if (q < sh.panels) {  // the next pair into L2 while this one is multiplied
+                const char* nx = reinterpret_cast<const char*>(sh.w + q * panel);
+                const int64_t n_lines = std::min(lines, (sh.panels - q) * panel * 2 / 64);
+                for (int64_t l = 0; l < n_lines; ++l) jaxinfer_cpu::prefetch_l2(nx + 64 * l);
+              }
+              amx_pair(sh.xbf.data(), ibuf.data(), sh.y, sh.M, sh.Kp, sh.N, p * kNR,
+                       scratch.data());
+              continue;
+            }
+#endif
+          }
           if constexpr (std::is_same_v<W, Bf16>) {
             // bf16: the pair widened once into float panels (in L2 already: the previous
             // pair's passes fetched it), then multiplied as float panels are.
@@ -525,6 +669,15 @@ ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const
       }
     sh->groups.xsum = sh->xsum.data();
   }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<W, Bf16>) {
+    if (sh->M >= kAmxRows && sh->K % 2 == 0 && amx_permitted()) {
+      sh->Kp = (sh->K + 31) / 32 * 32;
+      sh->xbf.assign(static_cast<size_t>((sh->M + 15) / 16 * 16 * sh->Kp), 0);
+      x_to_bf16(x, sh->xbf.data(), sh->M, sh->K, sh->Kp);
+    }
+  }
+#endif
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // A few chunks per thread: balance without much contention on the counter.
   sh->per_task = std::max<int64_t>(1, sh->panels / (4 * (threads + 1)));

@@ -128,13 +128,23 @@ def _draw(filtered, keys):
     return (b * _BLOCK + j).astype(jnp.int32)
 
 
+def argmax(logits):
+    """jnp.argmax over the last axis (the first maximum; the first NaN if any), int32, as
+    two plain reductions: XLA:CPU's fused index-and-value reduce read a step's logits at
+    ~2 GB/s (3.5 ms of a 32-row SmolLM2 decode step on the 2-core Intel VM)."""
+    m = jnp.max(logits, axis=-1, keepdims=True)  # (NaN if any entry is)
+    hit = (logits == m) | jnp.isnan(logits)
+    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where(hit, iota, logits.shape[-1]), axis=-1)
+
+
 def sample_tokens(logits, md: SamplingMetadata):
     """logits float32 [R, V] (penalties already applied) -> sampled ids int32 [R].
 
     Greedy rows take the argmax. The random path (temperature, filters, one inverse-CDF draw
     per row: _draw) runs only when some row of the step samples: an all-greedy step skips it
     at run time (lax.cond), so it pays for no draw and no sort."""
-    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_ids = argmax(logits)
 
     def random_path(logits, md):
         filtered, order = _sampling_logits(logits, md)
@@ -184,7 +194,7 @@ def rejection_sample(logits, drafts, md: SamplingMetadata, verify_req, verify_po
     Returns (tokens int32 [R, K+1], num_emitted int32 [R]): request i emits
     tokens[i, :num_emitted[i]] = its accepted drafts, then the target's own token."""
     fmd = _expand(md, verify_req, verify_pos)
-    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_ids = argmax(logits)
 
     def random_path(logits, fmd):
         filtered, order = _sampling_logits(logits, fmd)

@@ -214,3 +214,24 @@ def test_kv_cache_dtype_bfloat16(tmp_path, smollm2_dir):
     assert outs["bfloat16"] == outs["auto"]
     with pytest.raises(ValueError, match="kv_cache_dtype='fp4'"):
         LLM(str(path), kv_cache_dtype="fp4")
+
+
+def test_greedy_argmax_is_jnp_argmax():
+    """The sampler's two-reduction argmax picks what jnp.argmax picks: the first of tied
+    maxima, the first NaN of a row with NaNs, index 0 of an all -inf row."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.layers.sampler import argmax
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 1000)).astype(np.float32)
+    x[1, [3, 500, 999]] = 9.0  # ties
+    x[2, 7], x[2, 300] = np.nan, np.nan
+    x[3] = -np.inf
+    x[4, 999] = np.inf
+    x[5] = np.round(x[5])  # many ties
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert list(got[:4]) == [int(np.argmax(x[0])), 3, 7, 0]

@@ -196,15 +196,17 @@ def test_packed_matmul_matches_numpy(m, k, n):
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 64, 33), (12, 32, 96), (40, 96, 70),
-                                   (33, 576, 1000), (12, 33, 64)])
+                                   (33, 576, 1000), (12, 33, 64), (16, 30, 64), (17, 40, 128),
+                                   (64, 1536, 576)])
 def test_bf16_panels_match_float_products_of_the_bf16_weights(m, k, n):
-    """bfloat16 panels (a bf16 model's weights, half the bytes) widen exactly: the product
-    equals float32 x @ the bf16 weights as floats, from one row (streamed) to the widened
-    prefill path (12+ rows); a bf16 x comes back bf16. Grouped (MoE) panels too."""
+    """bfloat16 panels (a bf16 model's weights, half the bytes): the product of a bf16
+    model's rows (bf16 values) equals float64 x @ w, from one row (widened as streamed) to
+    12+ rows (pairs of panels widened; from 16 rows on CPUs with AMX, tile products of the
+    bf16 values, exact for such rows); a bf16 x comes back bf16. Grouped (MoE) panels too."""
     import ml_dtypes
 
     rng = np.random.default_rng(m + k + n)
-    x = rng.standard_normal((m, k)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(ml_dtypes.bfloat16)
     want = x.astype(np.float64) @ w.astype(np.float64)
     out = jax.jit(lambda x, wp: cpu_kernels.matmul(x, wp, n))(x, cpu_kernels.pack(w))
