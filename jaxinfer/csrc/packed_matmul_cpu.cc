@@ -23,6 +23,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#include <sys/syscall.h>  // (arch_prctl: the AMX tile state, asked for once per process)
+#include <unistd.h>
+#endif
+
 #include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -422,8 +427,6 @@ inline void pair_pass(int mr, int pf_kind, const float* x, const float* pa, cons
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
-#include <sys/syscall.h>
-#include <unistd.h>
 // bf16 panels from kAmxRows rows on CPUs with AMX: the tile unit multiplies a 16 x 32 block of
 // bf16 rows by a 32 x 16 block of weights (as 16 k pairs x 16 columns x 2) into 16 x 16 float32
 // sums per instruction. Exact as float32 FMAs on the widened weights would be for a bf16
