@@ -18,16 +18,17 @@ torch = pytest.importorskip("torch")
 N_TOKENS = 12
 
 
-def _tiny_llama(path, hidden: int, heads: int, kv_heads: int):
+def _tiny_llama(path, hidden: int, heads: int, kv_heads: int, arch: str = "llama", **extra):
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=hidden,
-                                   intermediate_size=2 * hidden, num_hidden_layers=2,
-                                   num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                   max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                                   tie_word_embeddings=False)
+    cls = {"llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+           "gemma3": transformers.Gemma3TextConfig}[arch]
+    cfg = cls(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
+              num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+              max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False, **extra)
     cfg._attn_implementation = "eager"
-    torch.manual_seed(zlib.crc32(f"gpu-{hidden}-{heads}".encode()))
+    torch.manual_seed(zlib.crc32(f"gpu-{arch}-{hidden}-{heads}".encode()))
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():  # peaky logits, so greedy has clear winners
         for name, p in hf.named_parameters():
@@ -99,4 +100,67 @@ def test_token_controls_and_processors_on_gpu(tmp_path, backend):
     assert base[0] not in run(bad_words_token_ids=[[base[0]]])
     assert base[0] not in run(extra_args={"ban_token": base[0]})
     assert run() == base
+    assert_no_leaks(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch,extra", [
+    ("qwen3_moe", dict(head_dim=64, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=128, norm_topk_prob=False)),
+    ("gemma3", dict(head_dim=64, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"])),
+], ids=["qwen3-moe", "gemma3-window"])
+def test_other_families_on_gpu(tmp_path, arch, extra):
+    """A mixture-of-experts family (grouped expert matmuls) and Gemma 3's sliding-window
+    layers (the kernel's window mask, prompts longer than the window) with the native kernel."""
+    import jax
+
+    from jaxinfer import LLM, SamplingParams
+
+    assert jax.default_backend() == "gpu"
+    hf = _tiny_llama(tmp_path, 256, 4, 2, arch=arch, **extra)
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(3, 512, size=n)] for n in (5, 40, 70)]
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=32, warmup=False, num_kv_blocks=64,
+              attention_backend="pallas", skip_tokenizer_init=True,
+              enable_multiprocessing=False)
+    params = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == hf_greedy(hf, p, N_TOKENS), len(p)
+    assert_no_leaks(llm)
+
+
+@pytest.mark.gpu
+def test_lora_adapters_on_gpu(tmp_path):
+    """Two PEFT adapters and the base model in one batch with the native kernel, against HF +
+    peft in float64 (the adapters' slot matmuls compiled for CUDA)."""
+    import jax
+
+    from jaxinfer import LLM, LoRARequest, SamplingParams
+    from tests.lora.helpers import make_adapter
+
+    pytest.importorskip("peft")
+    assert jax.default_backend() == "gpu"
+    hf = _tiny_llama(tmp_path / "base", 256, 4, 2)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    refs = {None: hf.double()}
+    loras = {None: None}
+    for i, name in enumerate(("a1", "a2")):
+        refs[name] = make_adapter(hf, str(tmp_path / name), targets=targets, r=8, seed=i + 1)
+        loras[name] = LoRARequest(name, i + 1, str(tmp_path / name))
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(3, 512, size=n)] for n in (6, 40)]
+    llm = LLM(str(tmp_path / "base"), dtype="float32", max_model_len=256, max_num_seqs=8,
+              max_num_batched_tokens=64, warmup=False, num_kv_blocks=64,
+              attention_backend="pallas", skip_tokenizer_init=True,
+              enable_multiprocessing=False, enable_lora=True, max_loras=2, max_lora_rank=8)
+    runs = [(p, n) for n in (None, "a1", "a2") for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in runs], params,
+                        lora_request=[loras[n] for _, n in runs], use_tqdm=False)
+    want = [hf_greedy(refs[n], p, N_TOKENS) for p, n in runs]
+    assert want[0] != want[2] and want[2] != want[4]  # the adapters change the tokens
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
     assert_no_leaks(llm)
