@@ -20,14 +20,71 @@ namespace jaxinfer_cpu {
 // -march=native sets -mprefer-vector-width=256), a 64-byte memcpy became two 32-byte moves
 // through the stack and a 64-byte reload, a store-forwarding stall on every load, and the
 // accumulators were spilled each iteration: the packed matmul ran at 23 GFLOP/s on one core
-// where XLA's dot ran at 65-144 (benchmarks/cpu_matmul.py).
-typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+// where XLA's dot ran at 65-144 (benchmarks/cpu_matmul.py). gv16 is that vector on every CPU
+// (the attention kernel's type: it compares, selects and shuffles lanes); v16 is gv16 except
+// on AVX2-only CPUs (below).
+typedef float gv16 __attribute__((vector_size(64), aligned(4), may_alias));
 
-inline v16 load16(const float* p) { return *reinterpret_cast<const v16*>(p); }
+inline gv16 gload16(const float* p) { return *reinterpret_cast<const gv16*>(p); }
 
-inline void store16(float* p, v16 v) { *reinterpret_cast<v16*>(p) = v; }
+inline void gstore16(float* p, gv16 v) { *reinterpret_cast<gv16*>(p) = v; }
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// v16 on CPUs with AVX2 but no AVX-512 (AMD Zen 2 / 3, older Intel): two 8-float vectors.
+// GCC 12 lowers a 64-byte generic vector on such a CPU through the stack (each broadcast
+// stored lane by lane, every accumulator reloaded per FMA): the packed matmul ran at
+// 2.3 GFLOP/s per core on an AVX2 EPYC, 4x below XLA's dot. The pair keeps each half in a
+// ymm register; the matmul kernels need only lane-wise arithmetic and broadcasts.
+#define JAXINFER_V16_PAIR 1
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+
+struct v16 {
+  v8 lo, hi;
+  v16& operator+=(v16 o) { lo += o.lo; hi += o.hi; return *this; }
+  v16& operator-=(v16 o) { lo -= o.lo; hi -= o.hi; return *this; }
+  v16& operator*=(v16 o) { lo *= o.lo; hi *= o.hi; return *this; }
+};
+
+#define JAXINFER_V16_OP(OP)                                                           \
+  inline v16 operator OP(v16 a, v16 b) { return {a.lo OP b.lo, a.hi OP b.hi}; }       \
+  inline v16 operator OP(v16 a, float b) { return {a.lo OP b, a.hi OP b}; }           \
+  inline v16 operator OP(float a, v16 b) { return {a OP b.lo, a OP b.hi}; }
+JAXINFER_V16_OP(+)
+JAXINFER_V16_OP(-)
+JAXINFER_V16_OP(*)
+JAXINFER_V16_OP(/)
+#undef JAXINFER_V16_OP
+
+inline v16 load16(const float* p) {
+  return {*reinterpret_cast<const v8u*>(p), *reinterpret_cast<const v8u*>(p + 8)};
+}
+
+inline void store16(float* p, v16 v) {
+  *reinterpret_cast<v8u*>(p) = v.lo;
+  *reinterpret_cast<v8u*>(p + 8) = v.hi;
+}
+
+inline v16 join(__m256 lo, __m256 hi) {
+  return {reinterpret_cast<v8>(lo), reinterpret_cast<v8>(hi)};
+}
+
+inline gv16 as_generic(v16 v) {
+  gv16 g;
+  std::memcpy(&g, &v, sizeof g);
+  return g;
+}
+#else
+typedef gv16 v16;
+
+inline v16 load16(const float* p) { return gload16(p); }
+
+inline void store16(float* p, v16 v) { gstore16(p, v); }
+
+inline gv16 as_generic(v16 v) { return v; }
+#endif
+
+#if defined(__AVX2__) && defined(__AVX512F__)
 // Byte -> float widening, 8 lanes at a time with AVX2 intrinsics, the two halves joined into
 // a v16 in registers (GCC's generic vector conversions of 16 bytes were scalarised: a movsbl
 // and a vcvtsi2ss per weight, 2.5x slower than float32 weights at 32 rows).
@@ -37,6 +94,9 @@ inline v16 join(__m256 lo, __m256 hi) {
   return __builtin_shufflevector(reinterpret_cast<v8>(lo), reinterpret_cast<v8>(hi), 0, 1, 2,
                                  3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
+#endif
+
+#if defined(__AVX2__)
 
 #if defined(__AVX512F__)
 // With AVX-512 the 16 lanes widen in one instruction each (the AVX2 form's halves, shifts

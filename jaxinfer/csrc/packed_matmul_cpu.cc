@@ -39,7 +39,18 @@ using jaxinfer_cpu::v16;
 namespace {
 
 constexpr int64_t kNR = 32;  // panel width (2 x 16 floats)
+#if defined(JAXINFER_V16_PAIR)
+// AVX2 only: 16 ymm registers, a v16 takes two. A block of MR rows holds 4 MR sums and the
+// row's 4 weight vectors: 2 rows (8 FMAs per k in flight: the 4-cycle latency of 2 FMA ports
+// covered); 1 row where group sums double the sums; no paired panels (4 MR sums each).
+constexpr int64_t kMR = 2;  // rows per register block
+constexpr int64_t kGroupMR = 1;  // ... with per-group scales
+constexpr int kTwoSumsRows = 1;  // rows up to which odd k rows get their own sums
+#else
 constexpr int64_t kMR = 6;  // rows per register block
+constexpr int64_t kGroupMR = 3;  // ... with per-group scales
+constexpr int kTwoSumsRows = 2;
+#endif
 
 // A bfloat16 weight (bf16 models: half the bytes of float32 panels; each widens exactly to
 // a float as it is loaded, and x and the sums stay float32).
@@ -168,7 +179,7 @@ inline void block(const float* x, const W* panel, const float* scale, const floa
     }
   } else if (scale == nullptr || (G == K && offset == nullptr)) {
     int64_t k = 0;
-    if constexpr (MR <= 2) {  // few rows: two sets of sums, so the FMA latency does not bind
+    if constexpr (MR <= kTwoSumsRows) {  // few rows: two sets of sums (FMA latency)
       v16 odd[MR][2];
       for (int i = 0; i < MR; ++i) odd[i][0] = odd[i][1] = v16{};
       for (; k + 2 <= K; k += 2) {
@@ -271,17 +282,18 @@ void panel_rows(const float* x, const W* panel, const float* sc, const float* of
   // The first block of rows reads the panel from memory (and prefetches ahead); the others
   // find it in cache.
   const bool groups = std::is_same_v<W, Nibbles> || (sc != nullptr && (G < K || of != nullptr));
-  const int64_t mr = groups ? 3 : kMR;  // groups: 3 rows
+  const int64_t mr = groups ? kGroupMR : kMR;
   int64_t m0 = 0;
   if (M >= mr && !from_memory) {
     for (; m0 + kMR <= M; m0 += kMR)
       block<kMR, false>(x, panel, sc, of, xs, G, y, m0, K, N, col0, ncols);
   } else if (M >= mr) {
-    if (mr == 3) block<3, true>(x, panel, sc, of, xs, G, y, 0, K, N, col0, ncols);
+    if (groups) block<kGroupMR, true>(x, panel, sc, of, xs, G, y, 0, K, N, col0, ncols);
     else block<kMR, true>(x, panel, sc, of, xs, G, y, 0, K, N, col0, ncols);
     m0 = mr;
-    if (mr == 3) {
-      for (; m0 + 3 <= M; m0 += 3) block<3, false>(x, panel, sc, of, xs, G, y, m0, K, N, col0, ncols);
+    if (groups) {
+      for (; m0 + kGroupMR <= M; m0 += kGroupMR)
+        block<kGroupMR, false>(x, panel, sc, of, xs, G, y, m0, K, N, col0, ncols);
     } else {
       for (; m0 + kMR <= M; m0 += kMR)
         block<kMR, false>(x, panel, sc, of, xs, G, y, m0, K, N, col0, ncols);
@@ -401,8 +413,12 @@ inline void block_pair(const float* x, const float* pa, const float* pb, float* 
   }
 }
 
-// Rows from which float panels are multiplied in pairs (block_pair).
+// Rows from which float panels are multiplied in pairs (block_pair; never with AVX2 only).
+#if defined(JAXINFER_V16_PAIR)
+constexpr int64_t kPairRows = INT64_MAX;
+#else
 constexpr int64_t kPairRows = 12;
+#endif
 
 // block_pair<MR, PF> for MR rows (4 to 6) and PF fetched lines per k row (0, 1, 2 or 4).
 inline void pair_pass(int mr, int pf_kind, const float* x, const float* pa, const float* pb,

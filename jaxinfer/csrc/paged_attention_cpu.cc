@@ -26,11 +26,14 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jaxinfer_cpu::load16;
-using jaxinfer_cpu::store16;
-using jaxinfer_cpu::v16;
 
 namespace {
+
+// GCC's generic 16-float vector on every CPU (its lanes are compared, selected and shuffled
+// here; the matmul kernels' v16 is a pair of 8-float vectors on AVX2-only CPUs).
+using v16 = jaxinfer_cpu::gv16;
+inline v16 load16(const float* p) { return jaxinfer_cpu::gload16(p); }
+inline void store16(float* p, v16 v) { jaxinfer_cpu::gstore16(p, v); }
 
 constexpr int64_t kTile = 16;  // query tokens per work item
 // The running max's start: finite (the kernel is built with -ffast-math, which assumes no
@@ -534,9 +537,15 @@ struct E5M2 {
   uint8_t b;
 };
 inline v16 kv16(const float* p) { return load16(p); }
-inline v16 kv16(const BF16* p) { return jaxinfer_cpu::bf16_to_float16x(&p->b); }
-inline v16 kv16(const E4M3* p) { return jaxinfer_cpu::e4m3_to_float16x(&p->b); }
-inline v16 kv16(const E5M2* p) { return jaxinfer_cpu::e5m2_to_float16x(&p->b); }
+inline v16 kv16(const BF16* p) {
+  return jaxinfer_cpu::as_generic(jaxinfer_cpu::bf16_to_float16x(&p->b));
+}
+inline v16 kv16(const E4M3* p) {
+  return jaxinfer_cpu::as_generic(jaxinfer_cpu::e4m3_to_float16x(&p->b));
+}
+inline v16 kv16(const E5M2* p) {
+  return jaxinfer_cpu::as_generic(jaxinfer_cpu::e5m2_to_float16x(&p->b));
+}
 
 template <typename KV>
 bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
