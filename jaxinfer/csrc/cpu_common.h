@@ -20,8 +20,7 @@ namespace jaxinfer_cpu {
 // -march=native sets -mprefer-vector-width=256), a 64-byte memcpy became two 32-byte moves
 // through the stack and a 64-byte reload, a store-forwarding stall on every load, and the
 // accumulators were spilled each iteration: the packed matmul ran at 23 GFLOP/s on one core
-// where XLA's dot ran at 65-144 (benchmarks/cpu_matmul.py). gv16 is that vector on every CPU
-// (the attention kernel's type: it compares, selects and shuffles lanes); v16 is gv16 except
+// where XLA's dot ran at 65-144 (benchmarks/cpu_matmul.py). v16 is that vector (gv16) except
 // on AVX2-only CPUs (below).
 typedef float gv16 __attribute__((vector_size(64), aligned(4), may_alias));
 
@@ -44,6 +43,7 @@ struct v16 {
   v16& operator+=(v16 o) { lo += o.lo; hi += o.hi; return *this; }
   v16& operator-=(v16 o) { lo -= o.lo; hi -= o.hi; return *this; }
   v16& operator*=(v16 o) { lo *= o.lo; hi *= o.hi; return *this; }
+  float operator[](int64_t i) const { return i < 8 ? lo[i] : hi[i - 8]; }
 };
 
 #define JAXINFER_V16_OP(OP)                                                           \
@@ -69,19 +69,70 @@ inline v16 join(__m256 lo, __m256 hi) {
   return {reinterpret_cast<v8>(lo), reinterpret_cast<v8>(hi)};
 }
 
-inline gv16 as_generic(v16 v) {
-  gv16 g;
-  std::memcpy(&g, &v, sizeof g);
-  return g;
+// What the attention kernel does beyond arithmetic: lane masks from comparisons, selects,
+// float <-> int32 conversions, 32-bit integer lanes, a sum across lanes.
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+struct v16i {
+  v8i lo, hi;
+};
+
+inline v16i operator+(v16i a, int32_t b) { return {a.lo + b, a.hi + b}; }
+
+inline v16i operator<<(v16i a, int b) { return {a.lo << b, a.hi << b}; }
+
+struct m16 {  // lanes all ones (true) or zero, as a vector comparison gives
+  v8i lo, hi;
+};
+
+inline m16 operator&(m16 a, m16 b) { return {a.lo & b.lo, a.hi & b.hi}; }
+
+#define JAXINFER_V16_CMP(OP)                                                          \
+  inline m16 operator OP(v16 a, v16 b) { return {a.lo OP b.lo, a.hi OP b.hi}; }       \
+  inline m16 operator OP(v16 a, float b) { return {a.lo OP b, a.hi OP b}; }           \
+  inline m16 operator OP(float a, v16 b) { return {a OP b.lo, a OP b.hi}; }
+JAXINFER_V16_CMP(<)
+JAXINFER_V16_CMP(>)
+JAXINFER_V16_CMP(<=)
+JAXINFER_V16_CMP(>=)
+#undef JAXINFER_V16_CMP
+
+inline v16 select(m16 m, v16 a, v16 b) { return {m.lo ? a.lo : b.lo, m.hi ? a.hi : b.hi}; }
+
+inline v16i to_int(v16 v) {
+  return {__builtin_convertvector(v.lo, v8i), __builtin_convertvector(v.hi, v8i)};
+}
+
+inline v16 to_float(v16i v) {
+  return {__builtin_convertvector(v.lo, v8), __builtin_convertvector(v.hi, v8)};
+}
+
+inline float hsum(v16 v) {
+  const v8 s = v.lo + v.hi;
+  float t = 0.0f;
+  for (int i = 0; i < 8; ++i) t += s[i];  // (reassociated into shuffles: -ffast-math)
+  return t;
 }
 #else
 typedef gv16 v16;
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef v16i m16;
 
 inline v16 load16(const float* p) { return gload16(p); }
 
 inline void store16(float* p, v16 v) { gstore16(p, v); }
 
-inline gv16 as_generic(v16 v) { return v; }
+inline v16 select(m16 m, v16 a, v16 b) { return m ? a : b; }
+
+inline v16i to_int(v16 v) { return __builtin_convertvector(v, v16i); }
+
+inline v16 to_float(v16i v) { return __builtin_convertvector(v, v16); }
+
+inline float hsum(v16 v) {
+  float t = 0.0f;
+  for (int i = 0; i < 16; ++i) t += v[i];  // (reassociated into shuffles: -ffast-math)
+  return t;
+}
 #endif
 
 #if defined(__AVX2__) && defined(__AVX512F__)

@@ -29,11 +29,14 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// GCC's generic 16-float vector on every CPU (its lanes are compared, selected and shuffled
-// here; the matmul kernels' v16 is a pair of 8-float vectors on AVX2-only CPUs).
-using v16 = jaxinfer_cpu::gv16;
-inline v16 load16(const float* p) { return jaxinfer_cpu::gload16(p); }
-inline void store16(float* p, v16 v) { jaxinfer_cpu::gstore16(p, v); }
+using jaxinfer_cpu::hsum;
+using jaxinfer_cpu::load16;
+using jaxinfer_cpu::select;
+using jaxinfer_cpu::store16;
+using jaxinfer_cpu::to_float;
+using jaxinfer_cpu::to_int;
+using jaxinfer_cpu::v16;
+using jaxinfer_cpu::v16i;
 
 constexpr int64_t kTile = 16;  // query tokens per work item
 // The running max's start: finite (the kernel is built with -ffast-math, which assumes no
@@ -194,17 +197,15 @@ inline PageRows page_rows(const Problem& p, int64_t head, int64_t slot, int64_t 
   return {kbuf, vbuf, D};
 }
 
-typedef int32_t v16i __attribute__((vector_size(64)));
-
 // e^x for x <= 0, 16 lanes (relative error under 1.2e-7 down to -20, 3e-7 to -87): x = n ln2
 // + r, |r| <= ln2 / 2, e^r by its Taylor series to r^7, times 2^n built in the exponent bits.
 // Below -87 (results under float32's normal range) the result is ~1e-38, not 0: callers zero
 // masked entries themselves.
 inline v16 exp16(v16 x) {
-  x = x < -87.0f ? v16{} - 87.0f : x;
+  x = select(x < -87.0f, v16{} - 87.0f, x);
   const v16 t = x * 1.44269504f;
-  const v16i n = __builtin_convertvector(t + (t < 0.0f ? v16{} - 0.5f : v16{} + 0.5f), v16i);
-  const v16 nf = __builtin_convertvector(n, v16);
+  const v16i n = to_int(t + select(t < 0.0f, v16{} - 0.5f, v16{} + 0.5f));
+  const v16 nf = to_float(n);
   const v16 r = (x - nf * 0.693145752f) - nf * 1.42860677e-6f;  // ln 2, in two parts
   v16 e = 1.0f / 5040.0f + r * 0.0f;
   e = e * r + 1.0f / 720.0f;
@@ -344,16 +345,16 @@ bool run_blocked_item(const Problem& p, const Item& it, std::vector<float>& scra
         v16 sc = load16(sj);
         if (masked) {
           const float key = static_cast<float>(j0 + j);
-          sc = (key <= last) & (key >= from) ? sc : v16{} + kMaskValue;
+          sc = select((key <= last) & (key >= from), sc, v16{} + kMaskValue);
           store16(sj, sc);
         }
-        mx = mx > sc ? mx : sc;
+        mx = select(mx > sc, mx, sc);
       }
       v16 sum = v16{};
       for (int64_t j = 0; j < n; ++j) {
         float* sj = st + j * RP + 16 * rv;
         const v16 sc = load16(sj);
-        const v16 e = masked ? (sc > kMaskValue ? exp16(sc - mx) : v16{}) : exp16(sc - mx);
+        const v16 e = masked ? select(sc > kMaskValue, exp16(sc - mx), v16{}) : exp16(sc - mx);
         store16(sj, e);
         sum += e;
       }
@@ -488,17 +489,35 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
   return true;
 }
 
-inline float hsum(v16 v) {
-  float t = 0.0f;
-  for (int i = 0; i < 16; ++i) t += v[i];  // (reassociated into shuffles: -ffast-math)
-  return t;
-}
-
 // Lane t of sum16(p) = the sum of p[kBitReversed[t]]'s lanes: four levels, each adding two
 // vectors' halves (two shuffles and an add per pair), the last leaving the 16 sums in bit-
 // reversed order; storing key t's partial products at kBitReversed[t] puts them in order.
 constexpr int kBitReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
+#if defined(JAXINFER_V16_PAIR)
+// (the same levels on pairs of 8-float halves: the first adds each vector's halves)
+inline v16 sum16(v16 (&p)[16]) {
+  using jaxinfer_cpu::v8;
+  for (int i = 0; i < 8; ++i)
+    p[i] = v16{p[2 * i].lo + p[2 * i].hi, p[2 * i + 1].lo + p[2 * i + 1].hi};
+  auto level = [](v8 a, v8 b, auto first, auto second) { return first(a, b) + second(a, b); };
+  for (int i = 0; i < 4; ++i) {
+    const v16 a = p[2 * i], b = p[2 * i + 1];
+    auto f = [](v8 x, v8 y) { return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11); };
+    auto g = [](v8 x, v8 y) { return __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15); };
+    p[i] = v16{level(a.lo, b.lo, f, g), level(a.hi, b.hi, f, g)};
+  }
+  for (int i = 0; i < 2; ++i) {
+    const v16 a = p[2 * i], b = p[2 * i + 1];
+    auto f = [](v8 x, v8 y) { return __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13); };
+    auto g = [](v8 x, v8 y) { return __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15); };
+    p[i] = v16{level(a.lo, b.lo, f, g), level(a.hi, b.hi, f, g)};
+  }
+  auto f = [](v8 x, v8 y) { return __builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14); };
+  auto g = [](v8 x, v8 y) { return __builtin_shufflevector(x, y, 1, 9, 3, 11, 5, 13, 7, 15); };
+  return v16{level(p[0].lo, p[1].lo, f, g), level(p[0].hi, p[1].hi, f, g)};
+}
+#else
 inline v16 sum16(v16 (&p)[16]) {
   for (int i = 0; i < 8; ++i)
     p[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
@@ -520,6 +539,7 @@ inline v16 sum16(v16 (&p)[16]) {
          __builtin_shufflevector(p[0], p[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
                                  15, 31);
 }
+#endif
 
 // Decode-shaped items (a few query tokens of one sequence, every KV head; a float32, bf16 or
 // fp8 cache, D a multiple of 16): each page is read key by key, a key's K (then V) rows of all heads being one
@@ -537,15 +557,9 @@ struct E5M2 {
   uint8_t b;
 };
 inline v16 kv16(const float* p) { return load16(p); }
-inline v16 kv16(const BF16* p) {
-  return jaxinfer_cpu::as_generic(jaxinfer_cpu::bf16_to_float16x(&p->b));
-}
-inline v16 kv16(const E4M3* p) {
-  return jaxinfer_cpu::as_generic(jaxinfer_cpu::e4m3_to_float16x(&p->b));
-}
-inline v16 kv16(const E5M2* p) {
-  return jaxinfer_cpu::as_generic(jaxinfer_cpu::e5m2_to_float16x(&p->b));
-}
+inline v16 kv16(const BF16* p) { return jaxinfer_cpu::bf16_to_float16x(&p->b); }
+inline v16 kv16(const E4M3* p) { return jaxinfer_cpu::e4m3_to_float16x(&p->b); }
+inline v16 kv16(const E5M2* p) { return jaxinfer_cpu::e5m2_to_float16x(&p->b); }
 
 template <typename KV>
 bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
