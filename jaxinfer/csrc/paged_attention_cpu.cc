@@ -495,6 +495,20 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
 constexpr int kBitReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
 #if defined(JAXINFER_V16_PAIR)
+// Lane t of sum8(p) = the sum of p[kBitReversed8[t]]'s lanes (three levels, as sum16's last).
+constexpr int kBitReversed8[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+
+inline jaxinfer_cpu::v8 sum8(jaxinfer_cpu::v8 (&p)[8]) {
+  for (int i = 0; i < 4; ++i)
+    p[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    p[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(p[0], p[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+         __builtin_shufflevector(p[0], p[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
+
 // (the same levels on pairs of 8-float halves: the first adds each vector's halves)
 inline v16 sum16(v16 (&p)[16]) {
   using jaxinfer_cpu::v8;
@@ -615,6 +629,34 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
     // Scores, 16 keys at a time: per row, 16 partial dot products reduced together into
     // the 16 scores (sum16), not each summed across its lanes on its own.
     int64_t j = 0;
+#if defined(JAXINFER_V16_PAIR)
+    // (AVX2 only: 8 keys at a time, each key's partial products one 8-float vector: 16
+    // keys' pairs would need all 32 halves in the 16 registers)
+    for (; j + 8 <= n; j += 8) {
+      for (int64_t t = 0; t < 8; ++t) prefetch_key(kb, next_k, j + t + kAheadKeys, n);
+      const KV* kr = kb + j * row_len;
+      for (int64_t qh = 0; qh < Hq; ++qh) {
+        const KV* kh = kr + (qh / G) * D;
+        for (int64_t row = qh; row < nr; row += Hq) {
+          const float* qr = qf + row * D;
+          jaxinfer_cpu::v8 part[8];
+          const v16 q0 = load16(qr);
+          for (int t = 0; t < 8; ++t) {
+            const v16 k = kv16(kh + t * row_len);
+            part[kBitReversed8[t]] = q0.lo * k.lo + q0.hi * k.hi;
+          }
+          for (int64_t d = 16; d < D; d += 16) {
+            const v16 qd = load16(qr + d);
+            for (int t = 0; t < 8; ++t) {
+              const v16 k = kv16(kh + t * row_len + d);
+              part[kBitReversed8[t]] += qd.lo * k.lo + qd.hi * k.hi;
+            }
+          }
+          *reinterpret_cast<jaxinfer_cpu::v8u*>(s + row * BS + j) = sum8(part);
+        }
+      }
+    }
+#endif
     for (; j + 16 <= n; j += 16) {
       for (int64_t t = 0; t < 16; ++t) prefetch_key(kb, next_k, j + t + kAheadKeys, n);
       const KV* kr = kb + j * row_len;
