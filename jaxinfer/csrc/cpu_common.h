@@ -33,7 +33,8 @@ inline void gstore16(float* p, gv16 v) { *reinterpret_cast<gv16*>(p) = v; }
 // GCC 12 lowers a 64-byte generic vector on such a CPU through the stack (each broadcast
 // stored lane by lane, every accumulator reloaded per FMA): the packed matmul ran at
 // 2.3 GFLOP/s per core on an AVX2 EPYC, 4x below XLA's dot. The pair keeps each half in a
-// ymm register; the matmul kernels need only lane-wise arithmetic and broadcasts.
+// ymm register. Byte -> float widening below goes 8 lanes at a time with AVX2 intrinsics, the
+// halves joined in registers (GCC's generic conversions of 16 bytes were scalarised).
 #define JAXINFER_V16_PAIR 1
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
@@ -132,18 +133,6 @@ inline float hsum(v16 v) {
   float t = 0.0f;
   for (int i = 0; i < 16; ++i) t += v[i];  // (reassociated into shuffles: -ffast-math)
   return t;
-}
-#endif
-
-#if defined(__AVX2__) && defined(__AVX512F__)
-// Byte -> float widening, 8 lanes at a time with AVX2 intrinsics, the two halves joined into
-// a v16 in registers (GCC's generic vector conversions of 16 bytes were scalarised: a movsbl
-// and a vcvtsi2ss per weight, 2.5x slower than float32 weights at 32 rows).
-typedef float v8 __attribute__((vector_size(32)));
-
-inline v16 join(__m256 lo, __m256 hi) {
-  return __builtin_shufflevector(reinterpret_cast<v8>(lo), reinterpret_cast<v8>(hi), 0, 1, 2,
-                                 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 #endif
 

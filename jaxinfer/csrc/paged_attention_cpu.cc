@@ -509,28 +509,6 @@ inline jaxinfer_cpu::v8 sum8(jaxinfer_cpu::v8 (&p)[8]) {
          __builtin_shufflevector(p[0], p[1], 1, 9, 3, 11, 5, 13, 7, 15);
 }
 
-// (the same levels on pairs of 8-float halves: the first adds each vector's halves)
-inline v16 sum16(v16 (&p)[16]) {
-  using jaxinfer_cpu::v8;
-  for (int i = 0; i < 8; ++i)
-    p[i] = v16{p[2 * i].lo + p[2 * i].hi, p[2 * i + 1].lo + p[2 * i + 1].hi};
-  auto level = [](v8 a, v8 b, auto first, auto second) { return first(a, b) + second(a, b); };
-  for (int i = 0; i < 4; ++i) {
-    const v16 a = p[2 * i], b = p[2 * i + 1];
-    auto f = [](v8 x, v8 y) { return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11); };
-    auto g = [](v8 x, v8 y) { return __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15); };
-    p[i] = v16{level(a.lo, b.lo, f, g), level(a.hi, b.hi, f, g)};
-  }
-  for (int i = 0; i < 2; ++i) {
-    const v16 a = p[2 * i], b = p[2 * i + 1];
-    auto f = [](v8 x, v8 y) { return __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13); };
-    auto g = [](v8 x, v8 y) { return __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15); };
-    p[i] = v16{level(a.lo, b.lo, f, g), level(a.hi, b.hi, f, g)};
-  }
-  auto f = [](v8 x, v8 y) { return __builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14); };
-  auto g = [](v8 x, v8 y) { return __builtin_shufflevector(x, y, 1, 9, 3, 11, 5, 13, 7, 15); };
-  return v16{level(p[0].lo, p[1].lo, f, g), level(p[0].hi, p[1].hi, f, g)};
-}
 #else
 inline v16 sum16(v16 (&p)[16]) {
   for (int i = 0; i < 8; ++i)
@@ -656,7 +634,7 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
         }
       }
     }
-#endif
+#else
     for (; j + 16 <= n; j += 16) {
       for (int64_t t = 0; t < 16; ++t) prefetch_key(kb, next_k, j + t + kAheadKeys, n);
       const KV* kr = kb + j * row_len;
@@ -675,6 +653,7 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
         }
       }
     }
+#endif
     // The page's last keys (fewer than 16), one by one.
     for (; j < n; ++j) {
       prefetch_key(kb, next_k, j + kAheadKeys, n);
