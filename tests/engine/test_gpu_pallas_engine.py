@@ -52,14 +52,20 @@ def _tiny_llama(path, hidden: int, heads: int, kv_heads: int, arch: str = "llama
 def test_pallas_native_engine_matches_hf(tmp_path, hidden, heads, kv_heads, extra):
     import jax
 
-    from jaxinfer import LLM, SamplingParams
-
     assert jax.default_backend() == "gpu"
     hf = _tiny_llama(tmp_path, hidden, heads, kv_heads)
     rng = np.random.default_rng(hidden)
     # Ragged prompts, two longer than the 32-token budget (chunked prefill over several steps).
     prompts = [[int(t) for t in rng.integers(3, 512, size=n)] for n in (5, 17, 40, 3, 70, 9)]
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=256, max_num_seqs=4,
+    _greedy_matches_hf(tmp_path, hf, prompts, **extra)
+
+
+def _greedy_matches_hf(path, hf, prompts, **extra):
+    """The engine with the native kernel (4 sequences, a 32-token budget: chunked prefill)
+    gives HF's greedy tokens for each prompt, and leaves no block behind."""
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="float32", max_model_len=256, max_num_seqs=4,
               max_num_batched_tokens=32, warmup=False, num_kv_blocks=64,
               attention_backend="pallas", skip_tokenizer_init=True,
               enable_multiprocessing=False, **extra)
@@ -115,21 +121,11 @@ def test_other_families_on_gpu(tmp_path, arch, extra):
     layers (the kernel's window mask, prompts longer than the window) with the native kernel."""
     import jax
 
-    from jaxinfer import LLM, SamplingParams
-
     assert jax.default_backend() == "gpu"
     hf = _tiny_llama(tmp_path, 256, 4, 2, arch=arch, **extra)
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(3, 512, size=n)] for n in (5, 40, 70)]
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=256, max_num_seqs=4,
-              max_num_batched_tokens=32, warmup=False, num_kv_blocks=64,
-              attention_backend="pallas", skip_tokenizer_init=True,
-              enable_multiprocessing=False)
-    params = SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert list(o.outputs[0].token_ids) == hf_greedy(hf, p, N_TOKENS), len(p)
-    assert_no_leaks(llm)
+    _greedy_matches_hf(tmp_path, hf, prompts)
 
 
 @pytest.mark.gpu
