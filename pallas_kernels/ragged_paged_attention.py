@@ -50,8 +50,11 @@ def head_dim_chunks(d: int) -> tuple[tuple[int, int], ...]:
 
 
 def _kernel(tile_seq_ref, tile_idx_ref, qsl_ref, kv_lens_ref, tables_ref, q_ref, k_ref, v_ref,
-            *out_refs, block_q, group, group_pad, pages_per_iter, block_size, num_splits,
-            d_chunks, sm_scale, sliding_window, soft_cap, interpret):
+            *refs, block_q, group, group_pad, pages_per_iter, block_size, num_splits,
+            d_chunks, sm_scale, sliding_window, soft_cap, interpret, has_sinks):
+    # With attention sinks (single split only; split partials are merged with them outside)
+    # the first ref is the sink of every q row of this KV head, laid out as q's rows.
+    sinks_ref, out_refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     w, split = pl.program_id(0), pl.program_id(2)
     block_m = block_q * group_pad
     block_kv = pages_per_iter * block_size
@@ -131,6 +134,8 @@ def _kernel(tile_seq_ref, tile_idx_ref, qsl_ref, kv_lens_ref, tables_ref, q_ref,
     # Masked stores: a tile's rows past its sequence belong to the next sequence's tiles.
     if num_splits == 1:
         (o_ref,) = out_refs
+        if has_sinks:  # a logit with no value: e^(sink - m) more in the denominator
+            l = l + jnp.exp2((sinks_ref[q_rows] - m) * _LOG2E)
         inv = 1.0 / jnp.where(l == 0, 1.0, l)
         for acc, (off, size) in zip(accs, d_chunks):
             plgpu.store(o_ref.at[q_rows, pl.ds(off, size)],
@@ -197,16 +202,18 @@ def _work_list(query_start_loc, num_seqs, num_tiles: int, block_q: int):
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "interpret", "num_splits", "tuning"))
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-                           num_seqs, *, sm_scale: float, sliding_window: int | None = None,
-                           soft_cap: float | None = None, interpret: bool = False,
-                           num_splits: int | None = None, tuning: AttentionTuning | None = None):
+                           num_seqs, sinks=None, *, sm_scale: float,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           interpret: bool = False, num_splits: int | None = None,
+                           tuning: AttentionTuning | None = None):
     """Causal attention of a flat ragged query batch over a paged KV cache.
 
     q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; kv_lens: int32 [R]
     (KV length incl. this step's tokens); block_tables: int32 [R, max_blocks];
     query_start_loc: int32 [R+1]; num_seqs: int32 [1]. Returns [T, Hq, D]; rows of padding
     tokens are unspecified. `num_splits` and `tuning` override the automatic split-KV choice
-    and the tuning table (for benchmarks and sweeps).
+    and the tuning table (for benchmarks and sweeps). sinks: float32 [Hq] attention sinks
+    (one logit per query head in each row's softmax denominator, with no value), or None.
     """
     _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
     t, hq, d = q.shape
@@ -229,15 +236,24 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_sta
     tables = jnp.pad(block_tables, ((0, 0), (0, pages)))
     tile_seq, tile_idx = _work_list(query_start_loc, num_seqs, num_tiles, block_q)
 
+    in_sinks = sinks is not None and splits == 1
     kernel = functools.partial(
         _kernel, block_q=block_q, group=group, group_pad=group_pad, pages_per_iter=pages,
         block_size=bs, num_splits=splits, d_chunks=head_dim_chunks(d), sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
+        sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
+        has_sinks=in_sinks)
+    if sinks is not None:  # [Hkv, G_pad]: each query head's sink (padding heads: none)
+        sink_heads = jnp.pad(sinks.astype(jnp.float32).reshape(hkv, group),
+                             ((0, 0), (0, group_pad - group)), constant_values=_MASK)
     whole = lambda a: pl.BlockSpec(a.shape, lambda w, h, sp: (0,) * a.ndim)  # noqa: E731
     cache_spec = pl.BlockSpec((k_cache.shape[0], bs, None, d), lambda w, h, sp: (0, 0, h, 0))
     in_specs = [whole(tile_seq), whole(tile_idx), whole(query_start_loc), whole(kv_lens),
                 whole(tables), pl.BlockSpec((None, rows, d), lambda w, h, sp: (h, 0, 0)),
                 cache_spec, cache_spec]
+    args = [tile_seq, tile_idx, query_start_loc, kv_lens, tables, qh, k_cache, v_cache]
+    if in_sinks:  # laid out as q's rows: [Hkv, rows]
+        args.append(jnp.tile(sink_heads, (1, t + block_q)))
+        in_specs.append(pl.BlockSpec((None, rows), lambda w, h, sp: (h, 0)))
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((hkv, rows, d), q.dtype)]
         out_specs = [pl.BlockSpec((None, rows, d), lambda w, h, sp: (h, 0, 0))]
@@ -256,7 +272,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_sta
         kernel, grid=(num_tiles, hkv, splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, compiler_params=compiler_params,
         name="ragged_paged_attention",
-    )(tile_seq, tile_idx, query_start_loc, kv_lens, tables, qh, k_cache, v_cache)
+    )(*args)
     if splits == 1:
         out = outs[0]
     else:
@@ -264,6 +280,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_sta
         m_all = m.max(axis=0)
         scale = jnp.exp(m - m_all[None]) * l
         denom = scale.sum(axis=0)
+        if sinks is not None:
+            denom = denom + jnp.exp(jnp.tile(sink_heads, (1, t + block_q)) - m_all)
         num = (jnp.exp(m - m_all[None])[..., None] * acc).sum(axis=0)
         out = (num / jnp.where(denom == 0, 1.0, denom)[..., None]).astype(q.dtype)
     out = out.reshape(hkv, t + block_q, group_pad, d)[:, :t, :group]

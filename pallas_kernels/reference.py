@@ -40,6 +40,7 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks=None,
 ):
     """Causal attention of a flat, ragged query batch over a paged KV cache.
 
@@ -48,6 +49,9 @@ def ragged_paged_attention_reference(
     query_start_loc: int32 [R+1]; num_seqs: int32 [1] (rows >= num_seqs[0] are padding).
     Query token i of sequence s sits at position kv_lens[s] - q_len(s) + i and sees KV positions
     <= its own. Returns [T, Hq, D] in q.dtype; rows of padding tokens are zero.
+    sinks: float32 [Hq] or None: attention sinks (gpt-oss), one learned logit per query head
+    joining the softmax's denominator only (no value): softmax over [scores, sink], the sink's
+    column dropped.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -76,7 +80,13 @@ def ragged_paged_attention_reference(
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         scores = jnp.where(mask[:, None, None, :], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1)
+        if sinks is None:
+            probs = jax.nn.softmax(scores, axis=-1)
+        else:
+            sink = jnp.broadcast_to(
+                sinks.astype(jnp.float32).reshape(1, num_kv_heads, group, 1),
+                scores.shape[:-1] + (1,))
+            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
         o = jnp.einsum("thgl,lhd->thgd", probs, v).reshape(num_tokens, num_q_heads, head_dim)
         return jnp.where(in_seq[:, None, None], o, out)
 

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -151,7 +152,15 @@ struct Problem {
   const int32_t* qsl;  // [R+1]
   int64_t T, Hq, Hkv, D, NB, BS, R, MB, group, window;
   float scale;
+  const float* sinks;  // [Hq] attention sinks (gpt-oss), or nullptr
 };
+
+// 1 / a row's softmax denominator: its running sum l over the keys, plus e^(sink - m) for an
+// attention sink (a logit with no value); 0 for a row that saw no key.
+inline float inv_denominator(const Problem& p, int64_t q_head, float m, float l) {
+  if (p.sinks != nullptr) l += std::exp(p.sinks[q_head] - m);
+  return l > 0.0f && l <= std::numeric_limits<float>::max() ? 1.0f / l : 0.0f;
+}
 
 struct Item {
   int32_t seq, head, tile;  // (a decode item: every KV head; `head` is 0)
@@ -383,7 +392,7 @@ bool run_blocked_item(const Problem& p, const Item& it, std::vector<float>& scra
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t t = r0 + row / G;
     const int64_t dst = ((start + t) * p.Hq + it.head * G + row % G) * D;
-    const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+    const float inv = inv_denominator(p, it.head * G + row % G, m[row], l[row]);
     if (p.q_kind == Kind::kF32) {
       float* out = static_cast<float*>(p.out) + dst;
       for (int64_t d = 0; d < D; d += 16) store16(out + d, load16(acc + row * D + d) * inv);
@@ -482,7 +491,7 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t row = (t - r0) * G + g;
       const int64_t dst = ((start + t) * p.Hq + it.head * G + g) * D;
-      const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+      const float inv = inv_denominator(p, it.head * G + g, m[row], l[row]);
       for (int64_t d = 0; d < D; ++d) store(p.out, dst + d, acc[row * D + d] * inv, p.q_kind);
     }
   }
@@ -711,7 +720,7 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
     }
   }
   for (int64_t row = 0; row < nr; ++row) {
-    const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+    const float inv = inv_denominator(p, row % Hq, m[row], l[row]);
     for (int64_t d = 0; d < D; ++d)
       store(p.out, q0 + row * D + d, acc[row * D + d] * inv, p.q_kind);
   }
@@ -766,7 +775,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
                               ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> block_tables,
                               ffi::Buffer<ffi::S32> query_start_loc,
-                              ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
+                              ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> sinks,
+                              float sm_scale,
                               int64_t sliding_window, ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
   auto vd = v_cache.dimensions();
@@ -788,6 +798,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
       p.q_kind == Kind::kF8E4M3 || p.q_kind == Kind::kF8E5M2)
     return ffi::Error::InvalidArgument("paged_attention_cpu: q must be f32, bf16 or f16, the "
                                        "caches also fp8 (e4m3fn, e5m2)");
+  if (sinks.element_count() != 0 && sinks.element_count() != static_cast<size_t>(p.Hq))
+    return ffi::Error::InvalidArgument("paged_attention_cpu: sinks must hold 0 or Hq values");
+  p.sinks = sinks.element_count() ? sinks.typed_data() : nullptr;
   p.group = p.Hq / p.Hkv;
   p.window = sliding_window;
   p.scale = sm_scale;
@@ -899,6 +912,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttentionCpu, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Ret<ffi::AnyBuffer>());

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -145,8 +146,10 @@ def available() -> bool:
 
 
 def ragged_paged_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-                               num_seqs, *, sm_scale: float, sliding_window: int | None = None):
-    """Same contract as `ragged_paged_attention_reference`; q [T, Hq, D] -> [T, Hq, D]."""
+                               num_seqs, *, sm_scale: float, sliding_window: int | None = None,
+                               sinks=None):
+    """Same contract as `ragged_paged_attention_reference`; q [T, Hq, D] -> [T, Hq, D];
+    sinks: float32 [Hq] attention sinks, or None."""
     if not available():
         raise RuntimeError("attention_backend='cpu' needs the C++ kernel, which could not be "
                            "built here (see the warning above)")
@@ -155,6 +158,7 @@ def ragged_paged_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, query
     i32 = np.int32
     return call(q, k_cache, v_cache, kv_lens.astype(i32), block_tables.astype(i32),
                 query_start_loc.astype(i32), num_seqs.astype(i32),
+                jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
                 sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0))
 
 

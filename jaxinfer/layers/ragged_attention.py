@@ -47,7 +47,7 @@ def _online_softmax_step(carry, scores, valid, v):
 def ragged_paged_attention_xla(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                                num_seqs, num_decodes, *, sm_scale: float,
                                sliding_window: int | None = None, kv_chunk: int = 256,
-                               q_tile: int = 64):
+                               q_tile: int = 64, sinks=None):
     """Causal attention of a flat ragged batch over a paged KV cache (same contract as
     `ragged_paged_attention_reference`, plus `num_decodes`).
 
@@ -55,6 +55,8 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, kv_lens, block_tables, query
     block_tables int32 [R, max_blocks]; query_start_loc int32 [R+1]; num_seqs int32 [1];
     num_decodes int32 [1]: sequences [0, num_decodes) have exactly one query token (so their
     tokens are [0, num_decodes)). Returns [T, Hq, D] in q.dtype; padding rows are zero.
+    sinks: float32 [Hq] or None (attention sinks: one more term, e^sink, in each row's
+    softmax denominator).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -70,6 +72,14 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, kv_lens, block_tables, query
     tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks_max * blocks_per_chunk - max_blocks)))
     chunk_iota = jnp.arange(chunk, dtype=jnp.int32)
     f32 = jnp.float32
+    sink = None if sinks is None else sinks.astype(f32).reshape(num_kv_heads, group)
+
+    def finish(m, l, acc):
+        """The softmax's output from its state [..., Hkv, G(, D)]: acc / l, with the
+        sinks' e^(sink - m) in the denominator."""
+        if sink is not None:
+            l = l + jnp.exp(sink - m)
+        return acc / jnp.maximum(l, 1e-30)[..., None]
 
     def gather_kv(blocks, valid):
         """blocks int32 [..., bpc] -> k, v [..., C, Hkv, D] float32, zero where not valid."""
@@ -108,8 +118,8 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, kv_lens, block_tables, query
     if sliding_window is not None:  # chunks wholly before every row's window are skipped
         lo = jnp.min(jnp.where(dec_valid, dec_len - sliding_window, jnp.iinfo(jnp.int32).max))
         first = jnp.maximum(lo, 0) // chunk
-    _, l, acc = jax.lax.fori_loop(first, _cdiv(jnp.max(dec_len), chunk), decode_chunk, init)
-    out_dec = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(rd, num_q_heads, head_dim)
+    m, l, acc = jax.lax.fori_loop(first, _cdiv(jnp.max(dec_len), chunk), decode_chunk, init)
+    out_dec = finish(m, l, acc).reshape(rd, num_q_heads, head_dim)
     out_dec = jnp.where(dec_valid[:, None, None], out_dec, 0.0)
 
     # -- other sequences: one at a time, in query tiles -----------------------------------------
@@ -150,8 +160,8 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, kv_lens, block_tables, query
             lo = 0
             if sliding_window is not None:
                 lo = jnp.maximum(ctx + t * tile - sliding_window + 1, 0) // chunk
-            _, l, acc = jax.lax.fori_loop(lo, _cdiv(hi, chunk), kv_chunk_step, init)
-            o = (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(tile, num_q_heads, head_dim)
+            m, l, acc = jax.lax.fori_loop(lo, _cdiv(hi, chunk), kv_chunk_step, init)
+            o = finish(m, l, acc).reshape(tile, num_q_heads, head_dim)
             old = jax.lax.dynamic_slice_in_dim(out, t0, tile, axis=0)
             new = jnp.where(row_valid[:, None, None], o, old)
             return jax.lax.dynamic_update_slice_in_dim(out, new, t0, axis=0)
