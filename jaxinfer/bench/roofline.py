@@ -26,18 +26,35 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     (dense models: the two are equal), "expert" one expert's gated MLP, "moe_layers" how
     many layers are sparse."""
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    attn = h * cfg.q_size + 2 * h * cfg.kv_size + cfg.q_size * h
-    if cfg.attention_bias:
-        attn += cfg.q_size + 2 * cfg.kv_size
-    base = attn + 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    if cfg.kv_lora_rank:  # latent attention: q (LoRA or plain), kv_a, its norm, kv_b, o
+        nh, lat, rope = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        qk = cfg.qk_nope_head_dim + rope
+        ql = cfg.q_lora_rank
+        attn = (h * ql + ql + ql * nh * qk if ql else h * nh * qk) + h * (lat + rope) + lat \
+            + lat * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) + nh * cfg.v_head_dim * h
+    else:
+        attn = h * cfg.q_size + 2 * h * cfg.kv_size + cfg.q_size * h
+        if cfg.attention_bias:
+            attn += cfg.q_size + 2 * cfg.kv_size
+        if cfg.o_proj_bias:
+            attn += h
+        if cfg.attention_sinks:
+            attn += cfg.num_attention_heads
+    base = attn + (4 if cfg.sandwich_norms else 2) * h + (2 * cfg.head_dim if cfg.qk_norm
+                                                          else 0)
     expert = 3 * h * cfg.moe_intermediate_size
+    if cfg.swiglu_limit is not None or cfg.o_proj_bias:  # (gpt-oss: biased experts)
+        expert += 2 * cfg.moe_intermediate_size + h
     shared = (3 * h * cfg.shared_expert_intermediate_size + h
               if cfg.shared_expert_intermediate_size else 0)  # (+ its gate)
+    shared += 3 * h * cfg.moe_intermediate_size * cfg.n_shared_experts  # (DeepSeek's)
     layers = active = moe_layers = 0
     for layer in range(cfg.num_hidden_layers):
         if cfg.is_moe_layer(layer):
             moe_layers += 1
             router = h * cfg.num_experts
+            if cfg.moe_scoring == "sigmoid" or cfg.attention_sinks:  # (a bias per expert)
+                router += cfg.num_experts
             layers += base + router + cfg.num_experts * expert + shared
             active += base + router + cfg.num_experts_per_tok * expert + shared
         else:
@@ -60,7 +77,9 @@ def experts_touched(cfg: ModelConfig, rows: int) -> float:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    """K and V of every layer (latent attention: the latent only)."""
+    return (cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.head_dim + cfg.v_cache_dim)
+            * dtype_bytes)
 
 
 def decode_step_floor_s(cfg: ModelConfig, dtype_bytes: int, batch: int, context: int,

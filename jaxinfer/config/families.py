@@ -17,16 +17,7 @@ def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3 (text) fields. Its rope: global (full-attention) layers use rope_theta with
     rope_scaling, sliding layers rope_local_base_freq unscaled; transformers >= 5 writes both
     under rope_parameters, keyed by layer type."""
-    n = int(d["num_hidden_layers"])
-    types = d.get("layer_types")
-    if types is None:  # older configs: every sliding_window_pattern-th layer is global
-        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                 for i in range(n)]
-    bad = sorted(set(types) - {"full_attention", "sliding_attention"})
-    if len(types) != n or bad:
-        raise ValueError(f"layer_types must list {n} of full_attention / sliding_attention, "
-                         f"got {types!r}")
+    types = _layer_types(d, 6)
     rp = d.get("rope_parameters") or {}
     if "full_attention" in rp:
         full, local = rp["full_attention"], rp.get("sliding_attention") or {}
@@ -51,6 +42,84 @@ def _gemma3_fields(d: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _layer_types(d: dict[str, Any], default_pattern: int) -> list[str]:
+    """Each layer's attention kind, full_attention / sliding_attention: the config's
+    layer_types, else (older configs) every default_pattern-th layer global."""
+    n = int(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    if types is None:
+        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern")
+                      or default_pattern)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(n)]
+    bad = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if len(types) != n or bad:
+        raise ValueError(f"layer_types must list {n} of full_attention / sliding_attention, "
+                         f"got {types!r}")
+    return list(types)
+
+
+def _gpt_oss_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: alternating sliding (window 128) and full layers, attention sinks, biased
+    q/k/v/o, a biased router over num_local_experts whose top-k logits are softmaxed (= the
+    top-k of the full softmax renormalised), experts intermediate_size wide with biases and a
+    clamped SwiGLU, yarn rope (read by the common fields)."""
+    types = _layer_types(d, 2)
+    act = d.get("hidden_act") or "silu"
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported for GptOssForCausalLM")
+    limit = d.get("swiglu_limit")
+    return dict(
+        sliding_layers=tuple(t == "sliding_attention" for t in types),
+        sliding_window=int(d["sliding_window"]) if d.get("sliding_window") else None,
+        attention_bias=bool(d.get("attention_bias", True)),
+        o_proj_bias=bool(d.get("attention_bias", True)),
+        attention_sinks=True,
+        num_experts=int(d["num_local_experts"]),
+        num_experts_per_tok=int(d.get("num_experts_per_tok") or d.get("experts_per_token") or 4),
+        moe_intermediate_size=int(d["intermediate_size"]),
+        norm_topk_prob=True,
+        swiglu_limit=None if limit is None else float(limit),
+        swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+    )
+
+
+def _deepseek_v3_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3 (and Kimi K2 and other checkpoints of its architecture): multi-head latent
+    attention (the cache: one latent per token, as a single KV head of width kv_lora_rank +
+    qk_rope_head_dim), group-limited sigmoid routing with a correction bias, shared experts,
+    the first first_k_dense_replace layers dense."""
+    kv_lora, rope_dim = int(d["kv_lora_rank"]), int(d["qk_rope_head_dim"])
+    n_experts, n_group = int(d["n_routed_experts"]), int(d.get("n_group") or 1)
+    topk_group = int(d.get("topk_group") or 1)
+    if n_experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"n_group={n_group} must divide n_routed_experts={n_experts} and "
+                         f"topk_group={topk_group} must be between 1 and n_group")
+    if d.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"moe_layer_freq={d['moe_layer_freq']} is not supported (1: every "
+                         "layer past first_k_dense_replace is sparse)")
+    if d.get("topk_method", "noaux_tc") != "noaux_tc" or d.get("scoring_func",
+                                                                "sigmoid") != "sigmoid":
+        raise ValueError(f"topk_method={d.get('topk_method')!r} / scoring_func="
+                         f"{d.get('scoring_func')!r} are not supported (DeepSeek-V3's: "
+                         "noaux_tc, sigmoid)")
+    first_dense = int(d.get("first_k_dense_replace") or 0)
+    q_lora = d.get("q_lora_rank")
+    return dict(
+        num_key_value_heads=1, head_dim=kv_lora + rope_dim,
+        kv_lora_rank=kv_lora, q_lora_rank=None if q_lora is None else int(q_lora),
+        qk_nope_head_dim=int(d["qk_nope_head_dim"]), qk_rope_head_dim=rope_dim,
+        v_head_dim=int(d["v_head_dim"]), rope_interleave=bool(d.get("rope_interleave", True)),
+        num_experts=n_experts, num_experts_per_tok=int(d["num_experts_per_tok"]),
+        moe_intermediate_size=int(d["moe_intermediate_size"]),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        mlp_only_layers=tuple(range(first_dense)),
+        moe_scoring="sigmoid", n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+        n_shared_experts=int(d.get("n_shared_experts") or 0),
+    )
+
+
 def _refuse_unsupported_math(d: dict[str, Any], arch: str) -> None:
     """Config keys that would change the model's math in ways not built: an error naming the
     key, never a silently different model."""
@@ -62,6 +131,8 @@ def _refuse_unsupported_math(d: dict[str, Any], arch: str) -> None:
         if d.get(key):
             raise ValueError(f"{key}={d[key]!r} is not supported (the attention kernels have "
                              f"no logit soft-capping and are causal)")
+    if arch == "DeepseekV3ForCausalLM":  # (its shared experts and dense layers are built)
+        return
     for key in ("n_shared_experts", "num_shared_experts"):  # (DeepSeek's layout)
         if d.get(key):
             raise ValueError(f"{key}={d[key]}: DeepSeek-style shared experts are not "
@@ -122,6 +193,8 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
                                       **_moe_fields(d, "Qwen3MoeForCausalLM")},
     "MixtralForCausalLM": lambda d: _moe_fields(d, "MixtralForCausalLM"),
     "Gemma3ForCausalLM": lambda d: {**_qwen3_fields(d), **_gemma3_fields(d)},
+    "GptOssForCausalLM": _gpt_oss_fields,
+    "DeepseekV3ForCausalLM": _deepseek_v3_fields,
 }
 # Bare decoders (HF's *Model: no LM head), served as pooling models (runner="auto" picks
 # pooling for them): the LM head (never used by a pooling step) is the embedding, so none is

@@ -66,6 +66,37 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] = ()
     rope_local_theta: float | None = None  # sliding layers' rope base (default scaling)
     final_logit_softcapping: float | None = None
+    # gpt-oss: a bias on the attention output projection too, attention sinks (one learned
+    # logit per query head in the softmax denominator), the experts' clamped SwiGLU
+    # ((up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit) with biases,
+    # a biased router.
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    # DeepSeek-V3 multi-head latent attention (kv_lora_rank > 0): the cache holds one latent
+    # vector per token and layer (kv_lora_rank compressed K/V + qk_rope_head_dim decoupled-rope
+    # key) as a single KV "head" of width head_dim = kv_lora_rank + qk_rope_head_dim, and no
+    # separate V (v_cache_dim 0); q_lora_rank None: a plain q projection.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rope over interleaved pairs (x0, x1), (x2, x3), ...
+    # DeepSeek-V3 routing: sigmoid scores (+ e_score_correction_bias for the choice), the best
+    # topk_group of n_group expert groups (each scored by its top-2 sum), top-k within them,
+    # weights renormalised (norm_topk_prob) and scaled by routed_scaling_factor; shared
+    # experts (moe_intermediate_size x n_shared_experts wide) beside them, ungated; the first
+    # first_k_dense_replace layers dense.
+    moe_scoring: str = "softmax"  # or "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    # The checkpoint holds the experts in MXFP4 (gpt-oss: *_blocks / *_scales tensors, its
+    # quantization_config quant_method "mxfp4"): dequantized to the model's dtype at load.
+    mxfp4_experts: bool = False
     # Quantized linear weights (config/quant.py): from the checkpoint's quantization_config,
     # or the engine's `quantization` option (resolve_config); None: float weights.
     quantization: QuantConfig | None = None
@@ -116,6 +147,12 @@ class ModelConfig:
                 and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
+    def v_cache_dim(self) -> int:
+        """Width of the V cache per KV head: head_dim, or 0 with latent attention (the one
+        latent cache serves as keys and values)."""
+        return 0 if self.kv_lora_rank else self.head_dim
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -164,8 +201,11 @@ class ModelConfig:
             hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "silu",
         )
         fields.update(family_fields(arch, d))
-        if d.get("quantization_config") is not None:
-            fields["quantization"] = QuantConfig.from_configs(None, d["quantization_config"])
+        qc = d.get("quantization_config")
+        if qc is not None and qc.get("quant_method") == "mxfp4" and arch == "GptOssForCausalLM":
+            fields["mxfp4_experts"] = True  # (kept quantized: a follow-up)
+        elif qc is not None:
+            fields["quantization"] = QuantConfig.from_configs(None, qc)
         return ModelConfig(**fields)
 
     @staticmethod

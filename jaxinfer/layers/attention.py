@@ -82,8 +82,10 @@ def write_kv(k_cache, v_cache, k, v, md: AttentionMetadata, kv_scales=None):
 
 
 def attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
-              backend: str = DEFAULT_BACKEND, sliding_window: int | None = None):
-    """q [T, Hq, D] over the paged caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D]."""
+              backend: str = DEFAULT_BACKEND, sliding_window: int | None = None, sinks=None):
+    """q [T, Hq, D] over the paged caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D].
+    sinks: float32 [Hq] attention sinks (gpt-oss: a learned logit per head in the softmax
+    denominator), or None."""
     if backend == "auto":  # (engines resolve it per device first; this is for bare models)
         from jaxinfer.layers import cpu_kernels
 
@@ -94,38 +96,40 @@ def attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
 
         return ragged_paged_attention_xla(
             q, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-            md.num_decodes, sm_scale=sm_scale, sliding_window=sliding_window,
+            md.num_decodes, sm_scale=sm_scale, sliding_window=sliding_window, sinks=sinks,
         )
     if backend == "cpu":
         from jaxinfer.layers.cpu_kernels import ragged_paged_attention_cpu
 
         return ragged_paged_attention_cpu(
             q, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window,
+            sm_scale=sm_scale, sliding_window=sliding_window, sinks=sinks,
         )
     if backend == "reference":
         return ragged_paged_attention_reference(
             q, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window,
+            sm_scale=sm_scale, sliding_window=sliding_window, sinks=sinks,
         )
     if backend == "pallas":
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
         return ragged_paged_attention(
             q, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window,
+            sinks, sm_scale=sm_scale, sliding_window=sliding_window,
             interpret=jax.default_backend() == "cpu",
         )
     raise ValueError(check_backend(backend))
 
 
 def paged_attention(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
-                    backend: str, sliding_window: int | None, mesh=None, kv_scales=None):
+                    backend: str, sliding_window: int | None, mesh=None, kv_scales=None,
+                    sinks=None):
     """Write this step's k, v [T, Hkv, D] into the caches, then attend with q [T, Hq, D].
 
     fp8 caches hold k / k_scale and v / v_scale (kv_scales: float32 scalars, per layer; None:
     1.0); every backend reads them widened to q's dtype, and the scales come back outside the
-    kernels: q . (k_cache * ks) = (q * ks) . k_cache, and the output times vs.
+    kernels: q . (k_cache * ks) = (q * ks) . k_cache, and the output times vs. sinks: float32
+    [Hq] attention sinks, or None.
 
     With a mesh, both run per device on its own heads (jax.shard_map): no communication."""
     fp8 = is_fp8(k_cache.dtype)
@@ -134,27 +138,55 @@ def paged_attention(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_scal
     if not fp8:
         kv_scales = None
 
-    def local(q, k, v, k_cache, v_cache, md, kv_scales):
+    def local(q, k, v, k_cache, v_cache, md, kv_scales, sinks):
         k_cache, v_cache = write_kv(k_cache, v_cache, k, v, md, kv_scales)
         if kv_scales is not None:
             q = (q.astype(jnp.float32) * kv_scales[0]).astype(q.dtype)
         o = attention(q, k_cache, v_cache, md, sm_scale=sm_scale, backend=backend,
-                      sliding_window=sliding_window)
+                      sliding_window=sliding_window, sinks=sinks)
         if kv_scales is not None:
             o = (o.astype(jnp.float32) * kv_scales[1]).astype(o.dtype)
         return o, k_cache, v_cache
 
     if mesh is None:
-        return local(q, k, v, k_cache, v_cache, md, kv_scales)
+        return local(q, k, v, k_cache, v_cache, md, kv_scales, sinks)
     from jax.sharding import PartitionSpec as P
 
     from jaxinfer.parallel import ATTN_Q_SPEC, KV_CACHE_SPEC
 
     md_spec = jax.tree.map(lambda _: P(), md)
     scale_spec = jax.tree.map(lambda _: P(), kv_scales)
+    sink_spec = P(ATTN_Q_SPEC[1])  # (split as q's heads)
     return jax.shard_map(
         local, mesh=mesh,
         in_specs=(ATTN_Q_SPEC, ATTN_Q_SPEC, ATTN_Q_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC, md_spec,
-                  scale_spec),
+                  scale_spec, sink_spec),
         out_specs=(ATTN_Q_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC), check_vma=False,
-    )(q, k, v, k_cache, v_cache, md, kv_scales)
+    )(q, k, v, k_cache, v_cache, md, kv_scales, sinks)
+
+
+def paged_latent_attention(q, latent, cache, md: AttentionMetadata, *, sm_scale: float,
+                           backend: str, mesh=None):
+    """Multi-head latent attention (DeepSeek's MLA, absorbed form) as multi-query attention
+    over the one latent cache: write this step's latents [T, Hc, L] into `cache` [num_blocks,
+    block_size, Hc, L], then attend with q [T, H, L] using the cache as keys and as values (the
+    caller keeps the values' part of the output). Returns (o [T, H, L], the cache). Hc is 1,
+    or under tensor parallelism (a mesh) one copy of the latent per device: each device
+    attends with its query heads over its own full copy (no communication; splitting the
+    latent instead would need the scores summed across devices)."""
+    def local(q, latent, cache, md):
+        nb, bs, heads, width = cache.shape
+        cache = cache.reshape(nb * bs, heads, width).at[md.slot_mapping].set(
+            latent.astype(cache.dtype)).reshape(nb, bs, heads, width)
+        return attention(q, cache, cache, md, sm_scale=sm_scale, backend=backend), cache
+
+    if mesh is None:
+        return local(q, latent, cache, md)
+    from jax.sharding import PartitionSpec as P
+
+    from jaxinfer.parallel import ATTN_Q_SPEC, KV_CACHE_SPEC
+
+    return jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(ATTN_Q_SPEC, ATTN_Q_SPEC, KV_CACHE_SPEC, jax.tree.map(lambda _: P(), md)),
+        out_specs=(ATTN_Q_SPEC, KV_CACHE_SPEC), check_vma=False)(q, latent, cache, md)

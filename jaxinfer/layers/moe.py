@@ -17,6 +17,12 @@ per projection:
 Qwen2-MoE adds a shared expert (a dense gated MLP every token runs), its output scaled by
 sigmoid(shared_expert_gate(x)) before it joins the routed experts' sum.
 
+Families vary it without a copy: gpt-oss (models/gpt_oss.py) passes an `Experts` with biases
+on both projections, its own activation and its checkpoint's stacked layout, and a biased
+router under its own name; DeepSeek-V3 (models/deepseek_v3.py) subclasses SparseMoE for its
+router (`route`) and shared experts. The down projections' biases are added once, outside the
+per-device partial sums.
+
 Expert weights are stacked: experts.gate_up_proj [E, H, 2, I] (gate, then up) and
 experts.down_proj [E, I, H], built at load time from the checkpoint's per-expert tensors
 (models/fused.py). Under tensor parallelism each expert is split over I, like the dense MLP.
@@ -102,8 +108,13 @@ class Experts(nnx.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, dtype,
                  rngs: nnx.Rngs, packed: bool = False, quant=None,
-                 hf_names: tuple = QWEN_EXPERT_NAMES):
-        """hf_names: the checkpoint's names of each expert's (gate, up) and (down,)."""
+                 hf_names: tuple = QWEN_EXPERT_NAMES, hf_layouts: tuple | None = None,
+                 bias: bool = False, act=None):
+        """hf_names: the checkpoint's names of each expert's (gate, up) and (down,);
+        hf_layouts: instead, the HF layouts of (gate_up_proj, down_proj, and with bias
+        gate_up_proj_bias, down_proj_bias) (a family whose checkpoint stacks its experts).
+        bias: per-expert biases on both projections (gpt-oss). act: (gate, up) -> the
+        projection's input (default: silu(gate) * up)."""
         # (quantized experts are packed for the CPU kernel with per-channel scales only)
         packed = packed and (quant is None or quant.in_block is None)
         self.num_experts, self.intermediate_size, self.packed = (num_experts, intermediate_size,
@@ -118,10 +129,18 @@ class Experts(nnx.Module):
             return HF(tuple(f"{{module}}.{{e}}.{n}.weight" for n in names), transpose=True,
                       fuse="experts")
 
-        self.gate_up_proj = _expert_weight(rngs, gu, dtype, packed, quant, gu_axes,
-                                           hf(hf_names[0]))
-        self.down_proj = _expert_weight(rngs, dn, dtype, packed, quant, dn_axes,
-                                        hf(hf_names[1]))
+        layouts = hf_layouts or (hf(hf_names[0]), hf(hf_names[1]))
+        self.gate_up_proj = _expert_weight(rngs, gu, dtype, packed, quant, gu_axes, layouts[0])
+        self.down_proj = _expert_weight(rngs, dn, dtype, packed, quant, dn_axes, layouts[1])
+        self.act = act
+        if bias:
+            self.gate_up_proj_bias = param(jnp.zeros((num_experts, 2, intermediate_size), dtype),
+                                           axes=("experts", None, "expert_mlp"),
+                                           hf=layouts[2])
+            self.down_proj_bias = param(jnp.zeros((num_experts, hidden_size), dtype),
+                                        axes=("experts", None), hf=layouts[3])
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
         self.gate_up_proj_scale = _expert_scale(gu, quant, packed, gu_axes)
         self.down_proj_scale = _expert_scale(dn, quant, packed, dn_axes)
 
@@ -137,15 +156,29 @@ class Experts(nnx.Module):
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """x [T, H], router weights [T, k] and expert ids int32 [T, k] -> [T, H]."""
+        gu_bias = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[...]
         if self.packed:
             scales = ((self.gate_up_proj_scale[...], self.down_proj_scale[...])
                       if self.quant is not None else (None, None))
-            return expert_mlp(x, weights, experts, self.gate_up_proj[...], self.down_proj[...],
-                              packed=True, hidden_size=self.hidden_size,
-                              intermediate_size=self.intermediate_size, scales=scales)
-        gu, dn = self.weights()
-        return expert_mlp(x, weights, experts, gu, dn, packed=False,
-                          hidden_size=self.hidden_size, intermediate_size=self.intermediate_size)
+            out = expert_mlp(x, weights, experts, self.gate_up_proj[...], self.down_proj[...],
+                             packed=True, hidden_size=self.hidden_size,
+                             intermediate_size=self.intermediate_size, scales=scales,
+                             gate_up_bias=gu_bias, act=self.act)
+        else:
+            gu, dn = self.weights()
+            out = expert_mlp(x, weights, experts, gu, dn, packed=False,
+                             hidden_size=self.hidden_size,
+                             intermediate_size=self.intermediate_size, gate_up_bias=gu_bias,
+                             act=self.act)
+        return out + self.down_bias_sum(weights, experts, out.dtype)
+
+    def down_bias_sum(self, weights, experts, dtype):
+        """The down projections' biases, router-weighted over each token's k experts (added
+        once, outside the per-device partial sums of the sharded path); 0 without biases."""
+        if self.down_proj_bias is None:
+            return jnp.zeros((), dtype)
+        b = jnp.take(self.down_proj_bias[...], experts, axis=0)  # [T, k, H]
+        return jnp.einsum("tkh,tk->th", b, weights.astype(b.dtype)).astype(dtype)
 
 
 def _grouped(x, weight, group_sizes, out_features: int, packed: bool, scale=None):
@@ -158,12 +191,19 @@ def _grouped(x, weight, group_sizes, out_features: int, packed: bool, scale=None
     return jax.lax.ragged_dot(x, w, group_sizes)
 
 
+def silu_glu(gate, up):
+    return jax.nn.silu(gate) * up
+
+
 def expert_mlp(x, weights, experts, gate_up, down, *, packed: bool, hidden_size: int,
-               intermediate_size: int, first_expert=None, scales=(None, None)):
+               intermediate_size: int, first_expert=None, scales=(None, None),
+               gate_up_bias=None, act=None):
     """The experts held here (gate_up [E_here, H, 2, I_here], down [E_here, I_here, H]; packed:
     their column panels) on the (token, slot) pairs routed to them: x [T, H], weights [T, k],
     experts int32 [T, k] (global ids; with first_expert, only first_expert .. + E_here are
-    held here) -> [T, H], the pairs routed elsewhere contributing zero. With every expert and all of I here (one
+    held here) -> [T, H], the pairs routed elsewhere contributing zero. gate_up_bias
+    [E_here, 2, I_here] is added to each row's gate / up by its expert; act(gate, up) (default
+    silu(gate) * up) makes the down projection's input. With every expert and all of I here (one
     device) that is the whole block; under tensor / expert parallelism, one device's partial
     sum."""
     t, k = experts.shape
@@ -178,7 +218,12 @@ def expert_mlp(x, weights, experts, gate_up, down, *, packed: bool, hidden_size:
     rows = jnp.take(x, order // k, axis=0)  # [T*k, H]
     i = intermediate_size if packed else gate_up.shape[-1]
     gate_up_out = _grouped(rows, gate_up, group_sizes, 2 * i, packed, scales[0])
-    h = jax.nn.silu(gate_up_out[:, :i]) * gate_up_out[:, i:]
+    gate, up = gate_up_out[:, :i], gate_up_out[:, i:]
+    if gate_up_bias is not None:  # each row's expert: rows past the groups take the last
+        row_expert = jnp.minimum(jnp.take(key, order), e_here - 1)
+        b = jnp.take(gate_up_bias, row_expert, axis=0).astype(gate.dtype)  # [T*k, 2, I]
+        gate, up = gate + b[:, 0], up + b[:, 1]
+    h = (act or silu_glu)(gate, up)
     y = _grouped(h, down, group_sizes, hidden_size, packed, scales[1])  # [T*k, H]
     # Back to (token, slot) order, then the router-weighted sum over the k slots.
     unsort = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
@@ -194,17 +239,23 @@ class SparseMoE(nnx.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  norm_topk_prob: bool, *, dtype, rngs: nnx.Rngs, packed: bool = False,
                  mesh=None, expert_parallel: bool = False, shared_intermediate_size: int = 0,
-                 quant=None, expert_names: tuple = QWEN_EXPERT_NAMES):
+                 quant=None, expert_names: tuple = QWEN_EXPERT_NAMES, router_name: str = "gate",
+                 router_bias: bool = False, experts: Experts | None = None):
+        """router_name: the router's attribute (= checkpoint) name, with a bias when
+        router_bias (gpt-oss: `router`, biased); experts: the family's own experts module
+        (default: Experts from the arguments above)."""
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and "
                              f"num_experts={num_experts}")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.mesh, self.expert_parallel = mesh, expert_parallel
         # The router stays unpacked: E logits, small next to the experts.
-        self.gate = Linear(hidden_size, num_experts, use_bias=False, dtype=dtype, rngs=rngs,
-                           axes=("embed", None))
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, dtype=dtype,
-                               rngs=rngs, packed=packed, quant=quant, hf_names=expert_names)
+        self.router_name = router_name
+        setattr(self, router_name, Linear(hidden_size, num_experts, use_bias=router_bias,
+                                          dtype=dtype, rngs=rngs, axes=("embed", None)))
+        self.experts = experts or Experts(num_experts, hidden_size, intermediate_size,
+                                          dtype=dtype, rngs=rngs, packed=packed, quant=quant,
+                                          hf_names=expert_names)
         # Qwen2-MoE: every token also runs a shared expert, scaled by sigmoid(gate(x)).
         if shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, dtype=dtype,
@@ -217,14 +268,21 @@ class SparseMoE(nnx.Module):
     def __call__(self, x: jax.Array, lora_slots=None) -> jax.Array:
         """x [T, H] -> [T, H]. lora_slots: unused: LoRA adapters never reach a mixture-of-
         experts block (the adapter loader refuses ones that target it, lora/adapter.py)."""
-        weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        weights, experts = self.route(x)
         if self.mesh is None:
             out = self.experts(x, weights, experts)
         else:
             out = self._sharded(x, weights, experts)
+            out = out + self.experts.down_bias_sum(weights, experts, out.dtype)
         if self.shared_expert is not None:
             out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [T, H] -> (router weights float32 [T, k], expert ids int32 [T, k]): softmax
+        top-k (a family with other routing overrides this)."""
+        router = getattr(self, self.router_name)
+        return route(router(x), self.top_k, self.norm_topk_prob)
 
     def _sharded(self, x, weights, experts):
         """Under a mesh, per device (jax.shard_map): tokens and routing are replicated (the
@@ -242,15 +300,19 @@ class SparseMoE(nnx.Module):
         specs = (param_spec(ex.gate_up_proj, tp, self.expert_parallel),
                  param_spec(ex.down_proj, tp, self.expert_parallel))
         e_here = ex.num_experts // self.mesh.size if self.expert_parallel else ex.num_experts
+        bias = ex.gate_up_proj_bias
+        bias_spec = P() if bias is None else param_spec(bias, tp, self.expert_parallel)
 
-        def local(x, weights, experts, gate_up, down):
+        def local(x, weights, experts, gate_up, down, gate_up_bias):
             first = jax.lax.axis_index(TP) * e_here if self.expert_parallel else None
             y = expert_mlp(x, weights, experts, gate_up, down, packed=False,
-                           hidden_size=ex.hidden_size, intermediate_size=0, first_expert=first)
+                           hidden_size=ex.hidden_size, intermediate_size=0, first_expert=first,
+                           gate_up_bias=gate_up_bias, act=ex.act)
             return jax.lax.psum(y, TP)
 
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(), *specs),
-                             out_specs=P())(x, weights, experts, *ex.weights())
+        return jax.shard_map(local, mesh=self.mesh,
+                             in_specs=(P(), P(), P(), *specs, bias_spec), out_specs=P())(
+            x, weights, experts, *ex.weights(), None if bias is None else bias[...])
 
 
 def moe_reference(x, router_w, gate_up, down, top_k: int, norm_topk_prob: bool):

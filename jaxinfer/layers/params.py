@@ -12,7 +12,11 @@ parameter's name.
   whether HF stores them [out, in] (transposed here to [in, out]); how several join
   ("qkv": per KV head, its query group then its key and value head; "stack": side by side on a
   new axis 1; "experts": one tensor per expert and source, stacked); which sources are key /
-  value projections (their heads replicated when the tensor-parallel size exceeds them).
+  value projections (their heads replicated when the tensor-parallel size exceeds them);
+  "interleaved": one tensor in our layout but for its last axis, which alternates gate and up
+  columns (gpt-oss's stacked experts: [E, H, 2I] -> our [E, H, 2, I]);
+  "head_rows": a slice of every head's columns of one [in, heads x per-head] tensor, its axes
+  reordered (HF.split; DeepSeek-V3's absorbed attention weights from kv_b_proj).
 
 Examples: a Linear's weight is HF(("{module}.weight",), transpose=True); the fused q/k/v
 projection HF(("q_proj.weight", "k_proj.weight", "v_proj.weight"), True, "qkv",
@@ -32,11 +36,15 @@ from flax import nnx
 class HF:
     names: tuple[str, ...] = ("{module}.{leaf}",)
     transpose: bool = False  # HF holds it [out, in]
-    # None (one tensor) | "qkv" | "stack" | "experts" | "first" (the first of the names the
-    # checkpoint has: alternative names, `default` when it has none)
+    # None (one tensor) | "qkv" | "stack" | "experts" | "interleaved" | "first" (the first of
+    # the names the checkpoint has: alternative names, `default` when it has none)
     fuse: str | None = None
     kv: tuple[bool, ...] = ()  # per name: a key / value projection
     default: float | None = None  # ("first") the value of a parameter the checkpoint lacks
+    # ("head_rows") (first row, rows, rows per head, axes): of the one tensor, [in, heads x
+    # rows per head] in our layout, each head's rows [first, first + rows), as [in, heads,
+    # rows] transposed by `axes` (DeepSeek's absorbed W_UK / W_UV from kv_b_proj)
+    split: tuple = ()
 
     def is_kv(self, i: int) -> bool:
         return bool(self.kv) and self.kv[i]
@@ -98,6 +106,14 @@ def source_shape(var, index: int, head_dim: int, num_kv_heads: int | None = None
         return shape
     if hf.fuse == "experts":  # one expert's [in, out]
         return (shape[1], shape[-1])
+    if hf.fuse == "interleaved":  # [..., 2, out] held as [..., 2 * out]
+        return (*shape[:-2], 2 * shape[-1])
+    if hf.fuse == "head_rows":  # [in, heads * per-head]
+        _, rows, per, axes = hf.split
+        heads_in_rows = [None] * 3
+        for i, ax in enumerate(axes):
+            heads_in_rows[ax] = shape[i]
+        return (heads_in_rows[0], heads_in_rows[1] * per)
     if hf.fuse == "stack":  # [in, n, out]: each source [in, out]
         return (shape[0], shape[2]) if len(shape) == 3 else (shape[1],)
     # qkv: weight [in, Hkv, (G+2)*D] / bias [Hkv, (G+2)*D]
@@ -113,6 +129,15 @@ def fuse(var, parts: list[np.ndarray], head_dim: int) -> np.ndarray:
     if hf.fuse in (None, "first"):
         (value,) = parts
         return value
+    if hf.fuse == "head_rows":
+        (value,) = parts
+        first, rows, per, axes = hf.split
+        value = value.reshape(value.shape[0], -1, per)[:, :, first:first + rows]
+        return np.ascontiguousarray(value.transpose(axes))
+    if hf.fuse == "interleaved":  # [..., 2 * out], gate and up alternating -> [..., 2, out]
+        (value,) = parts
+        pairs = value.reshape(*value.shape[:-1], -1, 2)
+        return np.ascontiguousarray(np.swapaxes(pairs, -1, -2))
     if hf.fuse == "experts":
         per = len(hf.names)  # tensors per expert
         experts = [parts[i:i + per] for i in range(0, len(parts), per)]

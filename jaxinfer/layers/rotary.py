@@ -1,4 +1,5 @@
-"""Rotary position embeddings (neox / rotate-half layout, as HF Llama), with llama3 scaling."""
+"""Rotary position embeddings (neox / rotate-half layout, as HF Llama), with linear, llama3 and
+yarn scaling (HF's formulas, in float32 numpy at trace time)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,59 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarr
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         inv_freq = np.where(is_medium, smoothed, scaled).astype(np.float32)
+    elif scaling.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(head_dim, theta, scaling)
     return inv_freq
+
+
+def _yarn_inv_freq(dim: int, theta: float, s: RopeScaling) -> np.ndarray:
+    """YaRN: interpolated frequencies (/ factor) for the dimensions that turn fewer than
+    beta_slow times over the original context, extrapolated (unchanged) for those turning more
+    than beta_fast times, a linear ramp between."""
+    def correction_dim(rotations):
+        return (dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    extrapolation = np.float32(1.0) / pos_freqs
+    interpolation = np.float32(1.0) / (np.float32(s.factor) * pos_freqs)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = (1 - ramp).astype(np.float32)  # 1: extrapolated
+    return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
+
+
+def rope_attention_factor(scaling: RopeScaling) -> float:
+    """The factor on cos and sin (yarn's attention scaling: 0.1 ln(factor) + 1, or the
+    mscale ratio DeepSeek configs give, or attention_factor as set); 1 for the other types."""
+    if scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor,
+                                                               scaling.mscale_all_dim)
+    return mscale(scaling.factor)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling
+                ) -> tuple[jax.Array, jax.Array]:
+    """positions int32 [T] -> cos, sin float32 [T, D/2] for rotary base `theta` with
+    `scaling` (yarn's attention factor applied)."""
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(head_dim, theta, scaling))
+    factor = rope_attention_factor(scaling)
+    if factor != 1.0:
+        cos, sin = cos * np.float32(factor), sin * np.float32(factor)
+    return cos, sin
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:

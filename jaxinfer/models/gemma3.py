@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.layers.norms import RMSNorm
-from jaxinfer.layers.rotary import rope_cos_sin, rope_inv_freq
+from jaxinfer.layers.rotary import rope_tables as tables
 from jaxinfer.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 from jaxinfer.parallel import sequence_shard
 
@@ -59,10 +59,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """[2, T, D/2] each: the global layers' (rope_theta, rope_scaling), then the sliding
         layers' (rope_local_theta, unscaled)."""
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
-                                                         cfg.rope_scaling))
-        lcos, lsin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_local_theta,
-                                                           RopeScaling()))
+        cos, sin = tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        lcos, lsin = tables(positions, cfg.head_dim, cfg.rope_local_theta, RopeScaling())
         return jnp.stack([cos, lcos]), jnp.stack([sin, lsin])
 
     @staticmethod

@@ -35,7 +35,7 @@ from jaxinfer.layers.attention import AttentionMetadata, paged_attention
 from jaxinfer.layers.linear import Embedding, GatedMLP, Linear, QKVLinear
 from jaxinfer.layers.norms import RMSNorm
 from jaxinfer.layers.params import HF, param
-from jaxinfer.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+from jaxinfer.layers.rotary import apply_rotary, rope_tables
 from jaxinfer.parallel import sequence_shard
 
 KVCache = tuple[jax.Array, jax.Array]  # k, v: [num_blocks, block_size, Hkv, D]
@@ -76,9 +76,13 @@ class LlamaAttention(nnx.Module):
                                   quant=module_quant(cfg, prefix + "qkv_proj",
                                                      ("q_proj", "k_proj", "v_proj")),
                                   lora=cfg.lora)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, use_bias=False, dtype=dtype, rngs=rngs,
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, use_bias=cfg.o_proj_bias, dtype=dtype,
+                             rngs=rngs,
                              packed=packed, quant=module_quant(cfg, prefix + "o_proj"),
                              axes=("heads", "embed"), lora=cfg.lora)
+        # gpt-oss: one learned logit per query head in the softmax denominator (float32)
+        self.sinks = (param(jnp.zeros((cfg.num_attention_heads,), jnp.float32), axes=("heads",))
+                      if cfg.attention_sinks else None)
         if cfg.fp8_kv_cache:
             self.k_scale, self.v_scale = _kv_scale("k"), _kv_scale("v")
         else:
@@ -102,7 +106,8 @@ class LlamaAttention(nnx.Module):
         o, k_cache, v_cache = paged_attention(
             q, k, v, kv_cache[0], kv_cache[1], md, sm_scale=self.sm_scale, backend=self.backend,
             sliding_window=self.sliding_window, mesh=self.mesh,
-            kv_scales=None if self.k_scale is None else (self.k_scale[...], self.v_scale[...]))
+            kv_scales=None if self.k_scale is None else (self.k_scale[...], self.v_scale[...]),
+            sinks=None if self.sinks is None else self.sinks[...])
         return self.o_proj(o.reshape(num_tokens, -1), md.lora_slots), (k_cache, v_cache)
 
 
@@ -200,8 +205,7 @@ class LlamaForCausalLM(nnx.Module):
     def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """positions int32 [T] -> the rotary cos, sin every layer applies, [T, D/2].
         Trace-time numpy frequencies: nothing to load, folded into the compiled step."""
-        return rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
-                                                     cfg.rope_scaling))
+        return rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     @staticmethod
     def final_logits(cfg: ModelConfig, logits: jax.Array) -> jax.Array:

@@ -95,6 +95,46 @@ def _iter_tensors(files_by_name: dict[str, str], wanted: list[str]):
                     yield name, f.get_tensor(stored)
 
 
+# MXFP4 (OCP microscaling, gpt-oss's experts): 4-bit e2m1 codes, two per byte (low nibble
+# first), each 32 along the input sharing one power-of-two scale (uint8, bias 127).
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+MXFP4_PARTS = ("_blocks", "_scales")
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """blocks uint8 [E, out, in / 32, 16], scales uint8 [E, out, in / 32] -> float32
+    [E, in, out] (the orientation of the float checkpoints' stacked experts)."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.ndim != 4 \
+            or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {blocks.dtype}{list(blocks.shape)} and scales "
+                         f"{scales.dtype}{list(scales.shape)} do not match (uint8 [E, out, G, "
+                         f"16] and [E, out, G])")
+    e, out, g, b = blocks.shape
+    values = np.empty((e, out, g, 2 * b), np.float32)
+    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = FP4_VALUES[blocks >> 4]
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return np.ascontiguousarray(values.reshape(e, out, g * 2 * b).transpose(0, 2, 1))
+
+
+def _with_mxfp4(tensors, mxfp4: set[str]):
+    """The tensor stream with each MXFP4 tensor of `mxfp4` (its _blocks and _scales parts)
+    replaced by its float32 value, under its own name."""
+    parts: dict[str, dict[str, np.ndarray]] = {}
+    for name, tensor in tensors:
+        base = next((name[: -len(p)] for p in MXFP4_PARTS
+                     if name.endswith(p) and name[: -len(p)] in mxfp4), None)
+        if base is None:
+            yield name, tensor
+            continue
+        got = parts.setdefault(base, {})
+        got[name[len(base):]] = tensor
+        if len(got) == 2:
+            del parts[base]
+            yield base, dequantize_mxfp4(got["_blocks"], got["_scales"])
+
+
 _SCALE_NAMES = {".weight_scale": "scale", ".weight_scale_inv": "scale",
                 ".weight_offset": "offset"}  # (weight_offset: jaxinfer's GGUF conversion)
 
@@ -378,6 +418,12 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
     sources, lora, defaulted = param_sources(expected, files_by_name)
     owners = source_owners(sources)  # (a tied packed LM head shares the embedding's tensor)
     wanted = list(owners)
+    mxfp4 = set()
+    if model_config.mxfp4_experts:  # (their parts are read instead, dequantized as they come)
+        mxfp4 = {n for n in wanted if n not in files_by_name
+                 and all(n + p in files_by_name for p in MXFP4_PARTS)}
+        wanted = [n for n in wanted if n not in mxfp4] + [n + p for n in mxfp4
+                                                           for p in MXFP4_PARTS]
     missing = [n for n in wanted if n not in files_by_name]
     if missing:
         raise ValueError(
@@ -389,7 +435,7 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
         var.set_value(_place(var, value, mesh=mesh, to_host=to_host,
                              expert_parallel=expert_parallel))
 
-    convert_tensors(expected, sources, _iter_tensors(files_by_name, wanted),
+    convert_tensors(expected, sources, _with_mxfp4(_iter_tensors(files_by_name, wanted), mxfp4),
                     ckpt_scales=_checkpoint_scales(files_by_name), kv_repeat=kv_repeat,
                     head_dim=model_config.head_dim, qcfg=model_config.quantization, put=put)
     for name in defaulted:

@@ -18,6 +18,8 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen_moe", "QwenMoeForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 # Bare decoders (HF's *Model: weights without the "model." prefix, no LM head), as pooling
 # models (embeddings, e.g. Qwen3-Embedding): the Llama family's class; the loader maps names.

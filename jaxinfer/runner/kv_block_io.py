@@ -32,6 +32,9 @@ class KVBlockIO:
         self._runner = runner
         cfg = runner.model_config
         k0 = runner.kv_caches[0][0]
+        if runner.kv_caches[0][1].shape != k0.shape:
+            raise ValueError("KV connectors (kv_transfer_config) with a latent KV cache "
+                             "(DeepSeek-V3's multi-head latent attention) are not supported yet")
         self.block_shape = tuple(k0.shape[1:])  # (block_size, Hkv, D)
         self.num_layers = cfg.num_hidden_layers
         self.dtype = k0.dtype

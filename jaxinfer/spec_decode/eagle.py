@@ -37,7 +37,7 @@ from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.layers.cpu_kernels import use_packed_weights
 from jaxinfer.layers.linear import Embedding, GatedMLP, Linear, QKVLinear
 from jaxinfer.layers.norms import RMSNorm
-from jaxinfer.layers.rotary import rope_cos_sin, rope_inv_freq
+from jaxinfer.layers.rotary import rope_tables
 from jaxinfer.layers.params import (checkpoint_names, declared, fuse, source_shape,
                                    to_param_layout)
 from jaxinfer.models.llama import LlamaAttention, LlamaDecoderLayer
@@ -135,8 +135,7 @@ class EagleHead(nnx.Module):
         embed = self.embed_tokens if self.embed_tokens is not None else target.model.embed_tokens
         embeds = embed(input_ids)
         cfg = self.config
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = rope_cos_sin(positions, inv_freq)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         new = []
         if self.method == "eagle":
             x = self.fc(jnp.concatenate([embeds, hidden], axis=-1))

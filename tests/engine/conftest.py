@@ -58,7 +58,9 @@ def make_tiny_model_dir(path, arch, smollm2_dir, sharpen: float = 1.0, **overrid
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
            "gemma3": transformers.Gemma3TextConfig,
-           "qwen2_moe": transformers.Qwen2MoeConfig}[arch]
+           "qwen2_moe": transformers.Qwen2MoeConfig,
+           "gpt_oss": transformers.GptOssConfig,
+           "deepseek_v3": transformers.DeepseekV3Config}[arch]
     cfg = cls(**common)
     cfg._attn_implementation = "eager"
     torch.manual_seed(zlib.crc32(arch.encode()))  # str hash() differs per process

@@ -107,6 +107,47 @@ def test_tp_matches_single_device(tmp_path, smollm2_dir, arch, kv_heads):
                 assert epd["spec"]["spec_decode_num_accepted_tokens"] > 0, epd["spec"]
 
 
+def test_gpt_oss_tp_and_ep_match_single_device(tmp_path, smollm2_dir):
+    """gpt-oss under TP=2 (attention sinks split with their heads, each expert and its
+    gate/up biases split over I, the down biases added once after the all-reduce) and EP=2
+    (whole experts with their biases per device) gives TP=1's greedy tokens."""
+    make_tiny_model_dir(tmp_path, "gpt_oss", smollm2_dir, head_dim=16, intermediate_size=32,
+                        num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                        swiglu_limit=1.0, layer_types=["sliding_attention", "full_attention"])
+    base = run_tp(str(tmp_path), 1)
+    assert base["num_preemptions"] > 0 and base["prefix_hits"] > 0 and not base["leaked"]
+    for mode in ("tiny", "ep"):
+        got = run_tp(str(tmp_path), 2, mode)
+        assert got["expert_parallel"] == (mode == "ep")
+        assert got["tokens"] == base["tokens"], mode
+        np.testing.assert_allclose(np.concatenate(got["logprobs"]),
+                                   np.concatenate(base["logprobs"]), atol=2e-4)
+        assert got["param_shards"] == 2 and not got["leaked"]
+
+
+def test_deepseek_v3_tp_and_ep_match_single_device(tmp_path, smollm2_dir):
+    """DeepSeek-V3 under TP=2 (heads split; the latent cache replicated, one copy per device;
+    routed and shared experts split over I) and EP=2 (whole experts per device) gives TP=1's
+    greedy tokens."""
+    make_tiny_model_dir(tmp_path, "deepseek_v3", smollm2_dir, num_hidden_layers=2,
+                        moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+                        n_shared_experts=1, n_routed_experts=4, kv_lora_rank=32,
+                        q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=16,
+                        qk_nope_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2,
+                        first_k_dense_replace=1, head_dim=16)
+    base = run_tp(str(tmp_path), 1)
+    assert base["num_preemptions"] > 0 and base["prefix_hits"] > 0 and not base["leaked"]
+    assert base["kv_heads"] == 1
+    for mode in ("tiny", "ep"):
+        got = run_tp(str(tmp_path), 2, mode)
+        assert got["expert_parallel"] == (mode == "ep")
+        assert got["tokens"] == base["tokens"], mode
+        np.testing.assert_allclose(np.concatenate(got["logprobs"]),
+                                   np.concatenate(base["logprobs"]), atol=2e-4)
+        assert got["kv_heads"] == 2 and got["kv_shards"] == 2  # a latent copy per device
+        assert got["param_shards"] == 2 and not got["leaked"]
+
+
 @pytest.mark.slow  # speculative decoding's draft model (its own KV cache) sharded as well
 def test_draft_model_under_tp_matches_single_device(tmp_path, smollm2_dir):
     make_tiny_model_dir(tmp_path, "llama", smollm2_dir, num_attention_heads=4,

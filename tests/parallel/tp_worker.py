@@ -97,8 +97,7 @@ def main():
         "sequence_parallel": eng.engine_core.core.model_config.sequence_parallel,
         # The collectives in the compiled decoder layers (an all-gather: SP is in effect).
         "collectives": _collectives(eng.runner),
-        "weight_dtype": str(params["model"]["layers"][1]["mlp"]["down_proj"]
-                            ["weight"].value.dtype),
+        "weight_dtype": str(_mlp_weight(params["model"]["layers"][1]["mlp"]).value.dtype),
         "expert_dtype": str(_mlp_weight(params["model"]["layers"][0]["mlp"])
                             .value.dtype),
         "spec": {k: v for k, v in eng.get_stats().items() if k.startswith("spec_decode")},
