@@ -59,6 +59,7 @@ def main() -> None:
     args = ap.parse_args()
     import jax
 
+    from compare_cpu import _cpu_name
     from step_cost import time_case
 
     from jaxinfer import LLM
@@ -103,17 +104,6 @@ def main() -> None:
     for name, r in result["real_models_bf16"].items():
         print(f"{name} (bf16): latent {r['latent_bytes']} B vs {r['full_kv_bytes']} B per "
               f"token: {r['compression']:.1f}x")
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -161,29 +161,11 @@ def _tiny_deepseek(path, smollm2_dir):
 @pytest.mark.parametrize("backend", ["cpu", "xla"])
 def test_engine_greedy_equals_hf_through_chunks_prefix_hits_and_preemption(
         tmp_path, smollm2_dir, backend):
-    from jaxinfer import LLM
-    from jaxinfer.layers import cpu_kernels
-    from tests.engine.conftest import hf_greedy
-    from tests.engine.test_llm_greedy import N_TOKENS, PROMPTS, _check
+    from tests.engine.conftest import check_family_engine_greedy
 
-    if backend == "cpu" and not cpu_kernels.available():
-        pytest.skip("the C++ kernels could not be built here")
-    hf = _tiny_deepseek(tmp_path, smollm2_dir)
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=6,
-              max_num_batched_tokens=16, long_prefill_token_threshold=8, warmup=False,
-              num_kv_blocks=10, block_size=8, attention_backend=backend,
-              enable_multiprocessing=False)
-    runner_caches = llm.llm_engine.engine_core.core.worker.runner.kv_caches
-    assert runner_caches[0][0].shape[2:] == (1, 32 + 16) and runner_caches[0][1].shape[-1] == 0
-    tok = llm.get_tokenizer()
-    prompts = PROMPTS[:8]
-    refs = {p: hf_greedy(hf, tok(p)["input_ids"], N_TOKENS) for p in prompts}
-    _check(llm, prompts, refs)
-    stats = llm.llm_engine.get_stats()
-    assert stats["num_preemptions"] > 0
-    before = stats["prefix_cache_hits"]
-    _check(llm, prompts[4:5], refs)
-    assert llm.llm_engine.get_stats()["prefix_cache_hits"] > before
+    llm = check_family_engine_greedy(tmp_path, _tiny_deepseek(tmp_path, smollm2_dir), backend)
+    caches = llm.llm_engine.engine_core.core.worker.runner.kv_caches
+    assert caches[0][0].shape[2:] == (1, 32 + 16) and caches[0][1].shape[-1] == 0
 
 
 @pytest.mark.parametrize("backend", ["pallas", "cpu", "xla"])

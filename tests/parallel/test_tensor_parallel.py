@@ -114,8 +114,15 @@ def test_gpt_oss_tp_and_ep_match_single_device(tmp_path, smollm2_dir):
     make_tiny_model_dir(tmp_path, "gpt_oss", smollm2_dir, head_dim=16, intermediate_size=32,
                         num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                         swiglu_limit=1.0, layer_types=["sliding_attention", "full_attention"])
+    _tp2_and_ep2_match_single_device(tmp_path)
+
+
+def _tp2_and_ep2_match_single_device(tmp_path) -> list[dict]:
+    """TP=1 preempts and hits the prefix cache; TP=2 and EP=2 give its tokens (logprobs
+    within 2e-4), with their weights split and nothing leaked. Returns [TP=1, TP=2, EP=2]."""
     base = run_tp(str(tmp_path), 1)
     assert base["num_preemptions"] > 0 and base["prefix_hits"] > 0 and not base["leaked"]
+    runs = [base]
     for mode in ("tiny", "ep"):
         got = run_tp(str(tmp_path), 2, mode)
         assert got["expert_parallel"] == (mode == "ep")
@@ -123,6 +130,8 @@ def test_gpt_oss_tp_and_ep_match_single_device(tmp_path, smollm2_dir):
         np.testing.assert_allclose(np.concatenate(got["logprobs"]),
                                    np.concatenate(base["logprobs"]), atol=2e-4)
         assert got["param_shards"] == 2 and not got["leaked"]
+        runs.append(got)
+    return runs
 
 
 def test_deepseek_v3_tp_and_ep_match_single_device(tmp_path, smollm2_dir):
@@ -135,17 +144,10 @@ def test_deepseek_v3_tp_and_ep_match_single_device(tmp_path, smollm2_dir):
                         q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=16,
                         qk_nope_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2,
                         first_k_dense_replace=1, head_dim=16)
-    base = run_tp(str(tmp_path), 1)
-    assert base["num_preemptions"] > 0 and base["prefix_hits"] > 0 and not base["leaked"]
+    base, *sharded = _tp2_and_ep2_match_single_device(tmp_path)
     assert base["kv_heads"] == 1
-    for mode in ("tiny", "ep"):
-        got = run_tp(str(tmp_path), 2, mode)
-        assert got["expert_parallel"] == (mode == "ep")
-        assert got["tokens"] == base["tokens"], mode
-        np.testing.assert_allclose(np.concatenate(got["logprobs"]),
-                                   np.concatenate(base["logprobs"]), atol=2e-4)
-        assert got["kv_heads"] == 2 and got["kv_shards"] == 2  # a latent copy per device
-        assert got["param_shards"] == 2 and not got["leaked"]
+    for got in sharded:  # a latent copy per device
+        assert got["kv_heads"] == 2 and got["kv_shards"] == 2
 
 
 @pytest.mark.slow  # speculative decoding's draft model (its own KV cache) sharded as well
