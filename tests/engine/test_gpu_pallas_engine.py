@@ -22,7 +22,8 @@ def _tiny_llama(path, hidden: int, heads: int, kv_heads: int, arch: str = "llama
     import transformers
 
     cls = {"llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
-           "gemma3": transformers.Gemma3TextConfig}[arch]
+           "gemma3": transformers.Gemma3TextConfig, "gpt_oss": transformers.GptOssConfig,
+           "deepseek_v3": transformers.DeepseekV3Config}[arch]
     cfg = cls(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
               num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
               max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
@@ -115,14 +116,25 @@ def test_token_controls_and_processors_on_gpu(tmp_path, backend):
                        moe_intermediate_size=128, norm_topk_prob=False)),
     ("gemma3", dict(head_dim=64, sliding_window=16,
                     layer_types=["sliding_attention", "full_attention"])),
-], ids=["qwen3-moe", "gemma3-window"])
+    # gpt-oss: attention sinks in the kernel, alternating windows, biased stacked experts
+    ("gpt_oss", dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                     swiglu_limit=1.0)),
+    # DeepSeek-V3: the latent cache (128 + 64 wide, one KV head) as keys and values
+    ("deepseek_v3", dict(head_dim=64, kv_lora_rank=128, q_lora_rank=96, qk_rope_head_dim=64,
+                         qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=8, n_group=2,
+                         topk_group=1, num_experts_per_tok=2, n_shared_experts=1,
+                         moe_intermediate_size=128, first_k_dense_replace=1)),
+], ids=["qwen3-moe", "gemma3-window", "gpt-oss", "deepseek-v3-mla"])
 def test_other_families_on_gpu(tmp_path, arch, extra):
-    """A mixture-of-experts family (grouped expert matmuls) and Gemma 3's sliding-window
-    layers (the kernel's window mask, prompts longer than the window) with the native kernel."""
+    """A mixture-of-experts family (grouped expert matmuls), Gemma 3's sliding-window layers
+    (the kernel's window mask, prompts longer than the window), gpt-oss (sinks) and DeepSeek-V3
+    (latent attention) with the native kernel."""
     import jax
 
     assert jax.default_backend() == "gpu"
-    hf = _tiny_llama(tmp_path, 256, 4, 2, arch=arch, **extra)
+    kv_heads = 4 if arch == "deepseek_v3" else 2  # (HF's MLA expands K/V to every head)
+    hf = _tiny_llama(tmp_path, 256, 4, kv_heads, arch=arch, **extra)
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(3, 512, size=n)] for n in (5, 40, 70)]
     _greedy_matches_hf(tmp_path, hf, prompts)
