@@ -86,6 +86,8 @@ def main() -> None:
     p = param_count(cfg)
     result = {
         "benchmark": "mla_step", "model": MLA,
+        "command": "PYTHONPATH=. .venv/bin/python benchmarks/mla_step.py --iters "
+                   f"{args.iters}",
         "attention_backend": llm.llm_engine.attention_backend,
         "cache_arrays_per_layer": {"latent": list(k.shape), "v": list(v.shape)},
         "kv_bytes_per_token": {"measured_float32": per_token, **kv_bytes(MLA, 4)},

@@ -245,7 +245,26 @@ def _embeddings(d: dict) -> str:
             + _table(header, rows))
 
 
-RENDERERS = {"compare_cpu": _compare_cpu, "quantization": _quantization, "startup": _startup,
+def _mla_step(d: dict) -> str:
+    m, kb = d["model"], d["kv_bytes_per_token"]
+    head = (f"{d['environment'].get('cpu')} ({d['environment'].get('cpus')} cores), "
+            f"DeepSeek-V3-shaped dummy model: {m['num_hidden_layers']} layers, hidden "
+            f"{m['hidden_size']}, {m['num_attention_heads']} heads, latent {m['kv_lora_rank']} + "
+            f"{m['qk_rope_head_dim']}, {m['n_routed_experts']} experts (top "
+            f"{m['num_experts_per_tok']}), {d['params_total'] / 1e6:.0f} M parameters "
+            f"({d['params_active'] / 1e6:.0f} M active), float32, `{d['attention_backend']}` "
+            "attention")
+    kv = [["this model (float32)", kb["latent_bytes"], kb["full_kv_bytes"],
+           f"{kb['compression']:.1f}x"]]
+    kv += [[f"{name} widths (bf16)", r["latent_bytes"], r["full_kv_bytes"],
+            f"{r['compression']:.1f}x"] for name, r in d["real_models_bf16"].items()]
+    steps = [[case, f"{s * 1e3:.1f}"] for case, s in d["step_s"].items()]
+    return (head + "\n\n" + _table(["KV bytes per token", "latent", "full K/V", "smaller by"],
+                                    kv)
+            + "\n\n" + _table(["step", "ms"], steps))
+
+
+RENDERERS = {"compare_cpu": _compare_cpu, "mla_step": _mla_step, "quantization": _quantization, "startup": _startup,
              "kernels": _kernels, "bench_defaults": _bench_defaults, "lora": _lora,
              "rl_weights": _rl_weights, "embeddings": _embeddings}
 
