@@ -53,7 +53,8 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
         if cfg.is_moe_layer(layer):
             moe_layers += 1
             router = h * cfg.num_experts
-            if cfg.moe_scoring == "sigmoid" or cfg.attention_sinks:  # (a bias per expert)
+            if cfg.moe_scoring == "sigmoid" or cfg.attention_sinks:  # (a bias per expert:
+                # DeepSeek-V3's correction, gpt-oss's router)
                 router += cfg.num_experts
             layers += base + router + cfg.num_experts * expert + shared
             active += base + router + cfg.num_experts_per_tok * expert + shared

@@ -84,11 +84,13 @@ def _gpt_oss_fields(d: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _deepseek_v3_fields(d: dict[str, Any]) -> dict[str, Any]:
+def _deepseek_v3_fields(d: dict[str, Any], v2: bool = False) -> dict[str, Any]:
     """DeepSeek-V3 (and Kimi K2 and other checkpoints of its architecture): multi-head latent
     attention (the cache: one latent per token, as a single KV head of width kv_lora_rank +
     qk_rope_head_dim), group-limited sigmoid routing with a correction bias, shared experts,
-    the first first_k_dense_replace layers dense."""
+    the first first_k_dense_replace layers dense. v2: DeepSeek-V2 / V2-Lite, the same but
+    softmax routing, top-k over all experts ("greedy") or over the best topk_group groups by
+    their best expert ("group_limited_greedy"), rope always over interleaved pairs."""
     kv_lora, rope_dim = int(d["kv_lora_rank"]), int(d["qk_rope_head_dim"])
     n_experts, n_group = int(d["n_routed_experts"]), int(d.get("n_group") or 1)
     topk_group = int(d.get("topk_group") or 1)
@@ -98,23 +100,28 @@ def _deepseek_v3_fields(d: dict[str, Any]) -> dict[str, Any]:
     if d.get("moe_layer_freq", 1) != 1:
         raise ValueError(f"moe_layer_freq={d['moe_layer_freq']} is not supported (1: every "
                          "layer past first_k_dense_replace is sparse)")
-    if d.get("topk_method", "noaux_tc") != "noaux_tc" or d.get("scoring_func",
-                                                                "sigmoid") != "sigmoid":
-        raise ValueError(f"topk_method={d.get('topk_method')!r} / scoring_func="
-                         f"{d.get('scoring_func')!r} are not supported (DeepSeek-V3's: "
-                         "noaux_tc, sigmoid)")
+    methods = ("greedy", "group_limited_greedy") if v2 else ("noaux_tc",)
+    topk_method = d.get("topk_method") or methods[0]
+    scoring = d.get("scoring_func") or ("softmax" if v2 else "sigmoid")
+    if topk_method not in methods or scoring != ("softmax" if v2 else "sigmoid"):
+        raise ValueError(f"topk_method={topk_method!r} / scoring_func={scoring!r} are not "
+                         f"supported for this architecture (supported: "
+                         f"{' / '.join(methods)} with {'softmax' if v2 else 'sigmoid'})")
+    if v2 and topk_method == "greedy":
+        n_group = topk_group = 1
     first_dense = int(d.get("first_k_dense_replace") or 0)
     q_lora = d.get("q_lora_rank")
     return dict(
         num_key_value_heads=1, head_dim=kv_lora + rope_dim,
         kv_lora_rank=kv_lora, q_lora_rank=None if q_lora is None else int(q_lora),
         qk_nope_head_dim=int(d["qk_nope_head_dim"]), qk_rope_head_dim=rope_dim,
-        v_head_dim=int(d["v_head_dim"]), rope_interleave=bool(d.get("rope_interleave", True)),
+        v_head_dim=int(d["v_head_dim"]),
+        rope_interleave=True if v2 else bool(d.get("rope_interleave", True)),
         num_experts=n_experts, num_experts_per_tok=int(d["num_experts_per_tok"]),
         moe_intermediate_size=int(d["moe_intermediate_size"]),
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        norm_topk_prob=bool(d.get("norm_topk_prob", not v2)),
         mlp_only_layers=tuple(range(first_dense)),
-        moe_scoring="sigmoid", n_group=n_group, topk_group=topk_group,
+        moe_scoring=scoring, n_group=n_group, topk_group=topk_group,
         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
         n_shared_experts=int(d.get("n_shared_experts") or 0),
     )
@@ -131,7 +138,8 @@ def _refuse_unsupported_math(d: dict[str, Any], arch: str) -> None:
         if d.get(key):
             raise ValueError(f"{key}={d[key]!r} is not supported (the attention kernels have "
                              f"no logit soft-capping and are causal)")
-    if arch == "DeepseekV3ForCausalLM":  # (its shared experts and dense layers are built)
+    if arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):  # (their shared experts
+        # and dense layers are built)
         return
     for key in ("n_shared_experts", "num_shared_experts"):  # (DeepSeek's layout)
         if d.get(key):
@@ -195,6 +203,7 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Gemma3ForCausalLM": lambda d: {**_qwen3_fields(d), **_gemma3_fields(d)},
     "GptOssForCausalLM": _gpt_oss_fields,
     "DeepseekV3ForCausalLM": _deepseek_v3_fields,
+    "DeepseekV2ForCausalLM": lambda d: _deepseek_v3_fields(d, v2=True),
 }
 # Bare decoders (HF's *Model: no LM head), served as pooling models (runner="auto" picks
 # pooling for them): the LM head (never used by a pooling step) is the embedding, so none is

@@ -1,4 +1,5 @@
-"""DeepSeek-V3 (and the checkpoints of its architecture: DeepSeek-R1, Kimi K2, ...): the
+"""DeepSeek-V3 (and the checkpoints of its architecture: DeepSeek-R1, Kimi K2, ...) and
+DeepSeek-V2 / V2-Lite (softmax routing, no correction bias; the same attention): the
 Llama-family decoder skeleton (models/llama.py) with multi-head latent attention and
 DeepSeek's mixture of experts.
 
@@ -165,8 +166,10 @@ class DeepseekV3MoE(SparseMoE):
                          cfg.moe_intermediate_size, cfg.norm_topk_prob, dtype=dtype, rngs=rngs,
                          packed=packed, mesh=mesh, expert_parallel=cfg.expert_parallel,
                          quant=module_quant(cfg, f"model.layers.{layer_idx}.mlp.experts"))
-        self.gate.e_score_correction_bias = param(jnp.zeros((cfg.num_experts,), jnp.float32),
-                                                  axes=(None,))
+        self.scoring = cfg.moe_scoring  # (DeepSeek-V2: softmax, no correction bias)
+        if self.scoring == "sigmoid":
+            self.gate.e_score_correction_bias = param(
+                jnp.zeros((cfg.num_experts,), jnp.float32), axes=(None,))
         self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
         self.routed_scaling_factor = cfg.routed_scaling_factor
         self.shared_experts = (GatedMLP(cfg.hidden_size,
@@ -176,9 +179,13 @@ class DeepseekV3MoE(SparseMoE):
 
     def route(self, x):
         logits = jnp.dot(x.astype(jnp.float32), self.gate.weight[...].astype(jnp.float32))
-        weights, experts = grouped_sigmoid_route(
-            logits, self.gate.e_score_correction_bias[...], self.top_k, self.n_group,
-            self.topk_group, self.norm_topk_prob)
+        if self.scoring == "sigmoid":
+            weights, experts = grouped_sigmoid_route(
+                logits, self.gate.e_score_correction_bias[...], self.top_k, self.n_group,
+                self.topk_group, self.norm_topk_prob)
+        else:
+            weights, experts = grouped_softmax_route(logits, self.top_k, self.n_group,
+                                                     self.topk_group, self.norm_topk_prob)
         return weights * self.routed_scaling_factor, experts
 
     def __call__(self, x, lora_slots=None):
@@ -199,6 +206,24 @@ def grouped_sigmoid_route(logits, bias, k: int, n_group: int, topk_group: int,
     choice = jnp.where(jnp.repeat(keep, e // n_group, axis=1), choice, -jnp.inf)
     _, experts = jax.lax.top_k(choice, k)
     weights = jnp.take_along_axis(scores, experts, axis=1)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights, experts.astype(jnp.int32)
+
+
+def grouped_softmax_route(logits, k: int, n_group: int, topk_group: int,
+                          norm_topk_prob: bool):
+    """DeepSeek-V2's router: softmax scores; with several groups only the best topk_group
+    (each scored by its best expert) compete; the top-k scores are the weights (renormalised
+    when norm_topk_prob, as vLLM does; V2's configs leave it off)."""
+    t, e = logits.shape
+    scores = jax.nn.softmax(logits, axis=-1)
+    if n_group > 1:
+        group_scores = jnp.max(scores.reshape(t, n_group, e // n_group), axis=-1)
+        _, best = jax.lax.top_k(group_scores, topk_group)
+        keep = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], best].set(True)
+        scores = jnp.where(jnp.repeat(keep, e // n_group, axis=1), scores, 0.0)
+    weights, experts = jax.lax.top_k(scores, k)
     if norm_topk_prob:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return weights, experts.astype(jnp.int32)

@@ -20,6 +20,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 # Bare decoders (HF's *Model: weights without the "model." prefix, no LM head), as pooling
 # models (embeddings, e.g. Qwen3-Embedding): the Llama family's class; the loader maps names.

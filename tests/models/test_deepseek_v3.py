@@ -225,3 +225,42 @@ def test_pallas_kernel_lowers_for_cuda_at_deepseek_v3_shapes():
             lowered = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.1)).trace(
                 *args).lower(lowering_platforms=("cuda",))
         assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+@pytest.mark.parametrize("method,groups", [("greedy", 1), ("group_limited_greedy", 4)])
+def test_v2_router_equals_hf(method, groups):
+    """DeepSeek-V2's softmax router (no correction bias; V2's configs leave norm_topk_prob
+    off, and HF's V2 never renormalises)."""
+    import jax.numpy as jnp
+
+    from jaxinfer.models.deepseek_v3 import grouped_softmax_route
+
+    hf_cfg = transformers.DeepseekV2Config(hidden_size=16, num_attention_heads=4,
+                                           n_routed_experts=16, n_group=groups,
+                                           topk_group=2 if groups > 1 else 1,
+                                           num_experts_per_tok=4, topk_method=method,
+                                           routed_scaling_factor=1.5)
+    router = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2TopkRouter(hf_cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        router.weight.normal_(0, 1.0)
+    x = torch.randn(40, 16)
+    with torch.no_grad():
+        logits, w_ref, ids_ref = router(x)
+    w, ids = grouped_softmax_route(jnp.asarray(logits.numpy()), 4, groups,
+                                   2 if groups > 1 else 1, False)
+    order_ref, order = np.argsort(ids_ref.numpy(), 1), np.argsort(np.asarray(ids), 1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(ids), order, 1),
+                                  np.take_along_axis(ids_ref.numpy(), order_ref, 1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(w), order, 1) * 1.5,
+                               np.take_along_axis(w_ref.numpy(), order_ref, 1), rtol=1e-6)
+
+
+def test_v2_config_fields():
+    cfg = ModelConfig.from_hf_dict({**BASE, "architectures": ["DeepseekV2ForCausalLM"],
+                                    "topk_method": "greedy", "q_lora_rank": None})
+    assert (cfg.moe_scoring, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+            cfg.rope_interleave, cfg.q_lora_rank) == ("softmax", 1, 1, False, True, None)
+    with pytest.raises(ValueError, match="topk_method='noaux_tc'"):
+        ModelConfig.from_hf_dict({**BASE, "architectures": ["DeepseekV2ForCausalLM"],
+                                  "topk_method": "noaux_tc"})

@@ -90,6 +90,14 @@ def _configs():
             qk_rope_head_dim=16, v_head_dim=16, qk_nope_head_dim=16, n_group=1, topk_group=1,
             num_experts_per_tok=2, first_k_dense_replace=0, rope_interleave=False,
             head_dim=16, norm_topk_prob=False),
+        # DeepSeek-V2: softmax routing limited to the best 2 of 4 groups (by their best expert),
+        # no correction bias, rope as complex pairs; V2-Lite's plain q projection.
+        "deepseek-v2": T.DeepseekV2Config(
+            **COMMON, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+            n_shared_experts=1, n_routed_experts=8, kv_lora_rank=32, q_lora_rank=None,
+            qk_rope_head_dim=16, v_head_dim=16, qk_nope_head_dim=16, n_group=4, topk_group=2,
+            topk_method="group_limited_greedy", num_experts_per_tok=2, first_k_dense_replace=1,
+            routed_scaling_factor=1.5, head_dim=16),
     }
 
 
