@@ -158,7 +158,8 @@ def _tiny_deepseek(path, smollm2_dir):
         first_k_dense_replace=1, head_dim=16, tie_word_embeddings=False)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "xla"])
+# (xla with the slow tests: CI keeps the CPU default backend, and xla's logits parity)
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("xla", marks=pytest.mark.slow)])
 def test_engine_greedy_equals_hf_through_chunks_prefix_hits_and_preemption(
         tmp_path, smollm2_dir, backend):
     from tests.engine.conftest import check_family_engine_greedy

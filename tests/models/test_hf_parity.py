@@ -122,7 +122,13 @@ def _hf_model(cfg, seed=0):
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=list(_configs()))
+# Variants whose new parts have unit tests of their own (yarn frequencies, the DeepSeek-V2
+# router, the plain-q latent attention) run with the slow tests: CI keeps one config per family.
+SLOW_CONFIGS = ("qwen3-yarn", "deepseek-v3-no-q-lora", "deepseek-v2")
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CONFIGS else n for n in _configs()])
 def saved(request, tmp_path_factory):
     cfg = _configs()[request.param]
     hf = _hf_model(cfg)
