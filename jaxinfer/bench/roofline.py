@@ -43,7 +43,7 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     base = attn + (4 if cfg.sandwich_norms else 2) * h + (2 * cfg.head_dim if cfg.qk_norm
                                                           else 0)
     expert = 3 * h * cfg.moe_intermediate_size
-    if cfg.swiglu_limit is not None or cfg.o_proj_bias:  # (gpt-oss: biased experts)
+    if cfg.moe_expert_bias:
         expert += 2 * cfg.moe_intermediate_size + h
     shared = (3 * h * cfg.shared_expert_intermediate_size + h
               if cfg.shared_expert_intermediate_size else 0)  # (+ its gate)
@@ -53,8 +53,8 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
         if cfg.is_moe_layer(layer):
             moe_layers += 1
             router = h * cfg.num_experts
-            if cfg.moe_scoring == "sigmoid" or cfg.attention_sinks:  # (a bias per expert:
-                # DeepSeek-V3's correction, gpt-oss's router)
+            if cfg.moe_router_bias or cfg.moe_scoring == "sigmoid":  # (a bias per expert;
+                # DeepSeek-V3's is its correction bias)
                 router += cfg.num_experts
             layers += base + router + cfg.num_experts * expert + shared
             active += base + router + cfg.num_experts_per_tok * expert + shared

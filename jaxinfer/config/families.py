@@ -74,7 +74,7 @@ def _gpt_oss_fields(d: dict[str, Any]) -> dict[str, Any]:
         sliding_window=int(d["sliding_window"]) if d.get("sliding_window") else None,
         attention_bias=bool(d.get("attention_bias", True)),
         o_proj_bias=bool(d.get("attention_bias", True)),
-        attention_sinks=True,
+        attention_sinks=True, moe_router_bias=True, moe_expert_bias=True,
         num_experts=int(d["num_local_experts"]),
         num_experts_per_tok=int(d.get("num_experts_per_tok") or d.get("experts_per_token") or 4),
         moe_intermediate_size=int(d["intermediate_size"]),

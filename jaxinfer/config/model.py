@@ -72,6 +72,8 @@ class ModelConfig:
     # a biased router.
     o_proj_bias: bool = False
     attention_sinks: bool = False
+    moe_router_bias: bool = False  # a bias on the router's logits
+    moe_expert_bias: bool = False  # a bias on each expert's gate/up and down projections
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     # DeepSeek-V3 multi-head latent attention (kv_lora_rank > 0): the cache holds one latent

@@ -63,14 +63,15 @@ def rope_attention_factor(scaling: RopeScaling) -> float:
         return 1.0
     if scaling.attention_factor is not None:
         return scaling.attention_factor
-
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     if scaling.mscale and scaling.mscale_all_dim:
-        return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor,
-                                                               scaling.mscale_all_dim)
-    return mscale(scaling.factor)
+        return (yarn_mscale(scaling.factor, scaling.mscale)
+                / yarn_mscale(scaling.factor, scaling.mscale_all_dim))
+    return yarn_mscale(scaling.factor)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `scale` times the original."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling

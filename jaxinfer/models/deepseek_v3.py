@@ -33,8 +33,6 @@ caches, KV connectors and LoRA with a latent cache (refused by name)."""
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -45,15 +43,11 @@ from jaxinfer.layers.linear import GatedMLP, Linear
 from jaxinfer.layers.moe import SparseMoE
 from jaxinfer.layers.norms import RMSNorm
 from jaxinfer.layers.params import HF, param
-from jaxinfer.layers.rotary import apply_rotary, rope_tables
+from jaxinfer.layers.rotary import apply_rotary, rope_tables, yarn_mscale
 from jaxinfer.models.llama import (KVCache, LlamaDecoderLayer, LlamaForCausalLM, dense_mlp,
                                    module_quant)
 
 _LATENT_NORM_EPS = 1e-6  # (HF's q_a_layernorm / kv_a_layernorm keep RMSNorm's default)
-
-
-def yarn_mscale(scale: float, mscale: float) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:

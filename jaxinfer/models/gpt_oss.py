@@ -42,11 +42,13 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
         act = partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
         experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                           dtype=dtype, rngs=rngs, packed=packed,
-                          hf_layouts=GPT_OSS_EXPERT_LAYOUTS, bias=True, act=act)
+                          hf_layouts=GPT_OSS_EXPERT_LAYOUTS, bias=cfg.moe_expert_bias,
+                          act=act)
         return "mlp", SparseMoE(
             cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
             cfg.moe_intermediate_size, True, dtype=dtype, rngs=rngs, packed=packed, mesh=mesh,
-            expert_parallel=cfg.expert_parallel, router_name="router", router_bias=True,
+            expert_parallel=cfg.expert_parallel, router_name="router",
+            router_bias=cfg.moe_router_bias,
             experts=experts)
 
 

@@ -1,8 +1,8 @@
 """On a CUDA GPU: the engine with the compiled Pallas kernel (not interpret mode) gives HF
 transformers' greedy tokens (float32), for head dims 64 and 128, with chunked prefill and a
 batch of ragged prompts; whole and layer-wise step programs, async scheduling and n-gram
-speculative decoding (the step contract's variants). Token-id prompts and no tokenizer, so it needs neither SmolLM2 nor a
-tokenizer file (a bare GPU machine has neither)."""
+speculative decoding (the step contract's variants). Token-id prompts and no tokenizer, so it
+needs neither SmolLM2 nor a tokenizer file (a bare GPU machine has neither)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,7 @@ def _greedy_matches_hf(path, hf, prompts, **extra):
     for p, o in zip(prompts, outs):
         assert list(o.outputs[0].token_ids) == hf_greedy(hf, p, N_TOKENS), len(p)
     assert_no_leaks(llm)
+    llm.shutdown()
 
 
 @pytest.mark.gpu

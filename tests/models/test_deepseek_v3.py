@@ -167,6 +167,7 @@ def test_engine_greedy_equals_hf_through_chunks_prefix_hits_and_preemption(
     llm = check_family_engine_greedy(tmp_path, _tiny_deepseek(tmp_path, smollm2_dir), backend)
     caches = llm.llm_engine.engine_core.core.worker.runner.kv_caches
     assert caches[0][0].shape[2:] == (1, 32 + 16) and caches[0][1].shape[-1] == 0
+    llm.shutdown()
 
 
 @pytest.mark.parametrize("backend", ["pallas", "cpu", "xla"])

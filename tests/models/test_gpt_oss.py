@@ -122,7 +122,8 @@ def test_engine_greedy_equals_hf_through_chunks_prefix_hits_and_preemption(
         tmp_path, smollm2_dir, backend):
     from tests.engine.conftest import check_family_engine_greedy
 
-    check_family_engine_greedy(tmp_path, _tiny_gpt_oss(tmp_path, smollm2_dir), backend)
+    check_family_engine_greedy(tmp_path, _tiny_gpt_oss(tmp_path, smollm2_dir),
+                               backend).shutdown()
 
 
 def test_mxfp4_checkpoint_loads_dequantized_and_equals_hf(tmp_path):
