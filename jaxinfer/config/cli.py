@@ -91,7 +91,8 @@ FLAGS: dict[str, dict] = {
                                       'bool, "disable_additional_properties": bool, '
                                       '"compile_timeout_s": float}'),
     "speculative_config": dict(help='speculative decoding, as JSON (vLLM\'s names): '
-                               '{"method": "ngram" | "draft_model" | "eagle" | "eagle3", '
+                               '{"method": "ngram" | "draft_model" | "eagle" | "eagle3" | '
+                               '"mtp", '
                                '"num_speculative_tokens": K, "model": DIR, ...}'),
     "kv_transfer_config": dict(help='a KV connector, as JSON (vLLM\'s names): {"kv_connector":'
                                ' "JaxTransferConnector" | "SharedStorageConnector", "kv_role": '

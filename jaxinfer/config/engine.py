@@ -463,9 +463,13 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         get_pp_partition(mcfg.num_hidden_layers, config.pipeline_parallel_size,
                          config.pp_layer_partition)  # (the errors name the numbers)
     spec = config.speculative_config
-    if spec is not None and spec.method in ("eagle", "eagle3") and config.tensor_parallel_size > 1:
+    if spec is not None and spec.drafts_from_hidden_states and config.tensor_parallel_size > 1:
         raise ValueError(f"speculative_config.method={spec.method!r} does not support "
                          "tensor_parallel_size > 1 yet")
+    if spec is not None and spec.method == "mtp":
+        from jaxinfer.spec_decode.mtp import check_mtp_target
+
+        check_mtp_target(mcfg)
     if spec is not None and spec.method == "draft_model":
         dcfg = ModelConfig.from_pretrained(spec.model)
         if dcfg.vocab_size != mcfg.vocab_size:

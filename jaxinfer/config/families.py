@@ -124,6 +124,7 @@ def _deepseek_v3_fields(d: dict[str, Any], v2: bool = False) -> dict[str, Any]:
         moe_scoring=scoring, n_group=n_group, topk_group=topk_group,
         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
         n_shared_experts=int(d.get("n_shared_experts") or 0),
+        num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
     )
 
 

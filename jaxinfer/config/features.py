@@ -55,7 +55,9 @@ class StructuredOutputsConfig:
                                  f"got {v!r}")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+# (vLLM's former name of "mtp" for DeepSeek checkpoints, still accepted there)
+SPECULATIVE_ALIASES = {"[ngram]": "ngram", "deepseek_mtp": "mtp"}
 MAX_SPEC_LEN = 32  # as vLLM's rejection sampler
 
 
@@ -72,7 +74,11 @@ class SpeculativeConfig:
     it runs inside the target's compiled step (its own paged KV cache, the same block ids) and
     drafts greedily, k single-token steps per step.
     method "eagle" / "eagle3": `model` is an EAGLE / EAGLE-3 head (HF EAGLE checkpoint layout,
-    jaxinfer/spec_decode/eagle.py), run inside the target's step on its hidden states."""
+    jaxinfer/spec_decode/eagle.py), run inside the target's step on its hidden states.
+    method "mtp" (or "deepseek_mtp"): the multi-token-prediction layer a DeepSeek-V3
+    checkpoint stores after its decoder layers drafts like an EAGLE head
+    (jaxinfer/spec_decode/mtp.py); `model` defaults to the target's folder and
+    num_speculative_tokens to 1 (k > 1 runs the one layer k times, as vLLM does)."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
@@ -84,8 +90,7 @@ class SpeculativeConfig:
         method = self.method
         if method is None and self.model in ("ngram", "[ngram]"):
             method = "ngram"
-        if method == "[ngram]":
-            method = "ngram"
+        method = SPECULATIVE_ALIASES.get(method, method)
         if method is None:
             raise ValueError("speculative_config.method is required (one of "
                              f"{', '.join(SPECULATIVE_METHODS)})")
@@ -93,6 +98,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method={method!r} is not supported; use one "
                              f"of {', '.join(SPECULATIVE_METHODS)}")
         object.__setattr__(self, "method", method)
+        if method == "mtp" and self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", 1)
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPEC_LEN:
             raise ValueError("speculative_config.num_speculative_tokens must be an integer in "
@@ -112,12 +119,19 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_max", hi)
         if method == "ngram" and self.model not in (None, "ngram", "[ngram]"):
             raise ValueError("speculative_config.model is not used by method 'ngram'")
-        if method in ("draft_model", "eagle", "eagle3"):
+        if method in ("draft_model", "eagle", "eagle3") or (method == "mtp"
+                                                              and self.model is not None):
             # (a stat of the folder, the one look at the disk in validation: a wrong path is
             # best named where the option is given; its contents are read by resolve_config)
             if not self.model or not os.path.isfile(os.path.join(self.model, "config.json")):
                 raise ValueError("speculative_config.model must be a model folder (with "
                                  f"config.json) for method {method!r}, got {self.model!r}")
+
+    @property
+    def drafts_from_hidden_states(self) -> bool:
+        """An EAGLE-style head (EAGLE, EAGLE-3, MTP): it reads the target's hidden states and
+        runs inside the target's step on a KV cache of its own."""
+        return self.method in ("eagle", "eagle3", "mtp")
 
     @property
     def num_lookahead_tokens(self) -> int:

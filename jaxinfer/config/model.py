@@ -96,6 +96,10 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
+    # DeepSeek-V3's multi-token prediction layers (num_nextn_predict_layers), stored in the
+    # checkpoint after the decoder layers (model.layers.{num_hidden_layers}...): the MTP
+    # drafter's (spec_decode/mtp.py); the model itself never runs them.
+    num_nextn_predict_layers: int = 0
     # The checkpoint holds the experts in MXFP4 (gpt-oss: *_blocks / *_scales tensors, its
     # quantization_config quant_method "mxfp4"): dequantized to the model's dtype at load.
     mxfp4_experts: bool = False

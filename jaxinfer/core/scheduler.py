@@ -39,8 +39,8 @@ class Scheduler:
         self.num_lookahead_tokens = (speculative_config.num_lookahead_tokens
                                      if speculative_config else 0)
         k = speculative_config.num_speculative_tokens if speculative_config else 0
-        self._eagle = speculative_config is not None and speculative_config.method in (
-            "eagle", "eagle3")
+        self._eagle = (speculative_config is not None
+                       and speculative_config.drafts_from_hidden_states)
         self.spec_num_drafts = 0  # verify runs (requests with >= 1 draft in a step)
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
@@ -401,7 +401,7 @@ class Scheduler:
         if base == 0:
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             if hit_blocks and self._eagle:
-                # An EAGLE head's KV at a block's last position read the token after it, which
+                # An EAGLE / MTP head's KV at a block's last position read the token after it, which
                 # may differ for this request: recompute the last hit block (vLLM does too).
                 hit_blocks = hit_blocks[:-1]
                 num_hit = len(hit_blocks) * self.kv.block_size

@@ -28,8 +28,9 @@ Tensor parallelism: heads split (q, kv_b, o projections), the latent cache repli
 copy per device (each device's heads read all of it; vLLM does the same); expert parallelism
 as the other MoE families.
 
-Not built yet: MTP speculative decoding (the checkpoint's extra layer is not loaded), fp8 KV
-caches, KV connectors and LoRA with a latent cache (refused by name)."""
+The checkpoint's multi-token-prediction layer (model.layers.{num_hidden_layers}) is the MTP
+drafter's (spec_decode/mtp.py), never this model's. Not built yet: fp8 KV caches, KV connectors
+and LoRA with a latent cache (refused by name)."""
 
 from __future__ import annotations
 

@@ -253,15 +253,16 @@ def _place(var, tensor: np.ndarray, *, mesh, to_host: bool = False,
     return jax.make_array_from_callback(tensor.shape, spec, lambda idx: tensor[idx])
 
 
-def param_sources(expected: dict, available) -> tuple[dict, list[str], list[str]]:
+def param_sources(expected: dict, available, rename=None) -> tuple[dict, list[str], list[str]]:
     """(parameter name -> its checkpoint tensors, LoRA slot parameters, parameters left at
     their declared default) for the parameters `expected` (name -> Variable), given the
-    checkpoint tensor names `available` (a container)."""
+    checkpoint tensor names `available` (a container); rename: as fill_from_checkpoint's."""
     names = list(expected)
     # (a quantized weight's weight_scale is filled with its weight)
     # (LoRA slots are no checkpoint's: they start empty, zeros, and adapters fill them)
     lora = [name for name in names if getattr(expected[name], "lora", False)]
-    sources = {name: checkpoint_names(name, expected[name])
+    rename = rename or (lambda src: src)
+    sources = {name: tuple(rename(src) for src in checkpoint_names(name, expected[name]))
                for name in names if not (name.endswith(("_scale", "_offset"))
                                          and name.rsplit("_", 1)[0] in expected)
                and name not in lora}
@@ -357,6 +358,39 @@ def convert_tensors(expected: dict, sources: dict[str, tuple[str, ...]], tensors
     return pending
 
 
+def fill_from_checkpoint(expected: dict, model_dir: str, model_config: ModelConfig, *, put,
+                         kv_repeat: int = 1, rename=None) -> None:
+    """Set every parameter of `expected` (name -> its abstract Variable) from the checkpoint in
+    model_dir through put(var, host value[, expert_parallel]). rename: checkpoint tensor name
+    as the parameter's path gives it -> its name in the file (a module loaded from inside
+    another model's checkpoint: the MTP layer)."""
+    files_by_name = _safetensors_index(model_dir)
+    sources, lora, defaulted = param_sources(expected, files_by_name, rename)
+    owners = source_owners(sources)  # (a tied packed LM head shares the embedding's tensor)
+    wanted = list(owners)
+    mxfp4 = set()
+    if model_config.mxfp4_experts:  # (their parts are read instead, dequantized as they come)
+        mxfp4 = {n for n in wanted if n not in files_by_name
+                 and all(n + p in files_by_name for p in MXFP4_PARTS)}
+        wanted = [n for n in wanted if n not in mxfp4] + [n + p for n in mxfp4
+                                                           for p in MXFP4_PARTS]
+    missing = [n for n in wanted if n not in files_by_name]
+    if missing:
+        raise ValueError(
+            f"checkpoint in {model_dir} is missing tensor {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    convert_tensors(expected, sources, _with_mxfp4(_iter_tensors(files_by_name, wanted), mxfp4),
+                    ckpt_scales=_checkpoint_scales(files_by_name), kv_repeat=kv_repeat,
+                    head_dim=model_config.head_dim, qcfg=model_config.quantization, put=put)
+    for name in defaulted:
+        var = expected[name]
+        put(var, np.full(var.shape, declared(var)[1].default, np.float32), False)
+    for name in lora:
+        var = expected[name]
+        put(var, np.zeros(var.shape, var.dtype), False)
+
+
 def build_model(model_config: ModelConfig, *, dtype: str, attention_backend: str, seed: int = 0,
                 mesh=None, tp: int = 1):
     """A function building the model: packed weights for the `cpu` backend's matmul kernel
@@ -413,37 +447,11 @@ def load_model(model_dir: str, *, dtype: str = "auto", load_format: str = "auto"
             state = jax.device_get(state)
         return nnx.merge(graphdef, state), model_config, dtype_name
 
-    files_by_name = _safetensors_index(model_dir)
-    expected = {name: var for (_, var), name in zip(flat, names)}
-    sources, lora, defaulted = param_sources(expected, files_by_name)
-    owners = source_owners(sources)  # (a tied packed LM head shares the embedding's tensor)
-    wanted = list(owners)
-    mxfp4 = set()
-    if model_config.mxfp4_experts:  # (their parts are read instead, dequantized as they come)
-        mxfp4 = {n for n in wanted if n not in files_by_name
-                 and all(n + p in files_by_name for p in MXFP4_PARTS)}
-        wanted = [n for n in wanted if n not in mxfp4] + [n + p for n in mxfp4
-                                                           for p in MXFP4_PARTS]
-    missing = [n for n in wanted if n not in files_by_name]
-    if missing:
-        raise ValueError(
-            f"checkpoint in {model_dir} is missing tensor {missing[0]!r}"
-            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-        )
-
     def put(var, value, expert_parallel=ep):
         var.set_value(_place(var, value, mesh=mesh, to_host=to_host,
                              expert_parallel=expert_parallel))
 
-    convert_tensors(expected, sources, _with_mxfp4(_iter_tensors(files_by_name, wanted), mxfp4),
-                    ckpt_scales=_checkpoint_scales(files_by_name), kv_repeat=kv_repeat,
-                    head_dim=model_config.head_dim, qcfg=model_config.quantization, put=put)
-    for name in defaulted:
-        var = expected[name]
-        var.set_value(_place(var, np.full(var.shape, declared(var)[1].default, np.float32),
-                             mesh=mesh, to_host=to_host))
-    for name in lora:
-        var = expected[name]
-        var.set_value(_place(var, np.zeros(var.shape, var.dtype), mesh=mesh, to_host=to_host))
+    fill_from_checkpoint({name: var for (_, var), name in zip(flat, names)}, model_dir,
+                         model_config, kv_repeat=kv_repeat, put=put)
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     return model, model_config, dtype_name

@@ -149,6 +149,11 @@ class Worker:
 
             self.eagle_head = load_eagle_head(spec.model, spec.method, mcfg, dtype=rc.dtype,
                                               attention_backend=self.attention_backend)
+        if spec is not None and spec.method == "mtp":
+            from jaxinfer.spec_decode.mtp import load_mtp_head
+
+            self.eagle_head = load_mtp_head(spec.model or rc.model_dir, mcfg, dtype=rc.dtype,
+                                            attention_backend=self.attention_backend)
         if spec is not None and spec.method == "draft_model":
             self.draft_model, _, _ = load_model(spec.model, dtype=rc.dtype,
                                                 load_format=cfg.load_format,
