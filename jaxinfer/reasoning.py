@@ -41,6 +41,8 @@ class ReasoningParser:
     end = "</think>"
     thinks_by_default = True  # no tag at the prompt's end: the output starts in thinking
     thinking_kwarg: str | None = None  # a chat-template switch that turns thinking off
+    # The tags are special tokens: the route decodes the output with them (not skipped).
+    needs_special_tokens = False
 
     def starts_thinking(self, prompt_tail: str, template_kwargs: dict | None = None) -> bool:
         """Whether the output starts inside the thinking section, from the end of the rendered
@@ -128,9 +130,57 @@ class DeepSeekV3ReasoningParser(ReasoningParser):
         return super().starts_thinking(prompt_tail, template_kwargs)
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss's harmony format (vLLM's `openai_gptoss`): the output is a run of messages,
+    each `<|channel|>NAME<|message|>BODY` ended by `<|end|>` (then `<|start|>assistant` and
+    the next header), `<|call|>` or `<|return|>` (both stop tokens, not in the text). The
+    bodies of the `final` channel are the answer; every other channel's (analysis, and
+    commentary: preambles and tool-call arguments, which are not parsed as calls yet) are the
+    reasoning, one message per line. The markers are special tokens, so the output is decoded
+    with them; the answer, and a request's grammar, start after `<|channel|>final<|message|>`.
+    An output that does not start with a header (a prompt that opened the final channel, or
+    a model that ignored the format) is all answer."""
+
+    name = "openai_gptoss"
+    start = "<|channel|>"
+    end = "<|channel|>final<|message|>"
+    needs_special_tokens = True
+    _body_end = re.compile(r"<\|(?:end|call|return|start|channel)\|>")
+
+    def starts_thinking(self, prompt_tail, template_kwargs=None):
+        return not prompt_tail.rstrip().endswith(self.end)
+
+    def split(self, text, thinking, finished):
+        lead = text.lstrip()
+        if not thinking or (lead and not lead.startswith(self.start)
+                            and not self.start.startswith(lead)):
+            return Split(None, text)
+        i = text.find(self.end)
+        reasoning = self._bodies(text if i < 0 else text[:i], finished or i >= 0)
+        if i < 0:
+            return Split(reasoning, None)
+        answer = text[i + len(self.end):]
+        return Split(reasoning, answer or None if finished else answer)
+
+    def _bodies(self, text: str, complete: bool) -> str:
+        """The message bodies in `text`, one per line (not complete: a marker that may be
+        starting at the end of the last body held back)."""
+        bodies, pos = [], 0
+        while (m := text.find("<|message|>", pos)) >= 0:
+            start = m + len("<|message|>")
+            stop = self._body_end.search(text, start)
+            if stop is None:
+                body = text[start:]
+                bodies.append(body if complete else body[:before_marker(body, "<|")])
+                break
+            bodies.append(text[start:stop.start()])
+            pos = stop.end()
+        return "\n".join(bodies)
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     p.name: p for p in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser,
-                        DeepSeekV3ReasoningParser)}
+                        DeepSeekV3ReasoningParser, GptOssReasoningParser)}
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

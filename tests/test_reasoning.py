@@ -34,7 +34,20 @@ CASES = [
     ("deepseek_r1", "<think>\nOkay.\n</think>\n\n4", True, ("\nOkay.\n", "\n\n4")),
     ("deepseek_v3", "4", False, (None, "4")),
     ("deepseek_v3", "Simple sum.</think>4", True, ("Simple sum.", "4")),
+    # gpt-oss (harmony, decoded with its special tokens; <|return|> is a stop token)
+    ("openai_gptoss", "<|channel|>analysis<|message|>User says hi.<|end|><|start|>assistant"
+     "<|channel|>final<|message|>Hello! How can I help?", True,
+     ("User says hi.", "Hello! How can I help?")),
+    ("openai_gptoss", "<|channel|>analysis<|message|>2 + 2.<|end|><|start|>assistant<|channel|>"
+     "analysis<|message|>It is 4.<|end|><|start|>assistant<|channel|>final<|message|>4", True,
+     ("2 + 2.\nIt is 4.", "4")),
+    ("openai_gptoss", "<|channel|>analysis<|message|>Counting: 1, 2", True,
+     ("Counting: 1, 2", None)),
+    # a prompt that opened the final channel; a model that ignored the format
+    ("openai_gptoss", "Hi there", False, (None, "Hi there")),
+    ("openai_gptoss", "Hi <|end|> there", True, (None, "Hi <|end|> there")),
 ]
+TAGS = {"openai_gptoss": ("<|", "|>", "analysis", "final")}
 
 
 @pytest.mark.parametrize("name,text,thinking,expected", CASES)
@@ -55,7 +68,9 @@ def test_every_prefix_splits_into_prefixes_of_the_whole(name, text, thinking, ex
         assert len(r) >= sent_r and len(c) >= sent_c  # never taken back
         sent_r, sent_c = len(r), len(c)
         # a tag, or a piece of one, is never streamed as text
-        for tag in ("<think>", "</think>", "</thi", "<thi"):
+        if not thinking or (reasoning is None and content == text):
+            continue  # (all answer: the text as it is)
+        for tag in TAGS.get(name, ("<think>", "</think>", "</thi", "<thi")):
             assert tag not in r and tag not in (c if "<tool_call>" not in text else "")
 
 
@@ -71,6 +86,9 @@ def test_where_the_output_starts_from_the_prompt():
     assert not v3.starts_thinking("<｜Assistant｜><think>", {})  # thinking not asked for
     assert v3.starts_thinking("<｜Assistant｜><think>", {"thinking": True})
     assert v3.starts_thinking("<｜Assistant｜><think>")  # (variables unknown: the prompt says)
+    harmony = get_reasoning_parser("openai_gptoss")
+    assert harmony.starts_thinking("<|start|>user<|message|>Hi<|end|><|start|>assistant")
+    assert not harmony.starts_thinking("<|start|>assistant<|channel|>final<|message|>")
     r1 = get_reasoning_parser("deepseek_r1")
     assert r1.starts_thinking("<｜Assistant｜>") and r1.starts_thinking("<｜Assistant｜><think>\n")
 
@@ -80,4 +98,4 @@ def test_unknown_parser_is_refused_by_name():
 
     with pytest.raises(ValueError, match="reasoning_parser='qwen4'.*qwen3"):
         EngineConfig(reasoning_parser="qwen4")
-    assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1", "deepseek_v3"}
+    assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1", "deepseek_v3", "openai_gptoss"}

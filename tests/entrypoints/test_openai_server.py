@@ -1010,6 +1010,35 @@ def test_reasoning_split_in_full_and_streamed_responses(server, client, monkeypa
     wait_idle(server)
 
 
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+def test_gpt_oss_harmony_channels_split_whole_and_streamed(server, client, monkeypatch):
+    """--reasoning-parser openai_gptoss: the analysis channel is the reasoning, the final one
+    the answer; the engine is asked for the special tokens (the channel markers)."""
+    from jaxinfer.reasoning import get_reasoning_parser
+
+    monkeypatch.setattr(server.llm.processor, "reasoning", get_reasoning_parser("openai_gptoss"))
+    common = dict(model=MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=50,
+                  extra_body={"chat_template": HARMONY_TEMPLATE})
+    text = ("<|channel|>analysis<|message|>The user greets me.<|end|><|start|>assistant"
+            "<|channel|>final<|message|>Hello! How can I help?")
+    want = ("The user greets me.", "Hello! How can I help?")
+    seen = _script(server, monkeypatch, [text])
+    m = client.chat.completions.create(**common).choices[0].message.model_dump()
+    assert (m["reasoning_content"], m["content"]) == want
+    assert seen["params"].skip_special_tokens is False
+    for pieces in ([*text], ["<|channel|>analysis<|mes", "sage|>The user greets me.<|e",
+                             "nd|><|start|>assistant<|channel|>fin", "al<|message|>Hello!",
+                             " How can I help?"]):
+        _script(server, monkeypatch, pieces)
+        r, c, finish = _stream_parts(client.chat.completions.create(stream=True, **common))
+        assert (r, c, finish) == (*want, "stop"), pieces
+    wait_idle(server)
+
+
 def test_tool_calls_are_parsed_after_the_thinking_only(server, client, monkeypatch):
     from jaxinfer.entrypoints.openai.tools import HermesToolParser
     from jaxinfer.reasoning import get_reasoning_parser

@@ -41,8 +41,10 @@ class ChatServing:
         params = self.server.sampling_params(req)
         await self.server.check_structured(req, params)
         mode = self._tool_mode(req)
-        if mode == "auto" and self.server.tool_parser.special_tokens:
-            params = params.clone(skip_special_tokens=False)  # (the calls' markers)
+        reasoning = self.server.llm.processor.reasoning
+        if (mode == "auto" and self.server.tool_parser.special_tokens) or (
+                reasoning is not None and reasoning.needs_special_tokens):
+            params = params.clone(skip_special_tokens=False)  # (the calls' / channels' markers)
         ids, template_kwargs = await self.render(req, params.truncate_prompt_tokens is not None)
         ids = self.server.llm.processor.truncate(ids, params)
         if info is not None:
