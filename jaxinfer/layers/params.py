@@ -45,6 +45,7 @@ class HF:
     # rows per head] in our layout, each head's rows [first, first + rows), as [in, heads,
     # rows] transposed by `axes` (DeepSeek's absorbed W_UK / W_UV from kv_b_proj)
     split: tuple = ()
+    flatten: bool = False  # the tensor's axes after the first flattened (a conv kernel)
 
     def is_kv(self, i: int) -> bool:
         return bool(self.kv) and self.kv[i]

@@ -320,6 +320,8 @@ def convert_tensors(expected: dict, sources: dict[str, tuple[str, ...]], tensors
                 put(var, np.asarray(tensor, np.float32).reshape(()), False)
                 continue
             shape = source_shape(var, index % len(hf.names), head_dim)
+            if hf.flatten:
+                tensor = tensor.reshape(tensor.shape[0], -1)
             parts = pending.setdefault(name, {})
             parts[src] = _source_part(src, tensor, ckpt_scales.get(src), shape, var, scale_var,
                                       qcfg, kv_repeat=kv_repeat, head_dim=head_dim,
