@@ -189,6 +189,23 @@ def _qwen2_fields(d: dict[str, Any]) -> dict[str, Any]:
     return dict(attention_bias=bool(d.get("attention_bias", True)), sliding_window=None)
 
 
+def _qwen2_5_vl_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2.5-VL: a Qwen2 language model with M-RoPE, and its vision tower."""
+    from jaxinfer.config.vision import VisionConfig
+
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    section = tuple(int(x) for x in rope.get("mrope_section") or (16, 24, 24))  # (HF's default)
+    head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // int(d["num_attention_heads"]))
+    if len(section) != 3 or sum(section) != head_dim // 2:
+        raise ValueError(f"mrope_section={list(section)} must be 3 sections adding up to "
+                         f"head_dim / 2 = {head_dim // 2}")
+    vision = VisionConfig.from_hf_dict(d["vision_config"])
+    return dict(**_qwen2_fields(d), vision=vision, mrope_section=section,
+                image_token_id=int(d["image_token_id"]),
+                video_token_id=None if d.get("video_token_id") is None
+                else int(d["video_token_id"]))
+
+
 def _qwen3_fields(d: dict[str, Any]) -> dict[str, Any]:
     return dict(qk_norm=True)
 
@@ -205,6 +222,7 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "GptOssForCausalLM": _gpt_oss_fields,
     "DeepseekV3ForCausalLM": _deepseek_v3_fields,
     "DeepseekV2ForCausalLM": lambda d: _deepseek_v3_fields(d, v2=True),
+    "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl_fields,
 }
 # Bare decoders (HF's *Model: no LM head), served as pooling models (runner="auto" picks
 # pooling for them): the LM head (never used by a pooling step) is the embedding, so none is

@@ -10,6 +10,7 @@ from typing import Any
 
 from jaxinfer.config.quant import QuantConfig
 from jaxinfer.config.rope import RopeScaling
+from jaxinfer.config.vision import VisionConfig
 
 from jaxinfer.config.dtypes import WEIGHT_DTYPES
 
@@ -100,6 +101,14 @@ class ModelConfig:
     # checkpoint after the decoder layers (model.layers.{num_hidden_layers}...): the MTP
     # drafter's (spec_decode/mtp.py); the model itself never runs them.
     num_nextn_predict_layers: int = 0
+    # Vision-language models (Qwen2.5-VL): the vision tower's config, the placeholder token
+    # ids, and M-RoPE's sections: of the head_dim / 2 rotary frequencies, the first
+    # mrope_section[0] turn with a token's temporal position, the next with its row, the
+    # last with its column (text tokens: all three equal, plain rope).
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    mrope_section: tuple[int, ...] = ()
     # The checkpoint holds the experts in MXFP4 (gpt-oss: *_blocks / *_scales tensors, its
     # quantization_config quant_method "mxfp4"): dequantized to the model's dtype at load.
     mxfp4_experts: bool = False
@@ -176,6 +185,8 @@ class ModelConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' entry")
         arch = archs[0]
+        if isinstance(d.get("text_config"), dict):  # (a vision-language checkpoint)
+            d = {**d, **d["text_config"], "architectures": archs}
         n_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         head_dim = d.get("head_dim") or hidden // n_heads

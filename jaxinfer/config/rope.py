@@ -30,6 +30,8 @@ class RopeScaling:
         if not d:
             return RopeScaling()
         rope_type = d.get("rope_type", d.get("type", "default"))
+        if rope_type == "mrope":  # (Qwen2-VL's name; its sections: ModelConfig.mrope_section)
+            rope_type = "default"
         if rope_type not in ROPE_TYPES:
             raise ValueError(
                 f"rope_scaling.rope_type={rope_type!r} is not supported "

@@ -31,7 +31,10 @@ def make_processor(rc, tokenizer, info: dict) -> Processor:
                      structured_outputs_config=rc.engine.structured_outputs_config,
                      reasoning_parser=rc.engine.reasoning_parser,
                      logits_processors=rc.engine.logits_processors,
-                     enable_lora=rc.engine.enable_lora)
+                     enable_lora=rc.engine.enable_lora,
+                     placeholder_token_ids=tuple(t for t in (mcfg.image_token_id,
+                                                             mcfg.video_token_id)
+                                                 if t is not None))
 
 
 def check_in_process(client, what: str) -> None:

@@ -25,8 +25,12 @@ class Processor:
                  eos_token_id: int | None, extra_eos_token_ids: tuple[int, ...] = (),
                  seed: int = 0, num_usable_kv_blocks: int | None = None, block_size: int = 16,
                  structured_outputs_config=None, reasoning_parser: str | None = None,
-                 logits_processors=None, enable_lora: bool = False):
+                 logits_processors=None, enable_lora: bool = False,
+                 placeholder_token_ids: tuple[int, ...] = ()):
         self.tokenizer = tokenizer
+        # A vision-language model's image / video placeholder tokens: no prompt may hold one
+        # until images are taken as inputs (each needs its encoder output).
+        self.placeholder_token_ids = frozenset(placeholder_token_ids)
         self.enable_lora = enable_lora
         # Custom logits processors' classes: each checks a request's params; their extra_args
         # keys are the ones a request may use beside kv_transfer_params.
@@ -128,6 +132,10 @@ class Processor:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of vocabulary "
                              f"[0, {self.vocab_size})")
+        if self.placeholder_token_ids and not self.placeholder_token_ids.isdisjoint(ids):
+            bad = next(i for i in ids if i in self.placeholder_token_ids)
+            raise ValueError(f"prompt token id {bad} is the model's image / video placeholder: "
+                             "image inputs are not supported yet (text-only prompts are)")
 
     def validate_structured_outputs(self, so: StructuredOutputsParams) -> str:
         """The backend that will run `so`; ValueError naming the problem otherwise. Builds the

@@ -213,11 +213,12 @@ class LlamaForCausalLM(nnx.Module):
         return logits
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: list[KVCache],
-                 md: AttentionMetadata, aux_layers: tuple[int, ...] = ()):
+                 md: AttentionMetadata, aux_layers: tuple[int, ...] = (), embeds=None):
         """input_ids, positions: int32 [T] -> hidden states [T, H], updated kv_caches; with
         aux_layers also the residual stream entering each of those layers, concatenated
-        [T, len(aux_layers) * H] (EAGLE-3 drafts from it)."""
-        x = self.model.embed_tokens(input_ids)
+        [T, len(aux_layers) * H] (EAGLE-3 drafts from it). embeds [T, H]: the input
+        embeddings instead of input_ids' (a vision-language model's, images merged in)."""
+        x = self.model.embed_tokens(input_ids) if embeds is None else embeds
         cos, sin = self.rope(positions)
         new_caches, aux = [], {}
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):

@@ -36,8 +36,8 @@ def _safetensors_index(model_dir: str) -> dict[str, str]:
     if os.path.isfile(index):
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
-        return _bare_names({name: os.path.join(model_dir, fn)
-                            for name, fn in weight_map.items()})
+        return _vl_names(_bare_names({name: os.path.join(model_dir, fn)
+                                      for name, fn in weight_map.items()}))
     single = os.path.join(model_dir, "model.safetensors")
     if not os.path.isfile(single):
         raise FileNotFoundError(
@@ -46,7 +46,33 @@ def _safetensors_index(model_dir: str) -> dict[str, str]:
     from safetensors import safe_open
 
     with safe_open(single, framework="numpy") as f:
-        return _bare_names({name: single for name in f.keys()})
+        return _vl_names(_bare_names({name: single for name in f.keys()}))
+
+
+def _stored_name(name: str, header: dict) -> str:
+    """Where tensor `name` (as the model classes name it) is in a file: under that name, a
+    bare decoder's (no "model."), or a vision-language checkpoint's as transformers >= 5
+    saves it ("model.language_model.*", "model.visual.*")."""
+    tail = name.removeprefix("model.")
+    for stored in (name, tail, "model.language_model." + tail, "model." + name):
+        if stored in header:
+            return stored
+    return name
+
+
+def _vl_names(files_by_name: dict[str, str]) -> dict[str, str]:
+    """A vision-language checkpoint saved by transformers >= 5 (model.language_model.*,
+    model.visual.*) under the hub's names (model.*, visual.*) the model classes use."""
+    if not any(n.startswith("model.language_model.") for n in files_by_name):
+        return files_by_name
+    out = {}
+    for n, fn in files_by_name.items():
+        if n.startswith("model.language_model."):
+            n = "model." + n.removeprefix("model.language_model.")
+        elif n.startswith("model.visual."):
+            n = n.removeprefix("model.")
+        out[n] = fn
+    return out
 
 
 def _bare_names(files_by_name: dict[str, str]) -> dict[str, str]:
@@ -84,7 +110,7 @@ def _iter_tensors(files_by_name: dict[str, str], wanted: list[str]):
         header, base = _safetensors_header(fn)
         with safe_open(fn, framework="numpy") as f:
             for name in names:
-                stored = name if name in header else name.removeprefix("model.")
+                stored = _stored_name(name, header)
                 info = header[stored]
                 if info["dtype"] in _RAW_DTYPES:
                     start, end = info["data_offsets"]

@@ -1,8 +1,17 @@
-"""Qwen2.5-VL's vision encoder (the `visual` tower of Qwen2_5_VLForConditionalGeneration).
+"""Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration): a Qwen2 language model with M-RoPE and
+the `visual` tower.
 
-Being built (issue: vision-language models): the tower below equals HF's; the language model
-with M-RoPE, the processor's placeholders and the engine's encoder cache come next, so the
-architecture is not in the registry yet.
+Being built (issue: vision-language models): the tower, M-RoPE and the model with images
+merged at its placeholder tokens equal HF's; the engine serves text-only prompts (a prompt
+with a placeholder token is refused by name). Images as engine inputs (the encoder cache,
+image hashes in prefix-cache keys, M-RoPE positions per request) come next.
+
+M-RoPE. Of the head_dim / 2 rotary frequencies the first mrope_section[0] turn with a token's
+temporal position, the next mrope_section[1] with its row, the last with its column. A text
+token's three positions are equal (plain rope: text-only steps pass positions [T]); an
+image's placeholder tokens sit at (start + frame, start + row, start + column) of its merged
+grid, and the text after it continues from start + max(rows, columns) (mrope_positions);
+decode positions are offset by the prompt's delta.
 
 The tower. An image of grid (t, h, w) patches arrives as rows of C x T x P x P pixels (the
 processor's `pixel_values`; T = temporal_patch_size frames, P = patch_size), each row one
@@ -23,74 +32,22 @@ image order at the end.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxinfer.config import ModelConfig
+from jaxinfer.config.vision import VisionConfig
 from jaxinfer.layers import module_list
 from jaxinfer.layers.linear import Linear
 from jaxinfer.layers.norms import RMSNorm
 from jaxinfer.layers.params import HF
-from jaxinfer.layers.rotary import apply_rotary
+from jaxinfer.layers.rotary import apply_rotary, rope_tables
+from jaxinfer.models.llama import LlamaForCausalLM
 
 _VISION_NORM_EPS = 1e-6  # (HF's vision RMSNorms)
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionConfig:
-    depth: int
-    hidden_size: int
-    num_heads: int
-    intermediate_size: int
-    out_hidden_size: int
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    window_size: int = 112
-    fullatt_block_indexes: tuple[int, ...] = ()
-    in_channels: int = 3
-    rope_theta: float = 10000.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Pixels per patch row: C x T x P x P."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @staticmethod
-    def from_hf_dict(d: dict[str, Any]) -> "VisionConfig":
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"vision_config.hidden_act={act!r} is not supported (silu)")
-        rope = d.get("rope_parameters") or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise ValueError(f"vision_config rope_type={rope['rope_type']!r} is not supported "
-                             "(axial)")
-        cfg = VisionConfig(
-            depth=int(d["depth"]), hidden_size=int(d["hidden_size"]),
-            num_heads=int(d["num_heads"]), intermediate_size=int(d["intermediate_size"]),
-            out_hidden_size=int(d["out_hidden_size"]),
-            patch_size=int(d.get("patch_size", 14)),
-            temporal_patch_size=int(d.get("temporal_patch_size", 2)),
-            spatial_merge_size=int(d.get("spatial_merge_size", 2)),
-            window_size=int(d.get("window_size", 112)),
-            fullatt_block_indexes=tuple(int(i) for i in d.get("fullatt_block_indexes", ())),
-            in_channels=int(d.get("in_channels", 3)),
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))))
-        if cfg.hidden_size % cfg.num_heads or cfg.head_dim % 4:
-            raise ValueError(f"vision_config: hidden_size={cfg.hidden_size} over num_heads="
-                             f"{cfg.num_heads} must give a head size divisible by 4")
-        unit = cfg.patch_size * cfg.spatial_merge_size
-        if cfg.window_size % unit:
-            raise ValueError(f"vision_config.window_size={cfg.window_size} must be a multiple "
-                             f"of patch_size x spatial_merge_size = {unit}")
-        return cfg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,3 +231,65 @@ class Qwen2_5VisionTransformer(nnx.Module):
                    jnp.asarray(plan.sin), jnp.asarray(plan.image_seg),
                    jnp.asarray(plan.window_seg))
         return out[plan.unmerge]
+
+
+def mrope_tables(positions, head_dim: int, theta: float, section: tuple[int, ...]):
+    """M-RoPE: positions int32 [3, T] (temporal, row, column) -> cos, sin [T, head_dim / 2]:
+    the first section[0] frequencies turn with the temporal position, the next section[1]
+    with the row, the last with the column."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    comp = np.repeat(np.arange(3), section)  # [head_dim / 2]: whose position turns it
+    angles = positions[comp].T.astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def mrope_positions(token_ids, image_token_id: int, grid_thw, merge: int
+                    ) -> tuple[np.ndarray, int]:
+    """M-RoPE positions of a prompt (HF's get_rope_index, images): int64 [3, T] and the
+    offset of every later position (decode: position p is p + delta in all three). A text
+    token advances all three by one; an image of (t, h, w) patches takes its
+    t x (h / merge) x (w / merge) placeholder tokens at (start + frame, start + row,
+    start + column) and advances the start by max(h, w) / merge."""
+    ids = np.asarray(token_ids)
+    grids = [tuple(int(x) for x in g) for g in np.asarray(grid_thw).reshape(-1, 3)]
+    pos = np.zeros((3, len(ids)), np.int64)
+    i = cur = image = 0
+    while i < len(ids):
+        if ids[i] != image_token_id:
+            pos[:, i] = cur
+            cur, i = cur + 1, i + 1
+            continue
+        if image == len(grids):
+            raise ValueError(f"the prompt has more image placeholder tokens than the "
+                             f"{len(grids)} image(s) need")
+        t, h, w = grids[image]
+        gh, gw = h // merge, w // merge
+        n = t * gh * gw
+        if not (ids[i:i + n] == image_token_id).all():
+            raise ValueError(f"image {image} needs {n} consecutive placeholder tokens")
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+        pos[:, i:i + n] = np.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)]) + cur
+        cur, i, image = cur + max(gh, gw), i + n, image + 1
+    if image != len(grids):
+        raise ValueError(f"the prompt has placeholder tokens for {image} of its {len(grids)} "
+                         "images")
+    return pos, int(pos.max(initial=-1)) + 1 - len(ids)
+
+
+class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
+    """The language model (Qwen2's: q/k/v biases) with M-RoPE, and the vision tower
+    (`visual`). Text-only steps take positions [T] (M-RoPE with three equal positions is
+    plain rope); steps with images take positions [3, T] (mrope_positions) and the input
+    embeddings with the tower's outputs at the placeholder tokens (`embeds`)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_backend: str = "xla",
+                 rngs: nnx.Rngs, mesh=None, packed: bool = False):
+        super().__init__(cfg, dtype=dtype, attention_backend=attention_backend, rngs=rngs,
+                         mesh=mesh, packed=packed)
+        self.visual = Qwen2_5VisionTransformer(cfg.vision, dtype=dtype, rngs=rngs)
+
+    @staticmethod
+    def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if positions.ndim == 1:
+            return rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        return mrope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.mrope_section)

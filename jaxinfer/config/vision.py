@@ -1,0 +1,60 @@
+"""A vision encoder's config (the `vision_config` of a vision-language checkpoint)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    out_hidden_size: int
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112
+    fullatt_block_indexes: tuple[int, ...] = ()
+    in_channels: int = 3
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Pixels per patch row: C x T x P x P."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @staticmethod
+    def from_hf_dict(d: dict[str, Any]) -> "VisionConfig":
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"vision_config.hidden_act={act!r} is not supported (silu)")
+        rope = d.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ValueError(f"vision_config rope_type={rope['rope_type']!r} is not supported "
+                             "(axial)")
+        cfg = VisionConfig(
+            depth=int(d["depth"]), hidden_size=int(d["hidden_size"]),
+            num_heads=int(d["num_heads"]), intermediate_size=int(d["intermediate_size"]),
+            out_hidden_size=int(d["out_hidden_size"]),
+            patch_size=int(d.get("patch_size", 14)),
+            temporal_patch_size=int(d.get("temporal_patch_size", 2)),
+            spatial_merge_size=int(d.get("spatial_merge_size", 2)),
+            window_size=int(d.get("window_size", 112)),
+            fullatt_block_indexes=tuple(int(i) for i in d.get("fullatt_block_indexes", ())),
+            in_channels=int(d.get("in_channels", 3)),
+            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))))
+        if cfg.hidden_size % cfg.num_heads or cfg.head_dim % 4:
+            raise ValueError(f"vision_config: hidden_size={cfg.hidden_size} over num_heads="
+                             f"{cfg.num_heads} must give a head size divisible by 4")
+        unit = cfg.patch_size * cfg.spatial_merge_size
+        if cfg.window_size % unit:
+            raise ValueError(f"vision_config.window_size={cfg.window_size} must be a multiple "
+                             f"of patch_size x spatial_merge_size = {unit}")
+        return cfg
