@@ -58,3 +58,45 @@ class VisionConfig:
             raise ValueError(f"vision_config.window_size={cfg.window_size} must be a multiple "
                              f"of patch_size x spatial_merge_size = {unit}")
         return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class SiglipVisionConfig:
+    """A SigLIP vision encoder (Gemma 3's `vision_config`): image_size^2 pixels in
+    (image_size / patch_size)^2 patches, learned position embeddings, pre-LayerNorm blocks
+    with biased q/k/v/out projections and a gelu-tanh MLP, a final LayerNorm."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int = 896
+    patch_size: int = 14
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-6
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @staticmethod
+    def from_hf_dict(d: dict[str, Any]) -> "SiglipVisionConfig":
+        act = d.get("hidden_act", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"vision_config.hidden_act={act!r} is not supported "
+                             "(gelu_pytorch_tanh)")
+        if d.get("vision_use_head"):
+            raise ValueError("vision_config.vision_use_head (an attention-pooling head) is "
+                             "not supported")
+        cfg = SiglipVisionConfig(
+            hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=int(d["num_attention_heads"]),
+            image_size=int(d.get("image_size", 896)), patch_size=int(d.get("patch_size", 14)),
+            num_channels=int(d.get("num_channels", 3)),
+            layer_norm_eps=float(d.get("layer_norm_eps", 1e-6)))
+        if cfg.image_size % cfg.patch_size or cfg.hidden_size % cfg.num_attention_heads:
+            raise ValueError(f"vision_config: image_size={cfg.image_size} must be a multiple "
+                             f"of patch_size={cfg.patch_size} and hidden_size a multiple of "
+                             "num_attention_heads")
+        return cfg

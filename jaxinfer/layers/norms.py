@@ -23,3 +23,20 @@ class RMSNorm(nnx.Module):
         if self.unit_offset:
             return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * x32.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with a scale and a bias (vision encoders'), computed in float32."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = param(jnp.ones((dim,), dtype), axes=(None,))
+        self.bias = param(jnp.zeros((dim,), dtype), axes=(None,))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight[...].astype(jnp.float32)
+                + self.bias[...].astype(jnp.float32)).astype(x.dtype)

@@ -3,7 +3,12 @@ RMSNorms that scale by (1 + weight), embeddings scaled by sqrt(hidden), four nor
 (a post-attention norm on the attention output, pre- and post-feedforward norms around the
 MLP), gelu-tanh MLPs, q/k norms, its own attention scale (query_pre_attn_scalar), sliding and
 global layers each with its own rope base (the step's rope tables come stacked, both kinds,
-and each layer picks its own), and final logit soft-capping."""
+and each layer picks its own), and final logit soft-capping.
+
+Gemma 3's image path (Gemma3ForConditionalGeneration's, being built: not served yet): the
+SigLIP tower (models/siglip.py) and the projector, equal to HF's; the language model's
+bidirectional attention over each image's tokens, the processor (pan and scan) and the
+engine's image inputs come next."""
 
 from __future__ import annotations
 
@@ -11,12 +16,16 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.config.vision import SiglipVisionConfig
 from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.layers.norms import RMSNorm
+from jaxinfer.layers.params import param
 from jaxinfer.layers.rotary import rope_tables as tables
 from jaxinfer.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
+from jaxinfer.models.siglip import SiglipVisionTower
 from jaxinfer.parallel import sequence_shard
 
 
@@ -68,3 +77,43 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         """Soft-capping: cap * tanh(logits / cap)."""
         cap = cfg.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+class Gemma3MultiModalProjector(nnx.Module):
+    """The SigLIP patches of an image average-pooled to mm_tokens_per_image (a square), a
+    (1 + w) RMSNorm, then a matmul to the language model's width: [B, P^2, Hv] ->
+    [B, mm_tokens_per_image, H]."""
+
+    def __init__(self, vcfg: SiglipVisionConfig, text_hidden: int, mm_tokens_per_image: int,
+                 *, dtype):
+        side = int(round(mm_tokens_per_image ** 0.5))
+        if side * side != mm_tokens_per_image or vcfg.patches_per_side % side:
+            raise ValueError(f"mm_tokens_per_image={mm_tokens_per_image} must be a square "
+                             f"whose side divides the {vcfg.patches_per_side} patches a side")
+        self.side, self.kernel = side, vcfg.patches_per_side // side
+        self.mm_soft_emb_norm = RMSNorm(vcfg.hidden_size, vcfg.layer_norm_eps, dtype=dtype,
+                                        unit_offset=True)
+        self.mm_input_projection_weight = param(
+            jnp.zeros((vcfg.hidden_size, text_hidden), dtype), axes=(None, None))
+
+    def __call__(self, x):
+        b, _, h = x.shape
+        s, k = self.side, self.kernel
+        pooled = x.astype(jnp.float32).reshape(b, s, k, s, k, h).mean(axis=(2, 4))
+        normed = self.mm_soft_emb_norm(pooled.reshape(b, s * s, h).astype(x.dtype))
+        return jnp.einsum("bnh,hd->bnd", normed, self.mm_input_projection_weight[...])
+
+
+class Gemma3ImageEncoder(nnx.Module):
+    """Gemma 3's image path: the SigLIP tower (`vision_tower`) and the projector
+    (`multi_modal_projector`), under the checkpoint's names: pixel_values [B, C, S, S] ->
+    soft tokens [B, mm_tokens_per_image, H]."""
+
+    def __init__(self, vcfg: SiglipVisionConfig, text_hidden: int, mm_tokens_per_image: int,
+                 *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.vision_tower = SiglipVisionTower(vcfg, dtype=dtype, rngs=rngs)
+        self.multi_modal_projector = Gemma3MultiModalProjector(vcfg, text_hidden,
+                                                               mm_tokens_per_image, dtype=dtype)
+
+    def __call__(self, pixels):
+        return self.multi_modal_projector(self.vision_tower(pixels))
