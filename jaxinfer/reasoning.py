@@ -132,14 +132,16 @@ class DeepSeekV3ReasoningParser(ReasoningParser):
 
 class GptOssReasoningParser(ReasoningParser):
     """gpt-oss's harmony format (vLLM's `openai_gptoss`): the output is a run of messages,
-    each `<|channel|>NAME<|message|>BODY` ended by `<|end|>` (then `<|start|>assistant` and
-    the next header), `<|call|>` or `<|return|>` (both stop tokens, not in the text). The
-    bodies of the `final` channel are the answer; every other channel's (analysis, and
-    commentary: preambles and tool-call arguments, which are not parsed as calls yet) are the
-    reasoning, one message per line. The markers are special tokens, so the output is decoded
-    with them; the answer, and a request's grammar, start after `<|channel|>final<|message|>`.
-    An output that does not start with a header (a prompt that opened the final channel, or
-    a model that ignored the format) is all answer."""
+    each a header (`<|channel|>NAME`, a recipient `to=functions.NAME` in a tool call's, and
+    `<|start|>assistant` before every message but the first) then `<|message|>BODY`, ended by
+    `<|end|>`, `<|call|>` or `<|return|>` (the last two are stop tokens, not in the text). The
+    bodies of the analysis and commentary messages before the answer are the reasoning, one
+    message per line. The answer is the `final` message's body, or, from the first message
+    with a recipient on, the tool-call messages themselves (whole, for the `openai` tool
+    parser). The markers are special tokens, so the output is decoded with them; a request's
+    grammar starts after `<|channel|>final<|message|>`. An output that does not start with a
+    header (a prompt that opened the final channel, or a model that ignored the format) is all
+    answer."""
 
     name = "openai_gptoss"
     start = "<|channel|>"
@@ -152,30 +154,27 @@ class GptOssReasoningParser(ReasoningParser):
 
     def split(self, text, thinking, finished):
         lead = text.lstrip()
-        if not thinking or (lead and not lead.startswith(self.start)
-                            and not self.start.startswith(lead)):
+        if not thinking or (lead and not lead.startswith(("<|channel|>", "<|start|>"))
+                            and not "<|channel|>".startswith(lead)):
             return Split(None, text)
-        i = text.find(self.end)
-        reasoning = self._bodies(text if i < 0 else text[:i], finished or i >= 0)
-        if i < 0:
-            return Split(reasoning, None)
-        answer = text[i + len(self.end):]
-        return Split(reasoning, answer or None if finished else answer)
-
-    def _bodies(self, text: str, complete: bool) -> str:
-        """The message bodies in `text`, one per line (not complete: a marker that may be
-        starting at the end of the last body held back)."""
         bodies, pos = [], 0
         while (m := text.find("<|message|>", pos)) >= 0:
-            start = m + len("<|message|>")
+            header, start = text[pos:m], m + len("<|message|>")
+            if "<|channel|>final" in header:
+                answer = text[start:]
+                return Split("\n".join(bodies), answer or None if finished else answer)
+            if "to=" in header:  # a tool call: the answer, from its header on
+                return Split("\n".join(bodies), text[pos:])
             stop = self._body_end.search(text, start)
             if stop is None:
                 body = text[start:]
-                bodies.append(body if complete else body[:before_marker(body, "<|")])
+                bodies.append(body if finished else body[:before_marker(body, "<|")])
                 break
             bodies.append(text[start:stop.start()])
-            pos = stop.end()
-        return "\n".join(bodies)
+            # (the next header: after <|end|>, from its <|start|>)
+            pos = stop.end() if stop.group() in ("<|end|>", "<|call|>", "<|return|>") \
+                else stop.start()
+        return Split("\n".join(bodies), None)
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {

@@ -1039,6 +1039,40 @@ def test_gpt_oss_harmony_channels_split_whole_and_streamed(server, client, monke
     wait_idle(server)
 
 
+def test_gpt_oss_harmony_tool_calls(server, client, monkeypatch):
+    """--reasoning-parser openai_gptoss with --tool-call-parser openai: the analysis is the
+    reasoning, the commentary message to functions.NAME the call (whole and streamed)."""
+    from jaxinfer.entrypoints.openai.tools import HarmonyToolParser
+    from jaxinfer.reasoning import get_reasoning_parser
+
+    monkeypatch.setattr(server.llm.processor, "reasoning", get_reasoning_parser("openai_gptoss"))
+    monkeypatch.setattr(server, "tool_parser", HarmonyToolParser())
+    template = HARMONY_TEMPLATE.replace("{% for m in messages %}",
+                                        "{% if tools %}tools{% endif %}{% for m in messages %}")
+    common = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                  max_tokens=80, tools=[WEATHER], extra_body={"chat_template": template})
+    text = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+            "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+            '{"city": "Oslo"}')
+    _script(server, monkeypatch, [text])
+    r = client.chat.completions.create(**common).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content is None
+    assert r.message.model_dump()["reasoning_content"] == "Need the weather."
+    assert [(t.function.name, t.function.arguments) for t in r.message.tool_calls] == [
+        ("get_weather", '{"city": "Oslo"}')]
+    _script(server, monkeypatch, [text[:30], text[30:70], text[70:120], text[120:]])
+    chunks = list(client.chat.completions.create(stream=True, **common))
+    calls, content, finish = _stream_calls(chunks)
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "Oslo"}')]
+    assert finish == "tool_calls" and content == ""
+    # no call: the final message is the content
+    _script(server, monkeypatch, ["<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant"
+                                  "<|channel|>final<|message|>It is 18 C."])
+    r = client.chat.completions.create(**common).choices[0]
+    assert r.finish_reason == "stop" and r.message.content == "It is 18 C."
+    wait_idle(server)
+
+
 def test_tool_calls_are_parsed_after_the_thinking_only(server, client, monkeypatch):
     from jaxinfer.entrypoints.openai.tools import HermesToolParser
     from jaxinfer.reasoning import get_reasoning_parser

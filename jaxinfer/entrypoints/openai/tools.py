@@ -6,7 +6,8 @@
   {"name", "parameters"} objects (at most one when parallel_tool_calls is false).
 - `tool_choice` "auto" (the default when tools are given): the model decides; a tool-call parser
   chosen at start-up (`--enable-auto-tool-choice --tool-call-parser NAME`: hermes,
-  llama3_json, qwen3_coder / qwen3_xml, pythonic, mistral, deepseek_v3 / deepseek_v31) finds
+  llama3_json, qwen3_coder / qwen3_xml, pythonic, mistral, deepseek_v3 / deepseek_v31,
+  openai (gpt-oss's harmony)) finds
   the calls in the text; streamed, the text from a call's marker on is held back and the calls
   go out when the choice ends. Without those flags "auto" with tools is refused, as in vLLM.
 - finish_reason is "tool_calls" when auto or required produced calls, "stop" for a named one.
@@ -319,10 +320,40 @@ class DeepSeekV3ToolParser(ToolParser):
         return text[:i].rstrip() or None, calls
 
 
+class HarmonyToolParser(ToolParser):
+    """gpt-oss (harmony; vLLM's `openai`): a call is a message whose header names its
+    recipient, `to=functions.NAME` (in the channel part, `<|channel|>commentary
+    to=functions.NAME <|constrain|>json`, or the role part, `<|start|>assistant
+    to=functions.NAME<|channel|>commentary`), its body the arguments (as written), ended by
+    `<|call|>`. The content is the final messages' bodies. With `--reasoning-parser
+    openai_gptoss` the text here starts at the first call's header."""
+
+    start = "<|"
+    special_tokens = True
+    _message = re.compile(r"(?:^|<\|start\|>)((?:(?!<\|message\|>).)*?)<\|message\|>(.*?)"
+                          r"(?=<\|end\|>|<\|call\|>|<\|return\|>|<\|start\|>|$)", re.S)
+    _recipient = re.compile(r"to=functions\.([^\s<]+)")
+
+    def parse(self, text, tools=None):
+        if "to=" not in text:
+            return text, []
+        calls, content = [], []
+        for header, body in self._message.findall(text):
+            to = self._recipient.search(header)
+            if to:
+                calls.append(_call(to.group(1), body.strip()))
+            elif "<|channel|>final" in header:
+                content.append(body)
+        if not calls:
+            return text, []
+        return "".join(content) or None, calls
+
+
 TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
                 "qwen3_coder": Qwen3CoderToolParser, "qwen3_xml": Qwen3CoderToolParser,
                 "pythonic": PythonicToolParser, "mistral": MistralToolParser,
-                "deepseek_v3": DeepSeekV3ToolParser, "deepseek_v31": DeepSeekV3ToolParser}
+                "deepseek_v3": DeepSeekV3ToolParser, "deepseek_v31": DeepSeekV3ToolParser,
+                "openai": HarmonyToolParser}
 
 
 def _typed(value: str, kind) -> Any:
