@@ -142,6 +142,29 @@ def test_other_families_on_gpu(tmp_path, arch, extra):
 
 
 @pytest.mark.gpu
+def test_deepseek_mtp_drafts_on_gpu(tmp_path):
+    """DeepSeek-V3's MTP layer drafting inside the step with the native kernel (its own
+    latent cache): greedy tokens still HF's target's."""
+    import jax
+
+    from tests.spec_decode.test_mtp import add_mtp_layer
+
+    assert jax.default_backend() == "gpu"
+    hf = _tiny_llama(tmp_path, 256, 4, 4, arch="deepseek_v3", head_dim=64, kv_lora_rank=128,
+                     q_lora_rank=96, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                     n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
+                     n_shared_experts=1, moe_intermediate_size=128, first_k_dense_replace=1)
+    rng = np.random.default_rng(11)
+    w = lambda *s: 0.1 * rng.standard_normal(s)  # noqa: E731
+    add_mtp_layer(tmp_path, hf, {"enorm.weight": 1 + w(256), "hnorm.weight": 1 + w(256),
+                                 "eh_proj.weight": w(256, 512),
+                                 "shared_head.norm.weight": 1 + w(256)})
+    prompts = [[int(t) for t in rng.integers(3, 512, size=n)] for n in (5, 40, 70)]
+    _greedy_matches_hf(tmp_path, hf, prompts, step_compilation="whole",
+                       speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+
+
+@pytest.mark.gpu
 def test_lora_adapters_on_gpu(tmp_path):
     """Two PEFT adapters and the base model in one batch with the native kernel, against HF +
     peft in float64 (the adapters' slot matmuls compiled for CUDA)."""

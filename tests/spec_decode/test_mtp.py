@@ -30,24 +30,25 @@ DEEPSEEK = dict(num_hidden_layers=3, moe_intermediate_size=32, num_attention_hea
                 head_dim=16, tie_word_embeddings=False)
 
 
-def _add_mtp_layer(path, hf, extra: dict) -> None:
-    """Make the saved 3-layer model a 2-layer one whose third layer is its MTP block: config
-    num_hidden_layers 2, num_nextn_predict_layers 1, and the MTP layer's own tensors (extra,
-    under model.layers.2.) beside the block's."""
+def add_mtp_layer(path, hf, extra: dict) -> None:
+    """Make the saved model of L layers an (L - 1)-layer one whose last layer is its MTP
+    block: config num_hidden_layers L - 1, num_nextn_predict_layers 1, and the MTP layer's
+    own tensors (extra, under model.layers.{L - 1}.) beside the block's."""
     from safetensors.numpy import load_file, save_file
 
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    cfg.update(num_hidden_layers=2, num_nextn_predict_layers=1)
+    n = cfg["num_hidden_layers"] - 1
+    cfg.update(num_hidden_layers=n, num_nextn_predict_layers=1)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     fn = os.path.join(path, "model.safetensors")
     tensors = load_file(fn)
-    assert any(k.startswith("model.layers.2.") for k in tensors)
-    tensors.update({f"model.layers.2.{k}": np.ascontiguousarray(v, np.float32)
+    assert any(k.startswith(f"model.layers.{n}.") for k in tensors)
+    tensors.update({f"model.layers.{n}.{k}": np.ascontiguousarray(v, np.float32)
                     for k, v in extra.items()})
     save_file(tensors, fn, metadata={"format": "pt"})
-    hf.config.num_hidden_layers = 2  # (HF's model runs layers[:num_hidden_layers])
+    hf.config.num_hidden_layers = n  # (HF's model runs layers[:num_hidden_layers])
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def mtp_target(tmp_path_factory, smollm2_dir):
              "shared_head.norm.weight": 2 + 0.1 * rng.standard_normal(H),
              "shared_head.head.weight": 0.15 * rng.standard_normal((v, H)),
              "embed_tokens.weight": hf.model.embed_tokens.weight.detach().numpy()}
-    _add_mtp_layer(path, hf, extra)
+    add_mtp_layer(path, hf, extra)
     return str(path), hf, extra
 
 
@@ -177,7 +178,7 @@ def test_copying_mtp_layer_gets_every_draft_accepted(tmp_path, smollm2_dir):
         hf.lm_head.weight.copy_(torch.eye(n)[np.argsort(perm)])
     hf.save_pretrained(tmp_path)
     eye = np.eye(n, dtype=np.float32)
-    _add_mtp_layer(tmp_path, hf, {"enorm.weight": np.ones(n), "hnorm.weight": np.ones(n),
+    add_mtp_layer(tmp_path, hf, {"enorm.weight": np.ones(n), "hnorm.weight": np.ones(n),
                                   "eh_proj.weight": np.concatenate([eye, 0 * eye], 1),
                                   "shared_head.norm.weight": np.ones(n)})
     rng = np.random.default_rng(0)
