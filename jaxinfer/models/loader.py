@@ -49,28 +49,30 @@ def _safetensors_index(model_dir: str) -> dict[str, str]:
         return _vl_names(_bare_names({name: single for name in f.keys()}))
 
 
+# transformers >= 5 saves a vision-language checkpoint under its own module paths; the model
+# classes use the hub's: (prefix as stored, prefix the classes use). One table, read both ways.
+_VL_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
 def _stored_name(name: str, header: dict) -> str:
     """Where tensor `name` (as the model classes name it) is in a file: under that name, a
-    bare decoder's (no "model."), or a vision-language checkpoint's as transformers >= 5
-    saves it ("model.language_model.*", "model.visual.*")."""
-    tail = name.removeprefix("model.")
-    for stored in (name, tail, "model.language_model." + tail, "model." + name):
-        if stored in header:
-            return stored
-    return name
+    bare decoder's (no "model."), or a vision-language checkpoint's (_VL_PREFIXES)."""
+    candidates = [name, name.removeprefix("model.")]
+    candidates += [stored + name[len(ours):] for stored, ours in _VL_PREFIXES
+                   if name.startswith(ours)]
+    return next((c for c in candidates if c in header), name)
 
 
 def _vl_names(files_by_name: dict[str, str]) -> dict[str, str]:
-    """A vision-language checkpoint saved by transformers >= 5 (model.language_model.*,
-    model.visual.*) under the hub's names (model.*, visual.*) the model classes use."""
-    if not any(n.startswith("model.language_model.") for n in files_by_name):
+    """A vision-language checkpoint as transformers >= 5 saves it under the hub's names."""
+    if not any(n.startswith(_VL_PREFIXES[0][0]) for n in files_by_name):
         return files_by_name
     out = {}
     for n, fn in files_by_name.items():
-        if n.startswith("model.language_model."):
-            n = "model." + n.removeprefix("model.language_model.")
-        elif n.startswith("model.visual."):
-            n = n.removeprefix("model.")
+        for stored, ours in _VL_PREFIXES:
+            if n.startswith(stored):
+                n = ours + n[len(stored):]
+                break
         out[n] = fn
     return out
 
@@ -386,18 +388,19 @@ def convert_tensors(expected: dict, sources: dict[str, tuple[str, ...]], tensors
     return pending
 
 
-def fill_from_checkpoint(expected: dict, model_dir: str, model_config: ModelConfig, *, put,
-                         kv_repeat: int = 1, rename=None) -> None:
+def fill_from_checkpoint(expected: dict, model_dir: str, model_config: ModelConfig | None, *,
+                         put, kv_repeat: int = 1, rename=None) -> None:
     """Set every parameter of `expected` (name -> its abstract Variable) from the checkpoint in
     model_dir through put(var, host value[, expert_parallel]). rename: checkpoint tensor name
     as the parameter's path gives it -> its name in the file (a module loaded from inside
-    another model's checkpoint: the MTP layer)."""
+    another model's checkpoint: the MTP layer). model_config None: a module without fused
+    q/k/v or quantized weights (a vision tower)."""
     files_by_name = _safetensors_index(model_dir)
     sources, lora, defaulted = param_sources(expected, files_by_name, rename)
     owners = source_owners(sources)  # (a tied packed LM head shares the embedding's tensor)
     wanted = list(owners)
     mxfp4 = set()
-    if model_config.mxfp4_experts:  # (their parts are read instead, dequantized as they come)
+    if model_config is not None and model_config.mxfp4_experts:  # (dequantized as they come)
         mxfp4 = {n for n in wanted if n not in files_by_name
                  and all(n + p in files_by_name for p in MXFP4_PARTS)}
         wanted = [n for n in wanted if n not in mxfp4] + [n + p for n in mxfp4
@@ -410,13 +413,30 @@ def fill_from_checkpoint(expected: dict, model_dir: str, model_config: ModelConf
         )
     convert_tensors(expected, sources, _with_mxfp4(_iter_tensors(files_by_name, wanted), mxfp4),
                     ckpt_scales=_checkpoint_scales(files_by_name), kv_repeat=kv_repeat,
-                    head_dim=model_config.head_dim, qcfg=model_config.quantization, put=put)
+                    head_dim=model_config.head_dim if model_config is not None else 0,
+                    qcfg=model_config.quantization if model_config is not None else None,
+                    put=put)
     for name in defaulted:
         var = expected[name]
         put(var, np.full(var.shape, declared(var)[1].default, np.float32), False)
     for name in lora:
         var = expected[name]
         put(var, np.zeros(var.shape, var.dtype), False)
+
+
+def load_module(make, model_dir: str, model_config: ModelConfig | None = None, *,
+                rename=None):
+    """The module make() builds (abstractly first: no random weights), every parameter from
+    the checkpoint in model_dir, on the default device (fill_from_checkpoint's arguments)."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    flat = nnx.to_flat_state(abstract)
+
+    def put(var, value, expert_parallel=False):
+        var.set_value(jax.device_put(np.ascontiguousarray(value)))
+
+    fill_from_checkpoint({_param_name(path): var for path, var in flat}, model_dir,
+                         model_config, put=put, rename=rename)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def build_model(model_config: ModelConfig, *, dtype: str, attention_backend: str, seed: int = 0,

@@ -18,9 +18,7 @@ the rejection sampler keeps the output distribution the target's."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
@@ -108,7 +106,7 @@ def load_mtp_head(model_dir: str, target_config: ModelConfig, *, dtype: str,
     """The MTP layer of the checkpoint in model_dir (model.layers.{num_hidden_layers}.*) for
     a target of `target_config`. Its embed_tokens and shared_head.head are the target's when
     the checkpoint leaves them out."""
-    from jaxinfer.models.loader import _safetensors_index, fill_from_checkpoint
+    from jaxinfer.models.loader import _safetensors_index, load_module
 
     check_mtp_target(target_config)
     prefix = f"model.layers.{target_config.num_hidden_layers}."
@@ -123,15 +121,7 @@ def load_mtp_head(model_dir: str, target_config: ModelConfig, *, dtype: str,
                        rngs=nnx.Rngs(0), has_embed=prefix + "embed_tokens.weight" in files,
                        has_head=prefix + "shared_head.head.weight" in files)
 
-    graphdef, abstract = nnx.split(nnx.eval_shape(make))
-    flat = nnx.to_flat_state(abstract)
-    expected = {".".join(str(p) for p in path): var for path, var in flat}
-
-    def put(var, value, expert_parallel=False):
-        var.set_value(jax.device_put(np.ascontiguousarray(value)))
-
     def rename(src: str) -> str:  # (the block's tensors sit beside the MTP layer's own)
         return prefix + src.removeprefix("mtp_block.")
 
-    fill_from_checkpoint(expected, model_dir, target_config, put=put, rename=rename)
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return load_module(make, model_dir, target_config, rename=rename)

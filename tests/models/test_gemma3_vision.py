@@ -3,8 +3,6 @@ HF's get_image_features, loaded through the project's loader from HF's tensors."
 
 from __future__ import annotations
 
-import types
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -24,7 +22,7 @@ VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_att
 def test_image_features_equal_hf(tmp_path):
     from safetensors.torch import save_file
 
-    from jaxinfer.models.loader import fill_from_checkpoint
+    from jaxinfer.models.loader import load_module
 
     cfg = transformers.Gemma3Config(
         text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=96,
@@ -48,14 +46,8 @@ def test_image_features_equal_hf(tmp_path):
               str(tmp_path / "model.safetensors"))
 
     vcfg = SiglipVisionConfig.from_hf_dict(cfg.vision_config.to_dict())
-    graphdef, abstract = nnx.split(nnx.eval_shape(
-        lambda: Gemma3ImageEncoder(vcfg, 64, 16, rngs=nnx.Rngs(0))))
-    flat = nnx.to_flat_state(abstract)
-    expected = {".".join(str(p) for p in path): var for path, var in flat}
-    fill_from_checkpoint(expected, str(tmp_path), types.SimpleNamespace(
-        mxfp4_experts=False, head_dim=16, quantization=None),
-        put=lambda var, value, ep=False: var.set_value(jnp.asarray(value)))
-    ours = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    ours = load_module(lambda: Gemma3ImageEncoder(vcfg, 64, 16, rngs=nnx.Rngs(0)),
+                       str(tmp_path))
 
     pixels = np.random.default_rng(0).standard_normal((2, 3, 112, 112)).astype(np.float32)
     with torch.no_grad():

@@ -3,15 +3,14 @@ project's checkpoint loader from HF's own tensors (the Conv3d patch kernel inclu
 
 from __future__ import annotations
 
-import types
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from jaxinfer.models.qwen2_5_vl import (Qwen2_5VisionTransformer, VisionConfig,
-                                        segment_attention, vision_plan)
+from jaxinfer.config.vision import VisionConfig
+from jaxinfer.models.qwen2_5_vl import (Qwen2_5VisionTransformer, segment_attention,
+                                        vision_plan)
 from tests.helpers import rel_err
 
 torch = pytest.importorskip("torch")
@@ -47,18 +46,10 @@ def hf_tower(tmp_path_factory):
 
 
 def _load(path, cfg) -> Qwen2_5VisionTransformer:
-    from jaxinfer.models.loader import fill_from_checkpoint
+    from jaxinfer.models.loader import load_module
 
     vcfg = VisionConfig.from_hf_dict(cfg.to_dict())
-    graphdef, abstract = nnx.split(nnx.eval_shape(
-        lambda: Qwen2_5VisionTransformer(vcfg, rngs=nnx.Rngs(0))))
-    flat = nnx.to_flat_state(abstract)
-    expected = {".".join(str(p) for p in path): var for path, var in flat}
-    facts = types.SimpleNamespace(mxfp4_experts=False, head_dim=vcfg.head_dim,
-                                  quantization=None)
-    fill_from_checkpoint(expected, path, facts,
-                         put=lambda var, value, ep=False: var.set_value(jnp.asarray(value)))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return load_module(lambda: Qwen2_5VisionTransformer(vcfg, rngs=nnx.Rngs(0)), path)
 
 
 # (t, h, w) patch grids: windows of 2 x 2 merged units, some images ending in part windows;

@@ -97,7 +97,8 @@ def _reference_mtp_logits(hf, extra, ids):
                 @ t["shared_head.head.weight"].T).numpy()
 
 
-@pytest.mark.parametrize("backend", ["xla", "cpu"])
+# (xla with the slow tests: the cpu backend is the CPU default and the engine tests' too)
+@pytest.mark.parametrize("backend", [pytest.param("xla", marks=pytest.mark.slow), "cpu"])
 def test_mtp_logits_equal_the_reference(mtp_target, backend):
     from jaxinfer.layers import cpu_kernels
     from jaxinfer.models.loader import load_model
