@@ -247,3 +247,21 @@ class PoolerConfig:
         d = self.dimensions
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ValueError(f"pooler_config.dimensions must be an integer >= 1, got {d!r}")
+
+
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+
+
+def check_mtp_target(cfg) -> None:
+    """A target whose checkpoint has one MTP layer, or a ValueError naming what is not so."""
+    if cfg.architecture not in MTP_ARCHITECTURES:
+        raise ValueError(f"speculative_config.method='mtp' needs a model with multi-token "
+                         f"prediction layers ({', '.join(MTP_ARCHITECTURES)}); "
+                         f"{cfg.architecture} has none")
+    n = cfg.num_nextn_predict_layers
+    if n < 1:
+        raise ValueError("speculative_config.method='mtp': the model's config has no MTP "
+                         "layer (num_nextn_predict_layers is 0)")
+    if n > 1:
+        raise ValueError(f"speculative_config.method='mtp' with num_nextn_predict_layers={n} "
+                         "is not supported yet (1: DeepSeek-V3 / R1's)")

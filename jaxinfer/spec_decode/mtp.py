@@ -22,29 +22,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.config.features import check_mtp_target
 from jaxinfer.config.dtypes import dtype as array_dtype
 from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.layers.cpu_kernels import use_packed_weights
 from jaxinfer.layers.linear import Embedding, Linear
 from jaxinfer.layers.norms import RMSNorm
-
-MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
-
-
-def check_mtp_target(cfg: ModelConfig) -> None:
-    """A target whose checkpoint has one MTP layer, or a ValueError naming what is not so."""
-    if cfg.architecture not in MTP_ARCHITECTURES:
-        raise ValueError(f"speculative_config.method='mtp' needs a model with multi-token "
-                         f"prediction layers ({', '.join(MTP_ARCHITECTURES)}); "
-                         f"{cfg.architecture} has none")
-    n = cfg.num_nextn_predict_layers
-    if n < 1:
-        raise ValueError("speculative_config.method='mtp': the model's config has no MTP "
-                         "layer (num_nextn_predict_layers is 0)")
-    if n > 1:
-        raise ValueError(f"speculative_config.method='mtp' with num_nextn_predict_layers={n} "
-                         "is not supported yet (1: DeepSeek-V3 / R1's)")
-
 
 class SharedHead(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs, packed: bool, has_head: bool):
