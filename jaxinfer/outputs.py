@@ -20,6 +20,7 @@ class NewRequestData:
     num_computed_tokens: int  # KV already in the cache (prefix hits) before this step
     sampling_seed: int = 0  # seed of the request's RNG stream
     lora_int_id: int = 0  # the request's LoRA adapter (0: the base model)
+    mm_features: tuple = ()  # its images (multimodal/inputs.py MultiModalFeature)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # What the KV connector's worker side does this step (loads, saves, cancels), or None.
     kv_connector_metadata: object = None
+    # Vision-language engines: req_id -> indices of its images the runner encodes before
+    # this step (each image once), and the encoder outputs it may drop.
+    scheduled_encoder_inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    free_encoder_mm_hashes: tuple[str, ...] = ()
 
     @property
     def is_empty(self) -> bool:

@@ -69,8 +69,11 @@ class Request:
         parent_id: str | None = None,
         reasoning_end_ids: list[int] | None = None,
         lora_request=None,
+        mm_features=None,
     ):
         self.request_id = request_id
+        # Its images (multimodal/inputs.py MultiModalFeature), in prompt order.
+        self.mm_features = list(mm_features or ())
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id

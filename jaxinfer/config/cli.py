@@ -111,6 +111,8 @@ FLAGS: dict[str, dict] = {
     "reasoning_parser": dict(type=str, choices=tuple(REASONING_PARSERS),
                              help="split a reasoning model's thinking into reasoning_content "
                                   "(chat route); structured outputs apply after it"),
+    "limit_mm_per_prompt": dict(type=str, help='images a prompt may carry at most, as JSON: '
+                                '\'{"image": 2}\' (vision-language models; default 999)'),
     "enable_lora": dict(help="serve LoRA adapters (PEFT folders) over the base model, mixed "
                              "in one batch (serve: --lora-modules, /v1/load_lora_adapter)"),
     "max_loras": dict(help="distinct LoRA adapters in one step (device slots)"),

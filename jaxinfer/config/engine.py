@@ -202,6 +202,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's --limit-mm-per-prompt: images a prompt may carry at most, {"image": N} or its
+    # JSON (vision-language models; None: vLLM's default, 999).
+    limit_mm_per_prompt: dict | str | None = None
     # vLLM's enable_sleep_mode: sleep(level=1 | 2) may free the device's weights and KV
     # cache (RL rollouts between training steps; docs/rl.md). Level 0 (pause) needs nothing.
     enable_sleep_mode: bool = False
@@ -241,6 +244,10 @@ class EngineConfig:
             from jaxinfer.reasoning import get_reasoning_parser
 
             get_reasoning_parser(self.reasoning_parser)  # (ValueError naming the choices)
+        if self.limit_mm_per_prompt is not None:
+            from jaxinfer.multimodal.inputs import parse_limit_mm_per_prompt
+
+            parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # (ValueError naming it)
         if self.pipeline_parallel_size > 1:
             for name, bad in (("async_scheduling", self.async_scheduling),
                               ("speculative_config", self.speculative_config is not None),
@@ -467,7 +474,7 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         raise ValueError(f"speculative_config.method={spec.method!r} does not support "
                          "tensor_parallel_size > 1 yet")
     if spec is not None and spec.method == "mtp":
-        from jaxinfer.spec_decode.mtp import check_mtp_target
+        from jaxinfer.config.features import check_mtp_target
 
         check_mtp_target(mcfg)
     if spec is not None and spec.method == "draft_model":

@@ -13,6 +13,8 @@ import logging
 from typing import Iterable
 
 from jaxinfer.config import SchedulerConfig
+from jaxinfer.core.encoder_cache_manager import (EncoderCacheManager, StepImages, check_images,
+                                                 commit_images, fit_images)
 from jaxinfer.core.kv_cache_manager import KVCacheManager
 from jaxinfer.core.kv_transfer import apply_connector_output, start_kv_load
 from jaxinfer.core.request_queue import make_queue
@@ -26,6 +28,7 @@ from jaxinfer.request import FinishReason, Request, RequestStatus, lora_fits
 logger = logging.getLogger(__name__)
 
 _BLOCKED = (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING_FOR_REMOTE_KVS)
+ENCODER_CACHE_MIN_ROWS = 4096  # (4096 x 2048 float32 rows: 32 MiB of host memory)
 
 
 class Scheduler:
@@ -85,6 +88,17 @@ class Scheduler:
         self.pipeline_depth = 1
         self.in_flight: set[str] = set()
         self.max_loras = 0  # enable_lora: distinct adapters in one step (set by the core)
+        # Vision-language engines (enable_encoder_cache): the images each step encodes.
+        self.encoder_cache: EncoderCacheManager | None = None
+
+    def enable_encoder_cache(self, cache_rows: int = ENCODER_CACHE_MIN_ROWS) -> None:
+        """Take requests with images: at most max_num_batched_tokens encoder rows computed
+        per step (vLLM's encoder budget); outputs kept in an encoder cache of
+        max(max_num_batched_tokens, cache_rows) rows (the runner keeps them in host memory,
+        so more than vLLM's max_num_batched_tokens: another request with the same image
+        finds it later)."""
+        self.encoder_cache = EncoderCacheManager(max(self.config.max_num_batched_tokens,
+                                                     cache_rows))
 
     # -- requests in and out --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -103,6 +117,8 @@ class Scheduler:
         if need > self.kv.num_usable_blocks:
             raise ValueError(f"the request needs {need} KV blocks, more than the whole cache "
                              f"({self.kv.num_usable_blocks} blocks)")
+        if request.mm_features:
+            check_images(request, self.encoder_cache, self.config.max_num_batched_tokens)
         if request.use_structured_output and self.structured_output_manager is None:
             raise ValueError("structured_outputs need the tokenizer, but the engine was started "
                              "with skip_tokenizer_init=True")
@@ -231,6 +247,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: list[Request] = []
         loras: set[int] = set()  # the step's LoRA adapters (at most max_loras)
+        enc = StepImages(cfg.max_num_batched_tokens)  # images this step needs encoded
         # long_prefill_token_threshold keeps one long prefill from starving the others; with
         # nobody else running or waiting it does not apply (as in vLLM).
         threshold = cfg.long_prefill_token_threshold
@@ -264,6 +281,8 @@ class Scheduler:
             if 0 < threshold < n:
                 n = threshold
             n = min(n, budget, self.max_model_len - computed)
+            if request.mm_features and n > 0:
+                n = fit_images(self.encoder_cache, request, computed, n, budget, enc)
             if n <= 0:
                 i += 1
                 continue
@@ -337,10 +356,10 @@ class Scheduler:
                     deferred.append(self.waiting.pop())
                     skipped.append(request)
                     continue
-            n = self._admit(request, budget, threshold, new_reqs, num_scheduled)
+            n = self._admit(request, budget, threshold, new_reqs, num_scheduled, enc)
             if n is None:
                 break
-            if n == 0:  # its KV is coming from a connector: it waits, keeping its place
+            if n == 0:  # its KV is coming (connector) or its image cannot be encoded yet
                 skipped.append(self.waiting.pop())
                 continue
             self.waiting.pop()
@@ -354,7 +373,7 @@ class Scheduler:
                 break
             if not lora_fits(request, loras, self.max_loras, waiting=True):
                 continue
-            n = self._admit(request, budget, threshold, new_reqs, num_scheduled)
+            n = self._admit(request, budget, threshold, new_reqs, num_scheduled, enc)
             if n is None:
                 break
             if n == 0:
@@ -366,6 +385,8 @@ class Scheduler:
                 self.waiting.prepend(request)
 
         preempted_ids = frozenset(r.request_id for r in preempted)
+        encoder_inputs, freed = commit_images(self.encoder_cache, enc, self.requests,
+                                              num_scheduled)
         out = SchedulerOutput(
             scheduled_new_reqs=tuple(new_reqs),
             scheduled_cached_reqs=tuple(cached_reqs),
@@ -376,6 +397,8 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             kv_connector_metadata=(self.kv_connector.build_connector_meta()
                                    if self.kv_connector is not None else None),
+            scheduled_encoder_inputs=encoder_inputs,
+            free_encoder_mm_hashes=freed,
         )
         self.finished_req_ids = set()
         if self.pipeline_depth > 1:
@@ -392,7 +415,7 @@ class Scheduler:
         return out
 
     def _admit(self, request: Request, budget: int, threshold: int, new_reqs: list,
-               num_scheduled: dict) -> int | None:
+               num_scheduled: dict, enc: StepImages | None = None) -> int | None:
         """Move a waiting request (already out of the queue, or at its head) to running with
         its first chunk: the tokens scheduled, or None when it does not fit (stop admitting)."""
         cfg = self.config
@@ -423,6 +446,11 @@ class Scheduler:
         if not cfg.enable_chunked_prefill and n > budget:
             return None  # strict FCFS: the head is not skipped
         n = min(n, budget)
+        if request.mm_features and enc is not None:
+            n = fit_images(self.encoder_cache, request, base + num_hit, n, budget,
+                           enc)
+            if n == 0:
+                return 0  # (its image waits for the encoder budget or the cache's room)
         new_blocks = self.kv.allocate_slots(request, n, num_hit, hit_blocks,
                                             num_lookahead_tokens=self.num_lookahead_tokens,
                                             full_sequence_must_fit=cfg.scheduler_reserve_full_isl)
@@ -440,7 +468,8 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=tuple(self.kv.get_block_ids(request.request_id)),
             num_computed_tokens=base + num_hit,
-            sampling_seed=request.sampling_seed, lora_int_id=request.lora_int_id))
+            sampling_seed=request.sampling_seed, lora_int_id=request.lora_int_id,
+            mm_features=tuple(request.mm_features)))
         num_scheduled[request.request_id] = n
         return n
 
@@ -588,6 +617,10 @@ class Scheduler:
             "prefix_cache_hits": st.hits,
             "prefix_cache_hit_rate": st.hit_rate,
             "num_preemptions": self.num_preemptions,
+            **({} if self.encoder_cache is None else {
+                "encoder_cache_runs": self.encoder_cache.num_encoder_runs,
+                "encoder_cache_hits": self.encoder_cache.num_hits,
+            }),
             **({} if self.speculative_config is None else {
                 "spec_decode_num_drafts": self.spec_num_drafts,
                 "spec_decode_num_draft_tokens": self.spec_num_draft_tokens,

@@ -184,7 +184,13 @@ class AsyncLLM:
             # Grammar validation (and the backend's first tokenizer build) off the event loop.
             await asyncio.to_thread(self.processor.validate_structured_outputs,
                                     params.structured_outputs)
-        text, ids, children = self.processor.make_requests(request_id, prompt, params, **kwargs)
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            # (images are decoded, resized and hashed off the event loop)
+            text, ids, children = await asyncio.to_thread(
+                self.processor.make_requests, request_id, prompt, params, **kwargs)
+        else:
+            text, ids, children = self.processor.make_requests(request_id, prompt, params,
+                                                               **kwargs)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
         self.output_processor.add_request(request_id, text, ids, children)

@@ -96,6 +96,8 @@ class EngineCore:
         if cfg.enable_lora:
             self.scheduler.max_loras = cfg.max_loras
         self.max_batches_in_flight = 0  # (the most seen; benchmarks/pipeline_parallel.py)
+        if self.runner.mm is not None:
+            self.scheduler.enable_encoder_cache()
         if kv_worker is not None:
             self.runner.set_kv_connector(kv_worker)
         self.kv_connector = kv_worker
@@ -172,6 +174,18 @@ class EngineCore:
         check_core_request(req, vocab_size=self.model_config.vocab_size,
                            max_model_len=self.resolved.max_model_len,
                            extra_args_keys=self.runner.extra_args_keys)
+        if req.mm_features:
+            from jaxinfer.multimodal.inputs import check_features
+
+            mc = self.model_config
+            images = self.runner.mm is not None
+            check_features(req.mm_features, req.prompt_token_ids,
+                           image_token_id=mc.image_token_id if images else None,
+                           patch_dim=mc.vision.patch_dim if images else 0,
+                           merge=mc.vision.spatial_merge_size if images else 1)
+            if self.kv_connector is not None:
+                raise ValueError("mm_features: images cannot be combined with a KV connector "
+                                 "(kv_transfer_config) yet")
         if req.lora_request is not None:  # (loaded now: a bad adapter fails this request)
             self.add_lora(req.lora_request)
         request = Request(
@@ -179,7 +193,8 @@ class EngineCore:
             eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
             priority=req.priority, cache_salt=req.cache_salt, sampling_seed=req.sampling_seed,
             structured_backend=req.structured_backend, parent_id=req.parent_id,
-            reasoning_end_ids=req.reasoning_end_ids, lora_request=req.lora_request)
+            reasoning_end_ids=req.reasoning_end_ids, lora_request=req.lora_request,
+            mm_features=req.mm_features)
         if self.pause_state != "running":
             self._held.append(request)  # (scheduled once generation resumes)
         else:

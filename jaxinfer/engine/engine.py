@@ -34,7 +34,23 @@ def make_processor(rc, tokenizer, info: dict) -> Processor:
                      enable_lora=rc.engine.enable_lora,
                      placeholder_token_ids=tuple(t for t in (mcfg.image_token_id,
                                                              mcfg.video_token_id)
-                                                 if t is not None))
+                                                 if t is not None),
+                     multimodal=make_multimodal_processor(rc))
+
+
+def make_multimodal_processor(rc):
+    """A vision-language model's image step (None for text-only models and for those whose
+    image path is not served yet)."""
+    from jaxinfer.config.vision import VisionConfig
+
+    mcfg = rc.model_config
+    if not isinstance(mcfg.vision, VisionConfig) or rc.parallel.pipeline_parallel_size > 1:
+        return None
+    from jaxinfer.multimodal.inputs import MultiModalProcessor, parse_limit_mm_per_prompt
+
+    return MultiModalProcessor(mcfg, rc.model_dir,
+                               parse_limit_mm_per_prompt(rc.engine.limit_mm_per_prompt),
+                               max_tokens_per_image=rc.scheduler.max_num_batched_tokens)
 
 
 def check_in_process(client, what: str) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from jaxinfer.lora.request import LoRARequest
+from jaxinfer.multimodal.inputs import MultiModalFeature
 from jaxinfer.outputs import EngineCoreOutput
 from jaxinfer.sampling_params import SamplingParams
 
@@ -34,6 +35,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # output ends with these ids (the reasoning parser's end tag). None: from the first token.
     reasoning_end_ids: list[int] | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base)
+    # Its images (vision-language models): placeholder positions, pixel rows, hashes.
+    mm_features: list[MultiModalFeature] | None = None
 
 
 class RequestType(bytes, enum.Enum):

@@ -16,8 +16,8 @@ from jaxinfer.validation import (INT64_MAX, INT64_MIN, FieldError, check_cache_s
                                  check_extra_args, check_for_model, check_int)
 
 PromptType = str | dict[str, Any] | list[int]
-# A prompt dict's keys (vLLM's TextPrompt / TokensPrompt, text-only)
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+# A prompt dict's keys (vLLM's TextPrompt / TokensPrompt)
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"})
 
 
 class Processor:
@@ -26,11 +26,13 @@ class Processor:
                  seed: int = 0, num_usable_kv_blocks: int | None = None, block_size: int = 16,
                  structured_outputs_config=None, reasoning_parser: str | None = None,
                  logits_processors=None, enable_lora: bool = False,
-                 placeholder_token_ids: tuple[int, ...] = ()):
+                 placeholder_token_ids: tuple[int, ...] = (), multimodal=None):
         self.tokenizer = tokenizer
-        # A vision-language model's image / video placeholder tokens: no prompt may hold one
-        # until images are taken as inputs (each needs its encoder output).
+        # A vision-language model's image / video placeholder tokens: a prompt holds them
+        # only where its images' embeddings go (placed by `multimodal`, the model's
+        # MultiModalProcessor: None for text-only models).
         self.placeholder_token_ids = frozenset(placeholder_token_ids)
+        self.multimodal = multimodal
         self.enable_lora = enable_lora
         # Custom logits processors' classes: each checks a request's params; their extra_args
         # keys are the ones a request may use beside kv_transfer_params.
@@ -117,7 +119,27 @@ class Processor:
         k = self.max_model_len if t == -1 else t
         return ids[-k:] if len(ids) > k else ids
 
-    def validate_prompt(self, ids: list[int]) -> None:
+    def process_multimodal(self, prompt: PromptType, ids: list[int],
+                           params: SamplingParams) -> tuple[list[int], list]:
+        """A prompt's images (its multi_modal_data): the prompt with their placeholders
+        expanded, and their features; ([], ids) without images."""
+        if not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
+            return ids, []
+        if self.multimodal is None:
+            raise ValueError("multi_modal_data: this model takes text only (no vision "
+                             "encoder)")
+        from jaxinfer.multimodal.inputs import image_list
+
+        images = image_list(prompt["multi_modal_data"])
+        if not images:
+            return ids, []
+        if params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens cannot be combined with images (it "
+                             "could cut an image's tokens)")
+        return self.multimodal.process(ids, images)
+
+    def validate_prompt(self, ids: list[int], image_tokens: int = 0) -> None:
+        """image_tokens: how many of the prompt's tokens its images' embeddings replace."""
         if not ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         if len(ids) > self.max_model_len:
@@ -133,9 +155,12 @@ class Processor:
             raise ValueError(f"prompt token id {bad} is out of vocabulary "
                              f"[0, {self.vocab_size})")
         if self.placeholder_token_ids and not self.placeholder_token_ids.isdisjoint(ids):
-            bad = next(i for i in ids if i in self.placeholder_token_ids)
-            raise ValueError(f"prompt token id {bad} is the model's image / video placeholder: "
-                             "image inputs are not supported yet (text-only prompts are)")
+            if sum(i in self.placeholder_token_ids for i in ids) != image_tokens:
+                bad = next(i for i in ids if i in self.placeholder_token_ids)
+                raise ValueError(f"prompt token id {bad} is the model's image / video "
+                                 "placeholder, but no image of the request's "
+                                 "multi_modal_data goes there (pass the images as "
+                                 "multi_modal_data, one placeholder per image)")
 
     def validate_structured_outputs(self, so: StructuredOutputsParams) -> str:
         """The backend that will run `so`; ValueError naming the problem otherwise. Builds the
@@ -208,7 +233,8 @@ class Processor:
             backend = self.validate_structured_outputs(params.structured_outputs)
         text, ids = self.tokenize_prompt(prompt)
         ids = self.truncate(ids, params)
-        self.validate_prompt(ids)
+        ids, mm_features = self.process_multimodal(prompt, ids, params)
+        self.validate_prompt(ids, sum(f.length for f in mm_features))
         if not params.ignore_eos and self.extra_eos_token_ids:
             params = params.clone(stop_token_ids=[*params.stop_token_ids,
                                                   *self.extra_eos_token_ids])
@@ -230,7 +256,8 @@ class Processor:
                 eos_token_id=self.eos_token_id, arrival_time=arrival_time,
                 sampling_seed=(base_seed + i) & 0xFFFFFFFF, priority=priority,
                 cache_salt=cache_salt, structured_backend=backend, parent_id=parent_id,
-                reasoning_end_ids=reasoning_end, lora_request=lora_request))
+                reasoning_end_ids=reasoning_end, lora_request=lora_request,
+                mm_features=mm_features or None))
         return text, ids, reqs
 
     def check_lora(self, lora_request) -> None:

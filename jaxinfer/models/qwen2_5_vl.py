@@ -289,6 +289,15 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         self.visual = Qwen2_5VisionTransformer(cfg.vision, dtype=dtype, rngs=rngs)
 
     @staticmethod
+    def mm_rope_positions(cfg: ModelConfig, prompt_ids, features) -> tuple[np.ndarray, int]:
+        """A prompt's M-RoPE positions int32 [3, P] and the offset of its later positions,
+        from its images' features (multimodal/inputs.py)."""
+        pos, delta = mrope_positions(prompt_ids, cfg.image_token_id,
+                                     [f.grid_thw for f in features],
+                                     cfg.vision.spatial_merge_size)
+        return pos.astype(np.int32), delta
+
+    @staticmethod
     def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         if positions.ndim == 1:
             return rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)

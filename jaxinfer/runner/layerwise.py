@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxinfer.layers import module_list
 from jaxinfer.runner.compiled_steps import TRACE_LOCK
 from jaxinfer.runner.spec_step import InStepDrafter
-from jaxinfer.runner.step_fn import step_input_ids, step_tail
+from jaxinfer.runner.step_fn import merge_mm_embeds, step_input_ids, step_tail
 from jaxinfer.runner.step_inputs import StepBatch, StepFeatures
 from jaxinfer.runner.step_state import StepState, place_replicated, single_stage_state
 
@@ -102,11 +102,13 @@ def _replicated(mesh, x):
 
 
 def _head(shell_graphdef, shell_state, last_sampled, input_ids, from_last_sampled,
-          token_slots, positions):
+          token_slots, positions, mm=None):
+    """The step's token ids, embeddings (images' encoder rows in place: mm) and rotary
+    tables (positions: the batch's rotary_positions)."""
     model = nnx.merge(shell_graphdef, shell_state)
     ids = step_input_ids(last_sampled, input_ids, from_last_sampled, token_slots)
     cos, sin = model.rope(positions)
-    x = model.model.embed_tokens(ids)
+    x = merge_mm_embeds(model.model.embed_tokens(ids), mm)
     mesh = model.mesh
     return (_replicated(mesh, ids), _replicated(mesh, x), _replicated(mesh, cos),
             _replicated(mesh, sin))
@@ -170,7 +172,7 @@ def _fused(shell_graphdef, drafter, runs, mesh, aux_layers, weights, carry, batc
     kv, draft_kv, sampler = carry
     ids, x, cos, sin = _head(shell_graphdef, shell_state, sampler.last_sampled,
                              batch.input_ids, batch.from_last_sampled, batch.token_slots,
-                             batch.positions)
+                             batch.rotary_positions, batch.mm_inputs)
     aux = {}
     x, new_kv = _run_all([(partial(_layers, kind, mesh), a, b) for (a, b), kind in runs],
                          layer_leaves, x, cos, sin, kv, batch.attn, aux_layers, aux)
@@ -197,8 +199,9 @@ class LayerwiseProgram:
         self.lm = LayerwiseModel(model, group, self.aux_layers)
         self.max_model_len = max_model_len
         self._lock = threading.Lock()
-        # (T, R) -> compiled head / [compiled layer per kind]; built once per bucket.
-        self._shared: dict[tuple[int, int], tuple] = {}
+        # (T, R, images) -> compiled head, (T, R) -> [compiled layer per kind]; built once
+        # per bucket (a head once more for the bucket's steps with images).
+        self._shared: dict[tuple, object] = {}
         self._shared_locks: dict[tuple[int, int], threading.Lock] = {}
 
     def init_state(self, num_blocks: int, block_size: int, kv_dtype,
@@ -214,23 +217,28 @@ class LayerwiseProgram:
         """The weights after an update or wake-up (runner/weights.py)."""
         self.lm.shell_state, self.lm.layer_leaves = params
 
-    def _shared_for(self, t: int, r: int, args) -> tuple:
-        """The head and per-kind layer executables of bucket (T, R), compiled once (by
-        whichever thread asks first; the others wait for it)."""
+    def _shared_for(self, t: int, r: int, mm: bool, args) -> tuple:
+        """The head (per bucket (T, R) and mm: steps with images) and the per-kind layer
+        executables (per bucket) every variant of it shares, compiled once (by whichever
+        thread asks first; the others wait for it)."""
         with self._lock:
             lock = self._shared_locks.setdefault((t, r), threading.Lock())
         with lock:
-            got = self._shared.get((t, r))
-            if got is None:
+            head = self._shared.get((t, r, mm))
+            layers = self._shared.get((t, r))
+            if head is None or layers is None:
                 head_args, (leaves, x, cos, sin, kv_caches, md) = args
                 lm = self.lm
                 with TRACE_LOCK:
-                    head = jax.jit(partial(_head, lm.shell_graphdef)).lower(*head_args)
-                    runs = _lower_runs(lm, leaves, x, cos, sin, kv_caches, md)
-                head = head.compile()
-                layers = [lo.compile() for lo in runs]
-                got = self._shared[(t, r)] = (head, layers)
-            return got
+                    head_lo = (jax.jit(partial(_head, lm.shell_graphdef)).lower(*head_args)
+                               if head is None else None)
+                    runs = (_lower_runs(lm, leaves, x, cos, sin, kv_caches, md)
+                            if layers is None else None)
+                if head is None:
+                    head = self._shared[(t, r, mm)] = head_lo.compile()
+                if layers is None:
+                    layers = self._shared[(t, r)] = [lo.compile() for lo in runs]
+            return head, layers
 
     def lower(self, t: int, r: int, features: StepFeatures, state: StepState,
               example: StepBatch) -> "LayerwiseLowered":
@@ -241,7 +249,8 @@ class LayerwiseProgram:
         # a weight update, or deleted, an engine asleep)
         shell, leaves = state.params
         head_args = (shell, state.sampler.last_sampled, example.input_ids,
-                     example.from_last_sampled, example.token_slots, example.positions)
+                     example.from_last_sampled, example.token_slots,
+                     example.rotary_positions, example.mm_inputs)
         sharding = None if lm.mesh is None else NamedSharding(lm.mesh, P())
         ids, x, cos, sin = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
                             for a in jax.eval_shape(partial(_head, lm.shell_graphdef),
@@ -252,7 +261,7 @@ class LayerwiseProgram:
                        donate_argnums=(2, 3))
         lowered = tail.lower(shell, state.draft_params, state.draft_kv, state.sampler,
                              example, x, ids, tuple(x for _ in self.aux_layers))
-        return LayerwiseLowered(self, (t, r), (head_args, layer_args), lowered)
+        return LayerwiseLowered(self, (t, r, features.mm), (head_args, layer_args), lowered)
 
     def lower_fused(self, features: StepFeatures, state: StepState, example: StepBatch):
         """The bucket of `example` as one whole program over this layout (_fused): what a
@@ -296,7 +305,7 @@ class LayerwiseStep:
         shell_state, layer_leaves = state.params
         ids, x, cos, sin = self.head(shell_state, state.sampler.last_sampled, batch.input_ids,
                                      batch.from_last_sampled, batch.token_slots,
-                                     batch.positions)
+                                     batch.rotary_positions, batch.mm_inputs)
         aux = {}  # (EAGLE-3: the residual stream entering each aux layer)
         x, new_kv = _run_all(self.runs, layer_leaves, x, cos, sin, state.kv, batch.attn,
                              self.aux_layers, aux)

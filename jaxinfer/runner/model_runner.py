@@ -48,13 +48,18 @@ class ModelRunner:
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, kv_dtype,
                  buckets: BucketTable | None = None, speculative_config=None,
                  pipeline_depth: int = 1, logits_processors=(), lora=None,
-                 pooling: str = ""):
+                 pooling: str = "", multimodal=None):
         """program: how steps are compiled and run (step_program.make_step_program);
         pipeline_depth: step batches in flight at most (P under pipeline parallelism);
         logits_processors: custom LogitsProcessor instances (jaxinfer/logits_processors.py);
         lora: the LoRAManager of an engine serving adapters (lora/manager.py), or None;
-        pooling: a pooling engine's pooling type (LAST / MEAN / CLS; "": a generating one)."""
+        pooling: a pooling engine's pooling type (LAST / MEAN / CLS; "": a generating one);
+        multimodal: a vision-language engine's MultiModalRunner (runner/multimodal.py)."""
         self.lora = lora
+        self.mm = multimodal
+        if multimodal is not None and jax.process_count() > 1:
+            raise ValueError("images (a vision-language model) are not supported on "
+                             "multi-host engines yet")
         self.program = program
         self.model_config = cfg = program.model_config
         self.mesh = program.mesh
@@ -94,7 +99,7 @@ class ModelRunner:
                                    eagle=drafter is not None and drafter.kind == "eagle",
                                    num_host_buffers=pipeline_depth + 1,
                                    logits_processors=self.logits_processors,
-                                   lora=lora is not None, pooling=pooling)
+                                   lora=lora is not None, pooling=pooling, mm=multimodal)
         # Requests whose inputs could not be prepared (request id -> error), left out of the
         # step that dispatch() launched; the engine core finishes them with that error.
         self.failed_requests: dict[str, str] = {}
@@ -144,7 +149,7 @@ class ModelRunner:
     def _example(self, t: int, r: int, features: StepFeatures):
         return self.program.place(self.builder.new_buffers(
             t, r, features.prompt_logprobs, features.structured, features.verify,
-            features.bias, bool(features.logits_processors)))
+            features.bias, bool(features.logits_processors), features.mm))
 
     def _lower(self, t: int, r: int, features: StepFeatures):
         """Lower one bucket and variant (any thread: the background compiler too). The state
@@ -221,6 +226,8 @@ class ModelRunner:
             # the step can overwrite its blocks.
             self.kv_connector.bind_connector_metadata(so.kv_connector_metadata)
         failed = self.builder.apply_diff(so)
+        if self.mm is not None:
+            failed.update(self.mm.apply(so, self.state.params))
         if failed:
             self.failed_requests.update(failed)
             so, grammar = without_requests(so, grammar, failed)

@@ -43,7 +43,7 @@ class StepBuilder:
     def __init__(self, batch: InputBatch, *, block_size: int, max_blocks: int,
                  num_slots: int, bitmask_width: int, num_spec: int, eagle: bool,
                  num_host_buffers: int = 2, logits_processors=(), lora: bool = False,
-                 pooling: str = ""):
+                 pooling: str = "", mm=None):
         """num_spec: K drafts at most per request (0: no speculative decoding); eagle: rows
         also carry the token after each one (an EAGLE head drafts from them);
         num_host_buffers: buffers per shape used in turn (a buffer is refilled only after the
@@ -55,18 +55,23 @@ class StepBuilder:
         self.logits_processors = tuple(logits_processors)
         self.lora = lora  # steps carry each token's adapter slot
         self.pooling = pooling  # a pooling engine's pooling type (StepFeatures.pooling)
+        # Vision-language engines: the runner's MultiModalRunner (encoder rows per step,
+        # M-RoPE positions), else None.
+        self.mm = mm
+        self.mrope = mm is not None and mm.mrope
         self._host_buffers: dict[tuple, list[StepBatch]] = {}
 
     def new_buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool = False,
-                    verify: bool = False, bias: int = 0, processors: bool = False) -> StepBatch:
+                    verify: bool = False, bias: int = 0, processors: bool = False,
+                    mm: bool = False) -> StepBatch:
         return empty_step_batch(t, r, self.max_blocks, self.num_slots, prompt_logprobs,
                                 self.bitmask_width if structured else 0, self.num_spec, verify,
                                 bias, self.logits_processors if processors else (),
-                                self.lora)
+                                self.lora, self.mrope, self.mm.hidden_size if mm else 0)
 
     def _buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool,
-                 verify: bool, bias: int, processors: bool) -> StepBatch:
-        key = (t, r, prompt_logprobs, structured, verify, bias, processors)
+                 verify: bool, bias: int, processors: bool, mm: bool) -> StepBatch:
+        key = (t, r, prompt_logprobs, structured, verify, bias, processors, mm)
         ring = self._host_buffers.get(key)
         if ring is None:
             ring = self._host_buffers[key] = [self.new_buffers(*key)
@@ -131,14 +136,16 @@ class StepBuilder:
         verify = bool(self.num_spec and spec and any(rid in spec for rid in req_ids))
         bias = logit_bias_bucket(int(b.num_logit_bias[slots].max()))
         processors = bool(b.uses_processor[slots].any())
+        images = self.mm.step_images(req_ids, computed, q_lens) if self.mm else []
         features = StepFeatures(logprobs=bool(np.any(b.num_logprobs[slots] >= 0)),
                                 penalties=penalties, prompt_logprobs=wants_pl,
                                 structured=structured, spec=self.num_spec > 0, verify=verify,
                                 bias=bias,
                                 logits_processors=self.logits_processors if processors else (),
-                                pooling=self.pooling)
+                                pooling=self.pooling, mm=bool(images))
         t, r = choose_bucket(n_tok, n_req, features)
-        batch = self._buffers(t, r, wants_pl, structured, verify, bias, processors)
+        batch = self._buffers(t, r, wants_pl, structured, verify, bias, processors,
+                              bool(images))
         if processors:
             for rows, active, all_rows, all_active in zip(batch.lp_rows, batch.lp_active,
                                                           b.lp_rows, b.lp_active):
@@ -167,6 +174,10 @@ class StepBuilder:
                 batch.draft_input_ids[:n_tok] = np.where(
                     known, b.token_ids[slots[row], np.minimum(nxt, b.token_ids.shape[1] - 1)], 0)
         tok_slot = batch.token_slots[:n_tok]
+        if images:
+            self.mm.fill(batch, images)
+        if self.mrope:
+            self.mm.fill_rope(batch, req_ids, computed, q_lens, pos)
         if self.lora:
             ids = b.lora_id[slots]
             row = np.fromiter((lora_slots.get(int(i), -1) if i else -1 for i in ids),

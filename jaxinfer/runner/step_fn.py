@@ -34,6 +34,15 @@ def step_input_ids(last_sampled, input_ids, from_last_sampled, token_slots):
                      input_ids)
 
 
+def merge_mm_embeds(x, mm):
+    """Token embeddings x [T, H] with a step's image encoder rows put in place of the
+    placeholder tokens' (mm: (rows [T, H], mask [T]) or None)."""
+    if mm is None:
+        return x
+    rows, mask = mm
+    return jnp.where(mask[:, None], rows.astype(x.dtype), x)
+
+
 def step_tail(model, hidden, input_ids, sampler: SamplerState, batch: StepBatch, *,
               features: StepFeatures, target_hidden=None, draft=None, draft_kind: str = "",
               draft_kv=None, max_model_len: int = 0):

@@ -37,6 +37,9 @@ class StepFeatures:
     # A pooling engine (runner="pooling"): "LAST" | "MEAN" | "CLS"; the step returns each
     # row's pooled final hidden state (MEAN: the row's sum) instead of sampling ("": off).
     pooling: str = ""
+    # Some row's chunk holds image tokens: the step carries their encoder rows
+    # (StepBatch.mm_embeds / mm_mask), put in place of those tokens' embeddings.
+    mm: bool = False
 
     def __str__(self) -> str:
         on = [f.name if f.name not in ("bias", "pooling") else
@@ -96,15 +99,34 @@ class StepBatch:
     # [R, *row_shape] and which rows use it, bool [R].
     lp_rows: tuple | None = None
     lp_active: tuple | None = None
+    # M-RoPE models (every step): each token's (temporal, row, column) rotary positions
+    # int32 [3, T]; the attention and KV slots still go by `positions`.
+    rope_positions: np.ndarray | None = None
+    # Images (StepFeatures.mm): float32 [T, H] encoder rows, bool [T] where they replace
+    # the token embedding.
+    mm_embeds: np.ndarray | None = None
+    mm_mask: np.ndarray | None = None
+
+    @property
+    def rotary_positions(self):
+        """What the rotary embedding turns with: rope_positions where the model has them."""
+        return self.positions if self.rope_positions is None else self.rope_positions
+
+    @property
+    def mm_inputs(self):
+        """(encoder rows, where they go) of a step with images, else None."""
+        return None if self.mm_embeds is None else (self.mm_embeds, self.mm_mask)
 
 
 def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
                      prompt_logprobs: bool = False, bitmask_width: int = 0,
                      num_spec: int = 0, verify: bool = False, bias: int = 0,
-                     logits_processors=(), lora: bool = False) -> StepBatch:
+                     logits_processors=(), lora: bool = False, mrope: bool = False,
+                     mm_width: int = 0) -> StepBatch:
     """Host buffers of an all-padding (T=t, R=r) step (num_spec: K of speculative decoding,
     0 = off; verify: room for drafts; bias: logit_bias entries per row; logits_processors:
-    room for their rows; lora: each token's adapter slot, -1 for none)."""
+    room for their rows; lora: each token's adapter slot, -1 for none; mrope: M-RoPE
+    positions; mm_width: room for image encoder rows of this width, 0 for none)."""
     zi = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     n = min(t, r * (num_spec + 1)) if verify else r
     return StepBatch(
@@ -139,6 +161,9 @@ def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
         if logits_processors else None,
         lp_active=tuple(np.zeros(r, bool) for _ in logits_processors)
         if logits_processors else None,
+        rope_positions=zi(3, t) if mrope else None,
+        mm_embeds=np.zeros((t, mm_width), np.float32) if mm_width else None,
+        mm_mask=np.zeros(t, bool) if mm_width else None,
     )
 
 

@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 
 from jaxinfer.runner.spec_step import InStepDrafter
-from jaxinfer.runner.step_fn import step_input_ids, step_tail
+from jaxinfer.runner.step_fn import merge_mm_embeds, step_input_ids, step_tail
 from jaxinfer.runner.step_inputs import StepBatch, StepFeatures
 from jaxinfer.runner.step_state import StepState, place_replicated, single_stage_state
 
@@ -26,11 +26,15 @@ def whole_step(graphdef, drafter: InStepDrafter | None, weights, carry, batch: S
     input_ids = step_input_ids(sampler.last_sampled, batch.input_ids, batch.from_last_sampled,
                                batch.token_slots)
     target_hidden = None
-    if drafter is not None and drafter.aux_layers:
-        hidden, kv, target_hidden = model(input_ids, batch.positions, kv, batch.attn,
+    positions = batch.rotary_positions
+    if batch.mm_inputs is not None:  # (images: their encoder rows replace the embeddings)
+        embeds = merge_mm_embeds(model.model.embed_tokens(input_ids), batch.mm_inputs)
+        hidden, kv = model(input_ids, positions, kv, batch.attn, embeds=embeds)
+    elif drafter is not None and drafter.aux_layers:
+        hidden, kv, target_hidden = model(input_ids, positions, kv, batch.attn,
                                           aux_layers=drafter.aux_layers)
     else:
-        hidden, kv = model(input_ids, batch.positions, kv, batch.attn)
+        hidden, kv = model(input_ids, positions, kv, batch.attn)
     out, draft_kv, sampler = step_tail(
         model, hidden, input_ids, sampler, batch, features=features,
         target_hidden=target_hidden, draft=draft,

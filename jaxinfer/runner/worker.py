@@ -277,6 +277,11 @@ class Worker:
                                max_lora_rank=cfg.max_lora_rank,
                                max_cpu_loras=cfg.max_cpu_loras or cfg.max_loras,
                                head_dim=self.model_config.head_dim)
+        multimodal = None
+        if getattr(self.model, "mm_rope_positions", None) is not None:  # (vision-language)
+            from jaxinfer.runner.multimodal import MultiModalRunner
+
+            multimodal = MultiModalRunner(self.model)
         return ModelRunner(program, num_kv_blocks=self.num_kv_blocks,
                            block_size=self.block_size, max_model_len=rc.max_model_len,
                            max_num_seqs=sched.max_num_seqs,
@@ -287,7 +292,8 @@ class Worker:
                            logits_processors=[load_processor(p)(rc)
                                               for p in cfg.logits_processors or ()],
                            lora=lora,
-                           pooling=rc.pooler.pooling_type if rc.runner == "pooling" else "")
+                           pooling=rc.pooler.pooling_type if rc.runner == "pooling" else "",
+                           multimodal=multimodal)
 
     @property
     def step_compilation(self) -> str:

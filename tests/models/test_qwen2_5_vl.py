@@ -224,10 +224,10 @@ def test_logits_with_images_equal_hf_through_prefill_and_decode(hf_vl):
             tok, n = int(ref_step.argmax()), n + 1
 
 
-def test_engine_serves_text_prompts_and_refuses_image_placeholders(hf_vl):
-    """The engine runs Qwen2.5-VL on text (positions [T]: M-RoPE's three equal) with HF's
-    greedy tokens; a prompt holding the image placeholder is refused by name until images
-    are inputs."""
+def test_engine_serves_text_prompts_and_refuses_bare_placeholders(hf_vl):
+    """The engine runs Qwen2.5-VL on text (M-RoPE's three positions equal) with HF's greedy
+    tokens; a prompt holding the image placeholder without an image for it is refused by
+    name."""
     from jaxinfer import LLM, SamplingParams
 
     hf, path = hf_vl
@@ -247,3 +247,164 @@ def test_engine_serves_text_prompts_and_refuses_image_placeholders(hf_vl):
     with pytest.raises(ValueError, match="placeholder"):
         llm.generate([{"prompt_token_ids": [5, IMAGE_ID, 6]}], use_tqdm=False)
     llm.shutdown()
+
+
+def _image(w: int, h: int, seed: int):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def _hf_greedy(hf, ids, images, n):
+    """HF's greedy continuation of the expanded prompt with the images' pixel rows (our
+    processor's: equal to HF's, tests/models/test_qwen2_vl_processor.py)."""
+    from jaxinfer.multimodal.qwen2_vl import Qwen2VLImageProcessor
+
+    pixels, grids = Qwen2VLImageProcessor()(images)
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf.generate(t, pixel_values=torch.tensor(pixels),
+                          image_grid_thw=torch.tensor(grids),
+                          mm_token_type_ids=(t == IMAGE_ID).int(), attention_mask=t * 0 + 1,
+                          max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def _expand(ids, images):
+    from jaxinfer.multimodal.qwen2_vl import Qwen2VLImageProcessor
+
+    proc, out, k = Qwen2VLImageProcessor(), [], 0
+    for t in ids:
+        if t == IMAGE_ID:
+            out += [IMAGE_ID] * proc.num_tokens(images[k].height, images[k].width)
+            k += 1
+        else:
+            out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("step_compilation,async_scheduling",
+                         [("layerwise", False), ("whole", True)])
+def test_engine_images_equal_hf(hf_vl, step_compilation, async_scheduling):
+    """Images as engine inputs (multi_modal_data): one image first in the prompt, two of
+    different sizes mid-prompt, through 16-token chunked prefill (text cut around the
+    images, never inside one) and preemption, layer-wise steps and whole steps with async
+    scheduling; greedy tokens equal HF's. The same image in
+    two requests is encoded once (the encoder cache), and a prompt with the same text but
+    another image shares no prefix block past the image."""
+    from jaxinfer import LLM, SamplingParams
+
+    hf, path = hf_vl
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=96,
+              max_num_batched_tokens=16, warmup=False, enable_multiprocessing=False,
+              num_kv_blocks=13, block_size=8, max_num_seqs=4,
+              step_compilation=step_compilation, async_scheduling=async_scheduling)
+    rng = np.random.default_rng(7)
+    a, b, c = _image(56, 56, 0), _image(112, 84, 1), _image(84, 140, 2)
+    text = rng.integers(0, 180, 9).tolist()
+    cases = [
+        ([V_START, IMAGE_ID, V_END] + text, [a]),
+        (text[:4] + [V_START, IMAGE_ID, V_END] + text[4:] + [V_START, IMAGE_ID, V_END, 7],
+         [b, c]),
+        ([V_START, IMAGE_ID, V_END] + text, [b]),  # same text as the first, another image
+        (text[:4] + [V_START, IMAGE_ID, V_END] + text[4:] + [V_START, IMAGE_ID, V_END, 7],
+         [b, c]),  # the second again
+    ]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": ims}}
+                         for ids, ims in cases], params, use_tqdm=False)
+    for (ids, ims), o in zip(cases, outs):
+        assert list(o.prompt_token_ids) == _expand(ids, ims)
+        assert list(o.outputs[0].token_ids) == _hf_greedy(hf, _expand(ids, ims), ims, 8)
+    stats = llm.llm_engine.get_stats()
+    assert stats["num_preemptions"] > 0  # (13 blocks of 8 for four ~40-token requests)
+    # a, b, c once each, b and c again at most after a preemption or an eviction
+    core = llm.llm_engine.engine_core.core
+    assert core.runner.mm.num_encoder_runs == stats["encoder_cache_runs"] >= 3
+    assert stats["encoder_cache_hits"] > 0
+
+    # One at a time: the same request again hits the encoder cache and the prefix cache;
+    # the first prompt's text with image b instead of a shares no block holding the image.
+    runs = core.runner.mm.num_encoder_runs
+    again = llm.generate([{"prompt_token_ids": cases[1][0],
+                           "multi_modal_data": {"image": cases[1][1]}}], params,
+                         use_tqdm=False)[0]
+    assert list(again.outputs[0].token_ids) == list(outs[1].outputs[0].token_ids)
+    assert again.num_cached_tokens > 0
+    first = llm.generate([{"prompt_token_ids": cases[0][0],
+                           "multi_modal_data": {"image": [a]}}], params, use_tqdm=False)[0]
+    other = llm.generate([{"prompt_token_ids": cases[0][0],
+                           "multi_modal_data": {"image": [c]}}], params, use_tqdm=False)[0]
+    assert first.num_cached_tokens > 0 and other.num_cached_tokens == 0
+    assert list(other.outputs[0].token_ids) == _hf_greedy(hf, _expand(cases[0][0], [c]), [c], 8)
+    assert core.runner.mm.num_encoder_runs >= runs
+    assert not core.scheduler.requests
+    llm.shutdown()
+
+
+def test_engine_image_refusals(hf_vl):
+    """Bad image inputs fail alone with the field named; the engine serves on."""
+    import io
+
+    from PIL import Image
+
+    from jaxinfer import LLM, SamplingParams
+
+    _, path = hf_vl
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=96,
+              max_num_batched_tokens=32, warmup=False, enable_multiprocessing=False,
+              num_kv_blocks=16, block_size=8, max_num_seqs=4,
+              limit_mm_per_prompt={"image": 2})
+    ok = [V_START, IMAGE_ID, V_END, 5, 6]
+    im = _image(56, 56, 0)
+    buf = io.BytesIO()
+    _image(64, 64, 3).save(buf, format="PNG")
+    truncated = Image.open(io.BytesIO(buf.getvalue()[:200]))
+    bad = [
+        ({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": [im]}},
+         "0 image placeholder"),
+        ({"prompt_token_ids": ok * 3, "multi_modal_data": {"image": [im] * 3}},
+         "limit of 2"),
+        ({"prompt_token_ids": ok, "multi_modal_data": {"image": ["x.png"]}}, "PIL image"),
+        ({"prompt_token_ids": ok, "multi_modal_data": {"video": [im]}}, "'video'"),
+        ({"prompt_token_ids": ok, "multi_modal_data": {"image": [truncated]}}, "image 0"),
+        ({"prompt_token_ids": ok, "multi_modal_data": {"image": [_image(1000, 4, 0)]}},
+         "aspect ratio"),
+        ({"prompt_token_ids": ok, "multi_modal_data": {"image": [_image(600, 600, 0)]}},
+         "max_num_batched_tokens"),
+    ]
+    for prompt, match in bad:
+        with pytest.raises(ValueError, match=match):
+            llm.generate([prompt], use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": ok, "multi_modal_data": {"image": im}}],
+                       SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    llm.shutdown()
+
+
+def test_engine_images_under_tensor_parallelism(hf_vl):
+    """TP=2 (4 fake CPU devices) gives TP=1's greedy tokens for prompts with images; the
+    vision tower is replicated on both devices (its weights declare no tensor-parallel
+    axes), the language model split as usual."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _, path = hf_vl
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+
+    def run(tp):
+        out = subprocess.run([sys.executable, "tests/parallel/vl_tp_worker.py", path, str(tp)],
+                             cwd=root, env=env, capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    base, got = run(1), run(2)
+    assert got["tokens"] == base["tokens"]
+    np.testing.assert_allclose(np.concatenate(got["logprobs"]),
+                               np.concatenate(base["logprobs"]), atol=2e-4)
+    assert got["tower_replicated"] and got["devices"] == 2

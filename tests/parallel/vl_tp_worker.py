@@ -1,0 +1,52 @@
+"""Runs in a subprocess with fake CPU devices: a Qwen2.5-VL engine at one tensor-parallel size
+generates greedily for prompts with images; prints the tokens as JSON.
+
+    vl_tp_worker.py MODEL_DIR TP
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main():
+    model_dir, tp = sys.argv[1], int(sys.argv[2])
+    import jax
+    import numpy as np
+    from PIL import Image
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, skip_tokenizer_init=True,
+              max_model_len=96, max_num_batched_tokens=16, warmup=False, num_kv_blocks=13,
+              block_size=8, max_num_seqs=4, enable_multiprocessing=False)
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+              for h, w in ((56, 56), (84, 112), (56, 84))]
+    image, start, end = 190, 188, 189
+    prompts = [
+        {"prompt_token_ids": [start, image, end, 5, 6, 7],
+         "multi_modal_data": {"image": images[0]}},
+        {"prompt_token_ids": [3, 4, start, image, end, 9, start, image, end, 11],
+         "multi_modal_data": {"image": images[1:]}},
+        {"prompt_token_ids": [8, start, image, end, 5, 6, 7],
+         "multi_modal_data": {"image": images[2]}},
+    ]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                logprobs=1), use_tqdm=False)
+    runner = llm.llm_engine.engine_core.core.runner
+    qkv = runner.mm.tower_state(runner.state.params)["blocks"][0]["attn"]["qkv"]["weight"]
+    print(json.dumps({
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                     o.outputs[0].logprobs)] for o in outs],
+        "tower_replicated": qkv.value.sharding.is_fully_replicated,
+        "devices": len(qkv.value.sharding.device_set),
+    }))
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
