@@ -228,13 +228,18 @@ class LLM:
             raise ValueError("chat needs the tokenizer's chat template, but this LLM was "
                              "started with skip_tokenizer_init=True")
         prompts = []
+        mm = self.llm_engine.processor.multimodal
         for conv in conversations:
+            conv, images = chat_images(conv, mm.placeholder_text if mm is not None else None)
             ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
                                           add_generation_prompt=add_generation_prompt,
                                           **(chat_template_kwargs or {}))
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            prompt = {"prompt_token_ids": list(ids)}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 
@@ -334,3 +339,50 @@ def _finish(out: RequestOutput, pooler, params):
         reason = out.outputs[0].finish_reason if out.outputs else None
         raise RuntimeError(f"request {out.request_id} ended ({reason}) without its vector")
     return finish(np.frombuffer(out.pooled, np.float32), pooler, params)
+
+
+def chat_images(conv, placeholder: str | None):
+    """A conversation whose messages may hold OpenAI content parts -> (the conversation with
+    each content list as one string, each image written as the model's `placeholder`; the
+    images in order). Parts: text, image_url (a data: URL) and image_pil (vLLM's offline
+    part: {"type": "image_pil", "image_pil": PIL image})."""
+    from jaxinfer.multimodal.media import load_image_url
+
+    out, images = [], []
+    for i, msg in enumerate(conv):
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if not isinstance(content, list):
+            out.append(msg)
+            continue
+        text = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            where = f"messages[{i}].content[{j}]"
+            if kind == "text":
+                text.append(str(part.get("text", "")))
+                continue
+            if kind not in ("image_url", "image_pil"):
+                raise ValueError(f"{where}: content parts of type {kind!r} are not supported "
+                                 "(text, image_url, image_pil)")
+            if placeholder is None:
+                raise ValueError(f"{where}: this model takes text only")
+            try:
+                if kind == "image_pil":
+                    image = part.get("image_pil")
+                    from PIL import Image
+
+                    if not isinstance(image, Image.Image):
+                        raise ValueError("image_pil must be a PIL image")
+                else:
+                    url = (part.get("image_url") or {}).get("url")
+                    if isinstance(url, str) and url.startswith("file:"):
+                        raise ValueError("file:// URLs are read by the server only (with "
+                                         "--allowed-local-media-path); offline, pass an "
+                                         "image_pil part or a data: URL")
+                    image = load_image_url(url)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+            images.append(image)
+            text.append(placeholder)
+        out.append({**msg, "content": "".join(text)})
+    return out, images

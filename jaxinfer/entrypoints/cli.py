@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["auto", "string", "openai"],
                    help="how a message's content reaches the template: string (text parts "
                         "joined; what auto does) or openai (a list of {type, text} parts)")
+    v.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="image_url parts may name file:// images inside this folder (off by "
+                        "default; http(s) image URLs are never fetched: send data: URLs)")
     v.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat_template sent with a request (it is code: refused by "
                         "default, as in vLLM)")

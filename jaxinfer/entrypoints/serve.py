@@ -43,6 +43,8 @@ def make_server(llm: AsyncLLM, args, metrics_role: str = "only") -> OpenAIServer
                         chat_template_content_format=getattr(
                             args, "chat_template_content_format", "auto"),
                         lora_modules=getattr(args, "lora_modules", None),
+                        allowed_local_media_path=getattr(args, "allowed_local_media_path",
+                                                         None),
                         responses_store_size=getattr(args, "responses_store_size",
                                                      DEFAULT_STORE_SIZE))
 

@@ -353,6 +353,10 @@ def _set(body, path, value):
         "messages[0].content[0].type": {"messages": [{"role": "user", "content": [
             {"type": value, "text": "x"}]}]},
         "messages[0].name": {"messages": [{"role": "user", "content": "Hi", "name": value}]},
+        "messages[0].content[0].image_url": {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": value}]}]},
+        "messages[0].content[0].image_url.url": {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": value}}]}]},
         "messages[1].reasoning_content": {"messages": [
             {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello", "reasoning_content": value}]},
@@ -375,7 +379,9 @@ CHAT_PLACES = COMPLETION_PLACES + ["messages[0].role", "messages[0].content",
                                    "messages[0].content[0]", "messages[0].content[0].type",
                                    "messages[0].name", "tools[0].function.name",
                                    "tools[0].function.parameters", "tool_choice.function.name",
-                                   "messages[1].reasoning_content", "documents[0]"]
+                                   "messages[1].reasoning_content", "documents[0]",
+                                   "messages[0].content[0].image_url",
+                                   "messages[0].content[0].image_url.url"]
 
 
 # Requests the server must accept, run before the generated ones (so that both outcomes are

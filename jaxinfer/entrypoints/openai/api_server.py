@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -98,7 +99,8 @@ class OpenAIServer:
                  trust_request_chat_template: bool = False,
                  default_chat_template_kwargs: dict | None = None,
                  chat_template: str | None = None, chat_template_content_format: str = "auto",
-                 lora_modules=None, responses_store_size: int = DEFAULT_STORE_SIZE):
+                 lora_modules=None, responses_store_size: int = DEFAULT_STORE_SIZE,
+                 allowed_local_media_path: str | None = None):
         """metrics_role: "only" (the one API server), "primary" or "secondary" (one of
         several: Prometheus multiprocess mode; the engines' own counters are fed by the
         primary alone, so that they are not counted once per API server).
@@ -134,6 +136,12 @@ class OpenAIServer:
             raise ValueError("--chat-template-content-format must be auto, string or openai, "
                              f"got {chat_template_content_format!r}")
         self.content_format = chat_template_content_format
+        # image_url parts with file:// URLs are read from inside this folder only (vLLM's
+        # --allowed-local-media-path); None: refused
+        if allowed_local_media_path is not None and not os.path.isdir(allowed_local_media_path):
+            raise ValueError(f"--allowed-local-media-path {allowed_local_media_path!r} is not "
+                             "a folder")
+        self.allowed_local_media_path = allowed_local_media_path
         # The uvicorn.Server serving the app (set by whoever runs it): told to exit when the
         # engine dies, unless keep_alive_on_engine_death.
         self.uvicorn_server = None
@@ -308,13 +316,14 @@ class OpenAIServer:
                      "decoded_token": f"token_id:{t}" if as_ids else p.decoded_token}
             for t, p in d.items()} for d in out.prompt_logprobs or []]}
 
-    def check_prompt(self, ids: list[int]) -> None:
+    def check_prompt(self, ids: list[int], image_tokens: int = 0) -> None:
         """What the Processor would refuse once the response had started (a stream's 200):
-        an empty prompt, one the whole KV cache cannot hold."""
+        an empty prompt, one the whole KV cache cannot hold (image_tokens: how many of its
+        tokens are its images', placed by the route)."""
         if len(ids) > self.llm.max_model_len:
             return  # (_check_length names both numbers)
         try:
-            self.llm.processor.validate_prompt(ids)
+            self.llm.processor.validate_prompt(ids, image_tokens)
         except ValueError as e:
             raise APIError(str(e), 400, "prompt") from None
 
@@ -356,7 +365,11 @@ class OpenAIServer:
         lora = self.lora_requests.get(req.model)
         if lora is not None:  # (the request's model names an adapter)
             kwargs["lora_request"] = lora
-        gen = self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id,
+        prompt = {"prompt_token_ids": prompt_ids}
+        images = kwargs.pop("multi_modal_data", None)
+        if images:
+            prompt["multi_modal_data"] = images
+        gen = self.llm.generate(prompt, params, request_id,
                                 priority=req.priority, cache_salt=req.cache_salt, **kwargs)
         try:
             try:

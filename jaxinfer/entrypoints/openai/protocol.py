@@ -296,6 +296,26 @@ def check_chat_template_kwargs(kwargs: dict | None, field: str = "chat_template_
             raise UnsupportedField(field, f"{field}: {key!r} is not a template variable name")
 
 
+def check_image_part(part: dict, where: str) -> None:
+    """{"type": "image_url", "image_url": {"url": str, "detail": "auto"}} (OpenAI's shape;
+    the url is loaded by the route)."""
+    extra = set(part) - {"type", "image_url"}
+    if extra:
+        raise UnsupportedField(where, f"{where}: unsupported key(s) {sorted(extra)} in an "
+                               "image_url part")
+    img = part.get("image_url")
+    if not isinstance(img, dict) or not isinstance(img.get("url"), str) or not img["url"]:
+        raise UnsupportedField(where, f"{where}: an image_url part is "
+                               "{\"type\": \"image_url\", \"image_url\": {\"url\": <string>}}")
+    if set(img) - {"url", "detail"}:
+        raise UnsupportedField(where, f"{where}.image_url: unsupported key(s) "
+                               f"{sorted(set(img) - {'url', 'detail'})}")
+    if img.get("detail", "auto") != "auto":
+        raise UnsupportedField(f"{where}.image_url.detail", f"{where}.image_url.detail="
+                               f"{img['detail']!r} is not supported (auto: the model's own "
+                               "resolution limits apply)")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -356,11 +376,15 @@ class ChatCompletionRequest(_Common):
             for j, part in enumerate(m.content):
                 kind = part.get("type")
                 where = f"messages[{i}].content[{j}]"
+                if kind == "image_url" and m.role == "user":
+                    check_image_part(part, where)
+                    continue
                 if kind != "text":
                     what = (f"a {kind!r} content part" if isinstance(kind, str)
                             else "a content part without a type")
-                    raise UnsupportedField(where, f"{where}: {what} cannot be used: this model "
-                                           "takes text only (content parts of type 'text')")
+                    raise UnsupportedField(where, f"{where}: {what} cannot be used here "
+                                           "(content parts of type 'text', and 'image_url' in "
+                                           "user messages)")
                 if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
                     raise UnsupportedField(where, f"{where}: a text part is "
                                            "{\"type\": \"text\", \"text\": <string>}")
@@ -400,17 +424,28 @@ class ChatCompletionRequest(_Common):
         n_lp = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, n_lp, defaults or {})
 
-    def conversation(self, content_format: str = "string") -> list[dict[str, Any]]:
+    @property
+    def image_urls(self) -> list[tuple[str, str]]:
+        """(where, url) of every image_url part, in order."""
+        return [(f"messages[{i}].content[{j}]", p["image_url"]["url"])
+                for i, m in enumerate(self.messages) if isinstance(m.content, list)
+                for j, p in enumerate(m.content) if p.get("type") == "image_url"]
+
+    def conversation(self, content_format: str = "string",
+                     image_text: str = "") -> list[dict[str, Any]]:
         """The messages as the chat template gets them; content_format "openai": a message's
-        content as a list of {"type": "text", "text": ...} parts (else one string)."""
+        content as a list of {"type": "text", "text": ...} and {"type": "image"} parts (else
+        one string, each image written as `image_text`, the model's placeholder)."""
         conv = []
         for m in self.messages:
             content = m.content
             if content_format == "openai":
                 content = ([{"type": "text", "text": content}] if isinstance(content, str)
-                           else [dict(p) for p in content or []])
-            elif isinstance(content, list):  # OpenAI content parts (text only: checked above)
-                content = "".join(p["text"] for p in content)
+                           else [{"type": "image"} if p.get("type") == "image_url" else dict(p)
+                                 for p in content or []])
+            elif isinstance(content, list):  # OpenAI content parts (checked above)
+                content = "".join(image_text if p.get("type") == "image_url" else p["text"]
+                                  for p in content)
             msg = {"role": m.role, "content": content or ("" if content_format != "openai"
                                                           else [])}
             for key in ("name", "tool_calls", "tool_call_id"):

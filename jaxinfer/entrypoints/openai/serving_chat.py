@@ -45,17 +45,25 @@ class ChatServing:
         if (mode == "auto" and self.server.tool_parser.special_tokens) or (
                 reasoning is not None and reasoning.needs_special_tokens):
             params = params.clone(skip_special_tokens=False)  # (the calls' / channels' markers)
+        images = await self.load_images(req, params)
         ids, template_kwargs = await self.render(req, params.truncate_prompt_tokens is not None)
         ids = self.server.llm.processor.truncate(ids, params)
+        # (with images: the prompt as the engine sees it, each placeholder expanded)
+        full = ids
+        if images:
+            try:
+                full = self.server.llm.processor.multimodal.expand(ids, images)
+            except ValueError as e:
+                raise APIError(f"messages: {e}", 400, "messages") from None
         if info is not None:
-            info["prompt_tokens"] = len(ids)
-        self.server.check_prompt(ids)
+            info["prompt_tokens"] = len(full)
+        self.server.check_prompt(full, len(full) - len(ids) + len(images))
         asked = req.max_tokens or req.max_completion_tokens
-        self.server.check_length(len(ids), params.max_tokens if asked else None)
-        room = self.server.llm.max_model_len - len(ids)
+        self.server.check_length(len(full), params.max_tokens if asked else None)
+        room = self.server.llm.max_model_len - len(full)
         if not asked and params.max_tokens is not None and params.max_tokens > room:
             params = params.clone(max_tokens=max(room, 1))  # (a generation-config default)
-        self.server.check_min_tokens(len(ids), params)
+        self.server.check_min_tokens(len(full), params)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         processor = self.server.llm.processor
@@ -64,7 +72,8 @@ class ChatServing:
             if processor.reasoning is not None else None
         (ticket,) = self.server.admit(1, params)
         gen = self.server.run(ids, params, base, ticket, req,
-                              chat_template_kwargs=template_kwargs)
+                              chat_template_kwargs=template_kwargs,
+                              multi_modal_data={"image": images} if images else None)
         top_n = req.top_logprobs or 0
         if not req.stream:
             (out,) = await self.server.with_disconnect(raw, self.server.collect([gen]))
@@ -78,8 +87,8 @@ class ChatServing:
             check_kv_transfer([out])
             return {"id": base, "object": "chat.completion", "created": created,
                     "model": self.server.response_model(req), "choices": choices,
-                    "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                              "total_tokens": len(ids) + completion},
+                    "usage": {"prompt_tokens": len(full), "completion_tokens": completion,
+                              "total_tokens": len(full) + completion},
                     **self.server.prompt_logprobs(req, out), **self.server.kv_params([out])}
 
         def chunk(choices, **extra):
@@ -168,6 +177,36 @@ class ChatServing:
         return StreamingResponse(guard(events()), media_type="text/event-stream")
 
     # -- chat -----------------------------------------------------------------------------------
+    async def load_images(self, req: ChatCompletionRequest, params) -> list:
+        """The request's image_url parts as PIL images (decoded off the event loop); a 400
+        naming the part when one cannot be used."""
+        parts = req.image_urls
+        if not parts:
+            return []
+        mm = self.server.llm.processor.multimodal
+        if mm is None:
+            raise APIError(f"{parts[0][0]}: an 'image_url' content part cannot be used: this "
+                           "model takes text only", 400, parts[0][0])
+        limit = mm.limits.get("image", 0)
+        if len(parts) > limit:
+            raise APIError(f"messages: {len(parts)} images, more than the limit of {limit} per "
+                           "prompt (--limit-mm-per-prompt)", 400, "messages")
+        if params.truncate_prompt_tokens is not None:
+            raise APIError("truncate_prompt_tokens cannot be combined with images (it could "
+                           "cut an image's tokens)", 400, "truncate_prompt_tokens")
+        from jaxinfer.multimodal.media import load_image_url
+
+        images = []
+        for where, url in parts:
+            try:
+                image = await asyncio.to_thread(load_image_url, url,
+                                                self.server.allowed_local_media_path)
+                mm.check_image(image)
+            except ValueError as e:
+                raise APIError(f"{where}: {e}", 400, where) from None
+            images.append(image)
+        return images
+
     async def render(self, req: ChatCompletionRequest, truncating: bool = False,
                      add_special_tokens: bool = False) -> tuple[list[int], dict]:
         """The request's messages through the chat template: (token ids, the template's
@@ -177,7 +216,9 @@ class ChatServing:
                            "rendered unless the server runs with --trust-request-chat-template "
                            "(a template is code)", 400, "chat_template")
         fmt = "openai" if self.server.content_format == "openai" else "string"
-        conversation = messages_for_template(req.conversation(fmt))
+        mm = self.server.llm.processor.multimodal
+        conversation = messages_for_template(req.conversation(
+            fmt, mm.placeholder_text if mm is not None else ""))
         chars = sum(len(m["content"]) if isinstance(m["content"], str)
                     else sum(len(p.get("text") or "") for p in m["content"])
                     for m in conversation)
