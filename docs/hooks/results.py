@@ -264,9 +264,42 @@ def _mla_step(d: dict) -> str:
             + "\n\n" + _table(["step", "ms"], steps))
 
 
+def _vision_prefill(d: dict) -> str:
+    env, v, t = d["environment"], d["model"]["vision_config"], d["model"]["text_config"]
+    head = (f"{env.get('cpu')} ({env.get('cpus')} cores), float32, "
+            f"`{env.get('step_compilation')}` steps; tower: {v['depth']} blocks of width "
+            f"{v['hidden_size']}; language model: {t['num_hidden_layers']} layers of width "
+            f"{t['hidden_size']}; image {d['image_pixels'][0]} x {d['image_pixels'][1]} "
+            f"({d['image_tokens']} tokens), prompt {d['prompt_tokens']} tokens; median of "
+            "the runs")
+    r = d["request_ms"]
+    rows = [[f"encoder alone (one image: {d['encoder_gflop']:.0f} GFLOP at "
+             f"{d['encoder_gflop_per_s']:.0f} GFLOP/s)", d["encoder_ms"], "-"],
+            ["request, a new image", r["image_miss"], "1.00x"],
+            ["request, the same image again (encoder cache hit)", r["image_hit"],
+             f"{r['image_hit'] / r['image_miss']:.2f}x"],
+            ["request, text only, same length", r["text_only"],
+             f"{r['text_only'] / r['image_miss']:.2f}x"]]
+    return head + "\n\n" + _table(["what", "ms", "vs a new image"], rows)
+
+
+def _vision_serve(d: dict) -> str:
+    head = (f"{d.get('cpu')} ({d.get('cpus')} cores): {d['num_prompts']} chat requests, "
+            f"random text and images {d['buckets']} (one per request), max concurrency "
+            f"{d['max_concurrency']}; `{d['server']}`")
+    rows = [["completed / failed", f"{d['completed']} / {d['failed']}"],
+            ["images, input tokens, output tokens",
+             f"{d['total_images']}, {d['total_input_tokens']}, {d['total_output_tokens']}"],
+            ["requests/s", d["request_throughput"]], ["output tok/s", d["output_throughput"]],
+            ["TTFT median / p99 ms", f"{d['ttft_ms']['median']:.1f} / {d['ttft_ms']['p99']:.1f}"],
+            ["TPOT median ms", d["tpot_ms"]["median"]]]
+    return head + "\n\n" + _table(["", ""], rows)
+
+
 RENDERERS = {"compare_cpu": _compare_cpu, "mla_step": _mla_step, "quantization": _quantization, "startup": _startup,
              "kernels": _kernels, "bench_defaults": _bench_defaults, "lora": _lora,
-             "rl_weights": _rl_weights, "embeddings": _embeddings}
+             "rl_weights": _rl_weights, "embeddings": _embeddings,
+             "vision_prefill": _vision_prefill, "vision_serve": _vision_serve}
 
 
 def render(name: str) -> str:

@@ -104,6 +104,9 @@ def _decode_roofline(llm, args, latency_s: float) -> dict:
 def run_throughput(args) -> dict:
     if args.num_warmups < 0:
         raise SystemExit(f"--num-warmups must be >= 0, got {args.num_warmups}")
+    if args.dataset == "random-mm":
+        raise SystemExit("--dataset random-mm is for `jaxinfer bench serve` (chat requests "
+                         "with images); throughput takes token-id workloads")
     from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.bench.datasets import load_requests
 

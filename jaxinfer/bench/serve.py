@@ -1,4 +1,5 @@
-"""`jaxinfer bench serve`: an online load against any OpenAI-compatible completions endpoint.
+"""`jaxinfer bench serve`: an online load against any OpenAI-compatible completions endpoint
+(the chat endpoint for --dataset random-mm: text with images as data: URLs).
 
 Requests arrive as a Poisson process at --request-rate (gamma with --burstiness != 1), at
 most --max-concurrency in flight; each streams, so TTFT, inter-token latency, TPOT and e2e are
@@ -17,13 +18,32 @@ import numpy as np
 from jaxinfer.bench import write_result
 
 
-async def _one(client, url, model, req, headers, sem):
+def _body(model, req) -> tuple[str, dict]:
+    """(route, body) of one request: completions with token ids, or (text / images) chat."""
+    common = {"model": model, "max_tokens": req.output_len, "temperature": 0.0,
+              "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if req.text is None:
+        return "/v1/completions", {**common, "prompt": req.prompt_token_ids}
+    import base64
+
+    parts = [{"type": "image_url", "image_url": {
+        "url": "data:image/jpeg;base64," + base64.b64encode(img).decode()}}
+        for img in req.images]
+    parts.append({"type": "text", "text": req.text})
+    return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": parts}]}
+
+
+def _delta_text(choice: dict) -> str:
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def _one(client, base, model, req, headers, sem):
     async with sem:
-        body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len,
-                "temperature": 0.0, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}
+        route, body = _body(model, req)
+        url = base + route
         t0 = time.perf_counter()
         ttft, last, itls, n_out, ok, err = None, t0, [], 0, False, ""
+        n_in = len(req.prompt_token_ids)
         try:
             async with client.stream("POST", url, json=body, headers=headers) as resp:
                 if resp.status_code != 200:
@@ -35,7 +55,8 @@ async def _one(client, url, model, req, headers, sem):
                         data = json.loads(line[6:])
                         if data.get("usage"):
                             n_out = data["usage"]["completion_tokens"]
-                        if not data.get("choices") or not data["choices"][0].get("text"):
+                            n_in = data["usage"]["prompt_tokens"]
+                        if not data.get("choices") or not _delta_text(data["choices"][0]):
                             continue
                         now = time.perf_counter()
                         if ttft is None:
@@ -48,7 +69,8 @@ async def _one(client, url, model, req, headers, sem):
             err = repr(e)
         e2e = time.perf_counter() - t0
         return {"ok": ok and ttft is not None, "ttft": ttft, "itls": itls, "e2e": e2e,
-                "prompt_len": len(req.prompt_token_ids), "output_len": n_out, "error": err}
+                "prompt_len": n_in, "output_len": n_out, "images": len(req.images),
+                "error": err}
 
 
 def _stats(values, scale=1e3) -> dict:
@@ -62,7 +84,7 @@ def _stats(values, scale=1e3) -> dict:
 async def _run(args, reqs):
     import httpx
 
-    url = args.base_url.rstrip("/") + "/v1/completions"
+    url = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rng = random.Random(args.seed)
     sem = asyncio.Semaphore(args.max_concurrency or len(reqs))
@@ -106,6 +128,7 @@ def run_serve(args) -> dict:
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
         "num_prompts": len(reqs), "completed": len(good), "failed": len(results) - len(good),
         "duration": duration, "total_input_tokens": sum(r["prompt_len"] for r in good),
+        "total_images": sum(r["images"] for r in good),
         "total_output_tokens": n_out, "request_throughput": len(good) / duration,
         "output_throughput": n_out / duration,
         "ttft_ms": _stats([r["ttft"] for r in good]), "tpot_ms": _stats(tpots),

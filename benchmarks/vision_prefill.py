@@ -1,0 +1,163 @@
+"""Images on this CPU (issue 49): what an image costs at prefill on a Qwen2.5-VL-shaped small
+model with random (dummy) float32 weights, and what the encoder cache saves.
+
+Model: the vision tower at Qwen2.5-VL's own widths (hidden 1280, 16 heads, MLP 3420, patch
+14, windows of 112 pixels, merger to the text width) but 8 of its 32 blocks (full attention
+in blocks 3 and 7); a language model of 8 layers, hidden 1024, 8 heads of 128 (2 KV heads),
+MLP 4864, M-RoPE sections 16/24/24 (Qwen2.5-VL's head width and sections); vocabulary
+32000. Images:
+448 x 448 pixels (32 x 32 patches, 256 tokens) unless --size says otherwise.
+
+Measured, each the median of --iters runs after one untimed run:
+- encoder_ms: one image through the tower (the runner's encode: plan, padded patches,
+  the compiled tower, back to the host), with its FLOPs and the rate they ran at (this
+  CPU's float32 matmul peak is what bounds it: compare cpu_matmul's GFLOP/s);
+- request_ms for one request (a short text, the image, a short text; max_tokens=1; prefix
+  caching off, so only the encoder cache can save work): a new image each time (miss),
+  the same image again (hit: no encoder run), and a text-only prompt of the same length.
+Usage: PYTHONPATH=. .venv/bin/python benchmarks/vision_prefill.py [--iters 5] [--size 448]
+           [--output-json benchmarks/results/vision_prefill_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+IMAGE, V_START, V_END = 31990, 31988, 31989
+CONFIG = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+    "image_token_id": IMAGE, "video_token_id": 31991, "vision_start_token_id": V_START,
+    "vision_end_token_id": V_END, "tie_word_embeddings": False, "torch_dtype": "float32",
+    "text_config": {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 4864,
+                    "num_hidden_layers": 8, "num_attention_heads": 8,
+                    "num_key_value_heads": 2, "max_position_embeddings": 4096,
+                    "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                        "mrope_section": [16, 24, 24]}},
+    "vision_config": {"depth": 8, "hidden_size": 1280, "num_heads": 16,
+                      "intermediate_size": 3420, "out_hidden_size": 1024, "patch_size": 14,
+                      "temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 112,
+                      "fullatt_block_indexes": [3, 7], "in_channels": 3},
+}
+
+
+def _image(size: int, seed: int):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+def _median_ms(fn, iters: int) -> float:
+    fn(-1)  # (compiles; untimed)
+    times = []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def encoder_flops(v: dict, patches: int) -> float:
+    """FLOPs of one image through the tower: patch embedding, the blocks' matmuls and
+    attention (within windows, or the whole image in the full blocks), the merger."""
+    h, i, n = v["hidden_size"], v["intermediate_size"], patches
+    window = (v["window_size"] // v["patch_size"]) ** 2
+    full = len(v["fullatt_block_indexes"])
+    matmuls = 2 * n * v["depth"] * (4 * h * h + 3 * h * i)
+    attention = 4 * n * h * (full * n + (v["depth"] - full) * min(window, n))
+    embed = 2 * n * 3 * v["temporal_patch_size"] * v["patch_size"] ** 2 * h
+    merger = 2 * (n // 4) * (16 * h * h + 4 * h * v["out_hidden_size"])
+    return float(matmuls + attention + embed + merger)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--size", type=int, default=448)
+    ap.add_argument("--output-json",
+                    default=os.path.join(HERE, "results", "vision_prefill_cpu.json"))
+    args = ap.parse_args()
+    import jax
+
+    from compare_cpu import _cpu_name
+
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.multimodal.qwen2_vl import Qwen2VLImageProcessor
+
+    path = os.path.join(tempfile.gettempdir(), "jaxinfer-vl-bench")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(CONFIG, f)
+    n_img = Qwen2VLImageProcessor().num_tokens(args.size, args.size)
+    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, dtype="float32",
+              max_model_len=2048, max_num_seqs=4, max_num_batched_tokens=max(512, n_img + 64),
+              warmup=False, enable_prefix_caching=False, enable_multiprocessing=False)
+    core = llm.llm_engine.engine_core.core
+    params = SamplingParams(temperature=0, max_tokens=1)
+    text = list(range(100, 116))
+    prompt = text + [V_START, IMAGE, V_END] + text
+
+    def request(image) -> None:
+        llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"image": image}}],
+                     params, use_tqdm=False)
+
+    # one image through the tower alone
+    proc = core.runner.mm
+    from jaxinfer.multimodal.inputs import MultiModalProcessor
+
+    mmp = MultiModalProcessor(llm.llm_engine.resolved.model_config, path)
+    _, (feat,) = mmp.process([IMAGE], [_image(args.size, 0)])
+    encoder_ms = _median_ms(lambda i: proc.encode(feat, core.runner.state.params), args.iters)
+    runs0 = proc.num_encoder_runs
+    miss_ms = _median_ms(lambda i: request(_image(args.size, 1000 + i)), args.iters)
+    same = _image(args.size, 7)
+    request(same)
+    runs1 = proc.num_encoder_runs
+    hit_ms = _median_ms(lambda i: request(same), args.iters)
+    assert proc.num_encoder_runs == runs1, "the same image was encoded again"
+    n_prompt = len(prompt) - 1 + n_img
+    text_ms = _median_ms(lambda i: llm.generate([{"prompt_token_ids": [5 + (i % 7)] * n_prompt}],
+                                                params, use_tqdm=False), args.iters)
+    result = {
+        "benchmark": "vision_prefill", "model": CONFIG, "image_pixels": [args.size] * 2,
+        "image_tokens": n_img, "prompt_tokens": n_prompt,
+        "command": "PYTHONPATH=. .venv/bin/python benchmarks/vision_prefill.py --iters "
+                   f"{args.iters} --size {args.size}",
+        "encoder_ms": encoder_ms,
+        "encoder_gflop": encoder_flops(CONFIG["vision_config"], n_img * 4) / 1e9,
+        "encoder_gflop_per_s": encoder_flops(CONFIG["vision_config"], n_img * 4) / encoder_ms
+        / 1e6,
+        "request_ms": {"image_miss": miss_ms, "image_hit": hit_ms, "text_only": text_ms},
+        "encoder_runs_during_miss_runs": proc.num_encoder_runs - runs0,
+        "encoder_compiled_patch_sizes": sorted(proc.compiled_sizes),
+        "hit_saves": 1 - hit_ms / miss_ms,
+        "environment": {"jax": jax.__version__, "python": platform.python_version(),
+                        "cpus": os.cpu_count(), "cpu": _cpu_name(),
+                        "step_compilation": core.runner.step_compilation},
+    }
+    llm.shutdown()
+    os.makedirs(os.path.dirname(args.output_json), exist_ok=True)
+    with open(args.output_json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"image {args.size}x{args.size} ({n_img} tokens), prompt {n_prompt} tokens:")
+    print(f"  encoder alone        {encoder_ms:8.1f} ms ({result['encoder_gflop']:.0f} GFLOP: "
+          f"{result['encoder_gflop_per_s']:.0f} GFLOP/s)")
+    print(f"  request, new image   {miss_ms:8.1f} ms")
+    print(f"  request, cached image{hit_ms:8.1f} ms  ({result['hit_saves']:.0%} saved)")
+    print(f"  request, text only   {text_ms:8.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
