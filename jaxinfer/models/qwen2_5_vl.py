@@ -1,10 +1,9 @@
 """Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration): a Qwen2 language model with M-RoPE and
 the `visual` tower.
 
-Being built (issue: vision-language models): the tower, M-RoPE and the model with images
-merged at its placeholder tokens equal HF's; the engine serves text-only prompts (a prompt
-with a placeholder token is refused by name). Images as engine inputs (the encoder cache,
-image hashes in prefix-cache keys, M-RoPE positions per request) come next.
+Served with images (docs/multimodal.md): the runner (runner/multimodal.py) runs the tower
+per image and puts its rows in place of the placeholder tokens' embeddings, with each
+request's M-RoPE positions (`mm_rope_positions`) in every step.
 
 M-RoPE. Of the head_dim / 2 rotary frequencies the first mrope_section[0] turn with a token's
 temporal position, the next mrope_section[1] with its row, the last with its column. A text
