@@ -308,3 +308,17 @@ def test_bench_serve_random_mm(live, tmp_path):
     assert (r["completed"], r["failed"]) == (4, 0), r["errors"]
     assert r["total_images"] == 8 and r["total_output_tokens"] == 12
     assert r["total_input_tokens"] > 4 * (6 + 2 * 4)  # (each 56 x 56 image: 4 tokens)
+
+
+def test_structured_output_with_an_image(live):
+    """A grammar applies to a request with an image (the constraint is on the output)."""
+    import re
+
+    client = openai.OpenAI(base_url=live.base_url + "/v1", api_key="x")
+    r = client.chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0,
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": _data_url(_png(56, 56, 6))}},
+            {"type": "text", "text": "yes or no?"}]}],
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert re.fullmatch("yes|no", r.choices[0].message.content), r.choices[0].message.content

@@ -408,3 +408,28 @@ def test_engine_images_under_tensor_parallelism(hf_vl):
     np.testing.assert_allclose(np.concatenate(got["logprobs"]),
                                np.concatenate(base["logprobs"]), atol=2e-4)
     assert got["tower_replicated"] and got["devices"] == 2
+
+
+def test_engine_images_with_ngram_drafts_equal_hf(hf_vl):
+    """n-gram speculative decoding with images: the drafts sit at M-RoPE's offset positions
+    and are verified by the target, so the tokens stay HF's greedy ones."""
+    from jaxinfer import LLM, SamplingParams
+
+    hf, path = hf_vl
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=96,
+              max_num_batched_tokens=32, warmup=False, enable_multiprocessing=False,
+              num_kv_blocks=24, block_size=8, max_num_seqs=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    a, b = _image(56, 84, 3), _image(84, 56, 4)
+    text = [11, 12, 13, 11, 12, 13, 11, 12]  # (repeats: the n-gram proposer finds drafts)
+    cases = [([V_START, IMAGE_ID, V_END] + text, [a]),
+             (text[:3] + [V_START, IMAGE_ID, V_END] + text, [b])]
+    outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": ims}}
+                         for ids, ims in cases],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)
+    for (ids, ims), o in zip(cases, outs):
+        assert list(o.outputs[0].token_ids) == _hf_greedy(hf, _expand(ids, ims), ims, 12)
+    assert llm.llm_engine.get_stats()["spec_decode_num_draft_tokens"] > 0
+    llm.shutdown()
