@@ -296,10 +296,49 @@ def _vision_serve(d: dict) -> str:
     return head + "\n\n" + _table(["", ""], rows)
 
 
+def _cpu_kernels_avx2(d: dict) -> str:
+    """The C++ kernels before / after on one machine: each cell the range over the runs."""
+    runs = d["runs"]
+
+    def spread(vals, fmt):
+        lo, hi = min(vals), max(vals)
+        return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)}-{fmt(hi)}"
+
+    def matmul(when, variant, metric, rows):  # (when "": every run)
+        return [r[metric][str(rows)] for k, run in runs.items()
+                if k.startswith(f"matmul_{when}") for r in run["results"]
+                if r["variant"] == variant]
+
+    def attention(when, case):
+        return [run["results"][case]["ms_30_layers"] for k, run in runs.items()
+                if k.startswith(f"attention_{when}")]
+
+    f1 = "{:.1f}".format  # noqa: E731
+    f0 = "{:.0f}".format  # noqa: E731
+    rows = [["packed matmul, 1 row"] + [spread(matmul(w, v, "weight_gb_per_s", 1), f1) + " GB/s"
+                                        for w, v in (("before", "packed kernel"),
+                                                     ("after", "packed kernel"),
+                                                     ("", "xla dot"))]]
+    for n in (32, 256):
+        rows.append([f"packed matmul, {n} rows"] + [
+            spread(matmul(w, v, "gflops", n), f0) + " GFLOP/s"
+            for w, v in (("before", "packed kernel"), ("after", "packed kernel"),
+                         ("", "xla dot"))])
+    rows.append(["attention, decode 32 x 256"] + [
+        spread(attention(w, "decode-32@256"), f0) + " ms" for w in ("before", "after")] + [""])
+    rows.append(["attention, prefill 2 x 1024"] + [
+        spread([x / 1e3 for x in attention(w, "prefill-2x1024")], f1) + " s"
+        for w in ("before", "after")] + [""])
+    return (f"{d['machine']}: {d['note']}\n\n"
+            + _table(["30 layers of SmolLM2 shapes", "before", "after",
+                      "XLA's dot, every run and flag variant"], rows))
+
+
 RENDERERS = {"compare_cpu": _compare_cpu, "mla_step": _mla_step, "quantization": _quantization, "startup": _startup,
              "kernels": _kernels, "bench_defaults": _bench_defaults, "lora": _lora,
              "rl_weights": _rl_weights, "embeddings": _embeddings,
-             "vision_prefill": _vision_prefill, "vision_serve": _vision_serve}
+             "vision_prefill": _vision_prefill, "vision_serve": _vision_serve,
+             "cpu_kernels_avx2": _cpu_kernels_avx2}
 
 
 def render(name: str) -> str:
