@@ -12,6 +12,8 @@ Measured, each the median of --iters runs after one untimed run:
 - encoder_ms: one image through the tower (the runner's encode: plan, padded patches,
   the compiled tower, back to the host), with its FLOPs and the rate they ran at (this
   CPU's float32 matmul peak is what bounds it: compare cpu_matmul's GFLOP/s);
+- first_run_ms: the untimed first run of each (the tower compiled for this size; the first
+  request with an image compiles the steps' image variant of its buckets);
 - request_ms for one request (a short text, the image, a short text; max_tokens=1; prefix
   caching off, so only the encoder cache can save work): a new image each time (miss),
   the same image again (hit: no encoder run), and a text-only prompt of the same length.
@@ -59,8 +61,13 @@ def _image(size: int, seed: int):
     return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
 
 
-def _median_ms(fn, iters: int) -> float:
-    fn(-1)  # (compiles; untimed)
+FIRST_MS: dict[str, float] = {}  # the untimed first run of each measurement (compiles)
+
+
+def _median_ms(fn, iters: int, name: str = "") -> float:
+    t0 = time.perf_counter()
+    fn(-1)  # (compiles)
+    FIRST_MS[name] = (time.perf_counter() - t0) * 1e3
     times = []
     for i in range(iters):
         t0 = time.perf_counter()
@@ -119,17 +126,20 @@ def main() -> None:
 
     mmp = MultiModalProcessor(llm.llm_engine.resolved.model_config, path)
     _, (feat,) = mmp.process([IMAGE], [_image(args.size, 0)])
-    encoder_ms = _median_ms(lambda i: proc.encode(feat, core.runner.state.params), args.iters)
+    encoder_ms = _median_ms(lambda i: proc.encode(feat, core.runner.state.params), args.iters,
+                            "encoder")
     runs0 = proc.num_encoder_runs
-    miss_ms = _median_ms(lambda i: request(_image(args.size, 1000 + i)), args.iters)
+    miss_ms = _median_ms(lambda i: request(_image(args.size, 1000 + i)), args.iters,
+                         "request_image")
     same = _image(args.size, 7)
     request(same)
     runs1 = proc.num_encoder_runs
-    hit_ms = _median_ms(lambda i: request(same), args.iters)
+    hit_ms = _median_ms(lambda i: request(same), args.iters, "request_hit")
     assert proc.num_encoder_runs == runs1, "the same image was encoded again"
     n_prompt = len(prompt) - 1 + n_img
     text_ms = _median_ms(lambda i: llm.generate([{"prompt_token_ids": [5 + (i % 7)] * n_prompt}],
-                                                params, use_tqdm=False), args.iters)
+                                                params, use_tqdm=False), args.iters,
+                         "request_text")
     result = {
         "benchmark": "vision_prefill", "model": CONFIG, "image_pixels": [args.size] * 2,
         "image_tokens": n_img, "prompt_tokens": n_prompt,
@@ -141,6 +151,9 @@ def main() -> None:
         / 1e6,
         "request_ms": {"image_miss": miss_ms, "image_hit": hit_ms, "text_only": text_ms},
         "encoder_runs_during_miss_runs": proc.num_encoder_runs - runs0,
+        # the first run of each (not in the medians): the encoder's compile for this image
+        # size; the first request with an image: the steps' image variant compiled
+        "first_run_ms": dict(FIRST_MS),
         "encoder_compiled_patch_sizes": sorted(proc.compiled_sizes),
         "hit_saves": 1 - hit_ms / miss_ms,
         "environment": {"jax": jax.__version__, "python": platform.python_version(),
