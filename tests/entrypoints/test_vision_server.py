@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import LiveServer
+from tests.models.test_qwen2_5_vl import tiny_qwen2_5_vl
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -51,24 +52,9 @@ def live(tmp_path_factory, smollm2_dir):
 
     root = tmp_path_factory.mktemp("vl-server")
     path = root / "model"
-    cfg = transformers.Qwen2_5_VLConfig(
-        architectures=["Qwen2_5_VLForConditionalGeneration"],
-        text_config=dict(vocab_size=49160, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
-                         eos_token_id=2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [2, 3, 3]}),
-        vision_config=VISION, image_token_id=IMAGE, video_token_id=49155,
-        vision_start_token_id=V_START, vision_end_token_id=V_END, tie_word_embeddings=False)
-    for c in (cfg, cfg.vision_config, cfg.text_config):
-        c._attn_implementation = "eager"
-    torch.manual_seed(3)
-    hf = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(1.0, 0.1) if ("norm" in name or "ln_q" in name) else p.normal_(0.0, 0.15)
-    hf.save_pretrained(path)
+    hf = tiny_qwen2_5_vl(path, vocab_size=49160, image_token_id=IMAGE, start_id=V_START,
+                         end_id=V_END, video_token_id=49155, vision=VISION,
+                         max_positions=512, std=0.15, seed=3)
     tok = Tokenizer.from_file(os.path.join(smollm2_dir, "tokenizer.json"))
     tok.add_special_tokens([AddedToken(t, special=True) for t in
                             ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")])

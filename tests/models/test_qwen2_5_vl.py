@@ -106,34 +106,43 @@ def test_vision_config_refusals():
 IMAGE_ID, V_START, V_END = 190, 188, 189
 
 
-@pytest.fixture(scope="module")
-def hf_vl(tmp_path_factory):
-    """A tiny Qwen2.5-VL (2 Qwen2 layers with M-RoPE sections 2/3/3, the tower above),
-    saved as transformers saves it (model.language_model.*, model.visual.*)."""
+def tiny_qwen2_5_vl(path, *, vocab_size: int, image_token_id: int, start_id: int,
+                    end_id: int, video_token_id: int, vision: dict, max_positions: int = 256,
+                    std: float = 0.1, seed: int = 1):
+    """A tiny random Qwen2.5-VL (2 Qwen2 layers with M-RoPE sections 2/3/3, the tower
+    `vision`), saved at `path` as transformers saves it (model.language_model.*,
+    model.visual.*); returns HF's model."""
     cfg = transformers.Qwen2_5_VLConfig(
         architectures=["Qwen2_5_VLForConditionalGeneration"],
-        text_config=dict(vocab_size=200, hidden_size=64, intermediate_size=96,
+        text_config=dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1,
-                         eos_token_id=2,
+                         max_position_embeddings=max_positions, rms_norm_eps=1e-5,
+                         bos_token_id=1, eos_token_id=2,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                           "mrope_section": [2, 3, 3]}),
-        vision_config={**VISION, "out_hidden_size": 64}, image_token_id=IMAGE_ID,
-        video_token_id=191, vision_start_token_id=V_START, vision_end_token_id=V_END,
-        tie_word_embeddings=False)
-    cfg._attn_implementation = "eager"
-    cfg.vision_config._attn_implementation = "eager"
-    cfg.text_config._attn_implementation = "eager"
-    torch.manual_seed(1)
+        vision_config={**vision, "out_hidden_size": 64}, image_token_id=image_token_id,
+        video_token_id=video_token_id, vision_start_token_id=start_id,
+        vision_end_token_id=end_id, tie_word_embeddings=False)
+    for c in (cfg, cfg.vision_config, cfg.text_config):
+        c._attn_implementation = "eager"
+    torch.manual_seed(seed)
     hf = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name or "ln_q" in name:
                 p.normal_(1.0, 0.1)
             else:
-                p.normal_(0.0, 0.1)
-    path = tmp_path_factory.mktemp("qwen2_5_vl")
+                p.normal_(0.0, std)
     hf.save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def hf_vl(tmp_path_factory):
+    """The tiny Qwen2.5-VL of these tests (vocabulary 200, the tower above)."""
+    path = tmp_path_factory.mktemp("qwen2_5_vl")
+    hf = tiny_qwen2_5_vl(path, vocab_size=200, image_token_id=IMAGE_ID, start_id=V_START,
+                         end_id=V_END, video_token_id=191, vision=VISION)
     return hf, str(path)
 
 
