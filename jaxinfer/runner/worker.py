@@ -278,7 +278,10 @@ class Worker:
                                max_cpu_loras=cfg.max_cpu_loras or cfg.max_loras,
                                head_dim=self.model_config.head_dim)
         multimodal = None
-        if getattr(self.model, "mm_rope_positions", None) is not None:  # (vision-language)
+        # (vision-language models take images on one host; multi-host engines serve them
+        # text only, and the core refuses a request with images by name)
+        if (getattr(self.model, "mm_rope_positions", None) is not None
+                and jax.process_count() == 1):
             from jaxinfer.runner.multimodal import MultiModalRunner
 
             multimodal = MultiModalRunner(self.model)
