@@ -27,14 +27,14 @@ def whole_step(graphdef, drafter: InStepDrafter | None, weights, carry, batch: S
                                batch.token_slots)
     target_hidden = None
     positions = batch.rotary_positions
+    embeds = None
     if batch.mm_inputs is not None:  # (images: their encoder rows replace the embeddings)
         embeds = merge_mm_embeds(model.model.embed_tokens(input_ids), batch.mm_inputs)
-        hidden, kv = model(input_ids, positions, kv, batch.attn, embeds=embeds)
-    elif drafter is not None and drafter.aux_layers:
+    if drafter is not None and drafter.aux_layers:
         hidden, kv, target_hidden = model(input_ids, positions, kv, batch.attn,
-                                          aux_layers=drafter.aux_layers)
+                                          aux_layers=drafter.aux_layers, embeds=embeds)
     else:
-        hidden, kv = model(input_ids, positions, kv, batch.attn)
+        hidden, kv = model(input_ids, positions, kv, batch.attn, embeds=embeds)
     out, draft_kv, sampler = step_tail(
         model, hidden, input_ids, sampler, batch, features=features,
         target_hidden=target_hidden, draft=draft,
