@@ -126,6 +126,8 @@ class MultiModalRunner:
         """(first token index in the step, encoder rows) of every image part the step's
         chunks hold, in token order."""
         out = []
+        if not self.requests:  # (no request with images: no per-row work)
+            return out
         start = 0
         for rid, c, q in zip(req_ids, computed.tolist(), q_lens.tolist()):
             req = self.requests.get(rid)
@@ -149,6 +151,8 @@ class MultiModalRunner:
         n = len(pos)
         rope = batch.rope_positions
         rope[:, :n] = pos
+        if not self.requests:
+            return
         start = 0
         for rid, c, q in zip(req_ids, computed.tolist(), q_lens.tolist()):
             req = self.requests.get(rid)
