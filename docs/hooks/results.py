@@ -280,6 +280,13 @@ def _vision_prefill(d: dict) -> str:
              f"{r['image_hit'] / r['image_miss']:.2f}x"],
             ["request, text only, same length", r["text_only"],
              f"{r['text_only'] / r['image_miss']:.2f}x"]]
+    first = d.get("first_run_ms") or {}
+    if "encoder" in first:
+        rows.append(["first image of this size: the tower's compile on top",
+                     first["encoder"] - d["encoder_ms"], "-"])
+    if "request_image" in first:
+        rows.append(["first request with an image: the steps' image variant on top",
+                     first["request_image"] - r["image_miss"], "-"])
     return head + "\n\n" + _table(["what", "ms", "vs a new image"], rows)
 
 
