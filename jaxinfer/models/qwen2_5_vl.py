@@ -288,6 +288,30 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         self.visual = Qwen2_5VisionTransformer(cfg.vision, dtype=dtype, rngs=rngs)
 
     @staticmethod
+    def encoder_inputs(cfg: ModelConfig, feature, min_size: int) -> tuple[tuple, int, np.ndarray]:
+        """One image's tower inputs (multimodal/inputs.py feature), its patches in window
+        order padded to a power of two (>= min_size, so that the tower compiles once per
+        size class): (the tower's arguments, its real output rows, the permutation back to
+        image order). Padding patches form segments of their own, one per merge unit: no
+        real patch attends to them."""
+        vis = cfg.vision
+        plan = vision_plan(vis, [feature.grid_thw])
+        pixels = feature.pixels()
+        n = len(plan.perm)
+        size = max(min_size, 1 << (n - 1).bit_length())
+        patches = np.zeros((size, pixels.shape[1]), np.float32)
+        patches[:n] = pixels[plan.perm]
+        half = plan.cos.shape[1]
+        cos = np.ones((size, half), np.float32)
+        sin = np.zeros((size, half), np.float32)
+        cos[:n], sin[:n] = plan.cos, plan.sin
+        unit = vis.spatial_merge_size ** 2
+        pad_seg = -1 - np.arange(size - n, dtype=np.int32) // unit
+        args = (patches, cos, sin, np.concatenate([plan.image_seg, pad_seg]),
+                np.concatenate([plan.window_seg, pad_seg]))
+        return args, n // unit, plan.unmerge
+
+    @staticmethod
     def mm_rope_positions(cfg: ModelConfig, prompt_ids, features) -> tuple[np.ndarray, int]:
         """A prompt's M-RoPE positions int32 [3, P] and the offset of its later positions,
         from its images' features (multimodal/inputs.py)."""

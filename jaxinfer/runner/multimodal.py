@@ -5,11 +5,11 @@ place of the placeholder tokens' embeddings (StepBatch.mm_embeds / mm_mask, the 
 variant) and, for M-RoPE models, every token's three rotary positions
 (StepBatch.rope_positions, every step).
 
-Encoder runs: one image at a time, its patches padded to a power of two (at least 64), so
-that the encoder compiles once per such size on first use (log2(max_pixels / 14^2 / 64)
-sizes at most for Qwen2.5-VL's defaults); the padding patches form segments of their own
-that no real patch attends to, and their outputs are dropped. The output comes back to the
-host (float32) and goes into the steps that place the image's tokens."""
+Encoder runs: one image at a time, its inputs padded by the model family
+(`encoder_inputs`: Qwen2.5-VL pads the patches to a power of two, at least 64, so that the
+tower compiles once per such size on first use; at most 8 sizes for its default
+max_pixels); the padding rows are dropped. The output comes back to the host (float32) and
+goes into the steps that place the image's tokens."""
 
 from __future__ import annotations
 
@@ -33,17 +33,17 @@ class _RequestImages:
     delta: int  # decode positions: p + delta in all three
 
 
-def _encode(graphdef, state, patches, cos, sin, image_seg, window_seg):
-    tower = nnx.merge(graphdef, state)
-    return tower(patches, cos, sin, image_seg, window_seg).astype(jnp.float32)
+def _encode(graphdef, state, *args):
+    """The tower over one image's padded inputs (the model's encoder_inputs)."""
+    return nnx.merge(graphdef, state)(*args).astype(jnp.float32)
 
 
 class MultiModalRunner:
     def __init__(self, model):
-        """model: a vision-language model (its `visual` tower; `mm_rope_positions` when it
-        uses M-RoPE)."""
+        """model: a vision-language model: its `visual` tower, the class functions
+        `encoder_inputs` (one image's padded tower inputs) and `mm_rope_positions` (M-RoPE
+        models)."""
         self.config = model.config
-        self.vision = model.config.vision
         # (the tower's weights are read from the step state's at each run: a weight update or
         # a wake-up replaces them there)
         self.graphdef = nnx.split(model.visual)[0]
@@ -97,29 +97,12 @@ class MultiModalRunner:
 
     def encode(self, feature, params) -> np.ndarray:
         """One image's encoder output, float32 [feature.length, H], in image order."""
-        from jaxinfer.models.qwen2_5_vl import vision_plan
-
-        plan = vision_plan(self.vision, [feature.grid_thw])
-        pixels = feature.pixels()
-        n = len(plan.perm)
-        size = max(MIN_PATCH_BUCKET, 1 << (n - 1).bit_length())
-        patches = np.zeros((size, pixels.shape[1]), np.float32)
-        patches[:n] = pixels[plan.perm]
-        half = plan.cos.shape[1]
-        cos = np.ones((size, half), np.float32)
-        sin = np.zeros((size, half), np.float32)
-        cos[:n], sin[:n] = plan.cos, plan.sin
-        # padding: segments of their own, one per merge unit (no real patch sees them)
-        unit = self.vision.spatial_merge_size ** 2
-        pad_seg = -1 - np.arange(size - n, dtype=np.int32) // unit
-        image_seg = np.concatenate([plan.image_seg, pad_seg])
-        window_seg = np.concatenate([plan.window_seg, pad_seg])
-        out = self._encode(self.graphdef, self.tower_state(params), patches, cos, sin,
-                           image_seg, window_seg)
-        self.compiled_sizes.add(size)
+        args, rows, unmerge = self.model_cls.encoder_inputs(self.config, feature,
+                                                            MIN_PATCH_BUCKET)
+        out = self._encode(self.graphdef, self.tower_state(params), *args)
+        self.compiled_sizes.add(args[0].shape[0])
         self.num_encoder_runs += 1
-        out = np.asarray(jax.device_get(out))[: n // unit]
-        return out[plan.unmerge]
+        return np.asarray(jax.device_get(out))[:rows][unmerge]
 
     # -- one step's inputs ----------------------------------------------------------------------
     def step_images(self, req_ids, computed, q_lens) -> list[tuple[int, np.ndarray]]:
