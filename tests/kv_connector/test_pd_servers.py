@@ -72,19 +72,24 @@ def _wait_up(url, procs, timeout=180):
     raise AssertionError(f"{url} did not come up")
 
 
-def _metric(url, name) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            return float(line.split()[-1])
-    raise AssertionError(f"no metric {name}")
+def _metric(url, name, label: str = "") -> float:
+    """The series `name` summed over its label sets holding `label` (every engine's, under
+    data parallelism: the first line alone is engine 0's)."""
+    values = [float(line.split()[-1])
+              for line in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+              if line.startswith((name + "{", name + " ")) and label in line]
+    if not values:
+        raise AssertionError(f"no metric {name}")
+    return sum(values)
 
 
-def _wait_all_free(url, timeout=30):
+def _wait_all_free(url, timeout=30, label=""):
+    """Until every engine (those whose series hold `label`) holds no KV block and no request."""
     end = time.time() + timeout
     while time.time() < end:
-        if (_metric(url, "vllm:kv_cache_usage_perc") == 0.0
-                and _metric(url, "vllm:num_requests_running") == 0
-                and _metric(url, "vllm:num_requests_waiting") == 0):
+        if (_metric(url, "vllm:kv_cache_usage_perc", label) == 0.0
+                and _metric(url, "vllm:num_requests_running", label) == 0
+                and _metric(url, "vllm:num_requests_waiting", label) == 0):
             return
         time.sleep(0.2)
     raise AssertionError(f"{url}: KV blocks still in use")
