@@ -51,10 +51,12 @@ def head_dim_chunks(d: int) -> tuple[tuple[int, int], ...]:
 
 def _kernel(tile_seq_ref, tile_idx_ref, qsl_ref, kv_lens_ref, tables_ref, q_ref, k_ref, v_ref,
             *refs, block_q, group, group_pad, pages_per_iter, block_size, num_splits,
-            d_chunks, sm_scale, sliding_window, soft_cap, interpret, has_sinks):
+            d_chunks, sm_scale, sliding_window, soft_cap, interpret, has_sinks, has_spans):
     # With attention sinks (single split only; split partials are merged with them outside)
-    # the first ref is the sink of every q row of this KV head, laid out as q's rows.
-    sinks_ref, out_refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+    # the first ref is the sink of every q row of this KV head, laid out as q's rows; with
+    # spans, the next two are each q row's span (lo, hi), laid out the same way.
+    sinks_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+    (lo_ref, hi_ref), out_refs = (refs[:2], refs[2:]) if has_spans else ((None, None), refs)
     w, split = pl.program_id(0), pl.program_id(2)
     block_m = block_q * group_pad
     block_kv = pages_per_iter * block_size
@@ -77,6 +79,8 @@ def _kernel(tile_seq_ref, tile_idx_ref, qsl_ref, kv_lens_ref, tables_ref, q_ref,
     q_pos = ctx_len + (tok - seq_start)  # [M] position of each row's token
     last_pos = ctx_len + jnp.minimum(q_start + block_q, seq_end) - 1 - seq_start
     kv_hi = jnp.where(seq >= 0, jnp.minimum(kv_len, last_pos + 1), 0)
+    if has_spans:  # (a span lies within this step's chunk: below kv_len)
+        kv_hi = jnp.where(seq >= 0, kv_len, 0)
     kv_lo = 0
     if sliding_window is not None:
         kv_lo = jnp.maximum(ctx_len + (q_start - seq_start) - sliding_window + 1, 0)
@@ -88,6 +92,9 @@ def _kernel(tile_seq_ref, tile_idx_ref, qsl_ref, kv_lens_ref, tables_ref, q_ref,
     q_rows = pl.ds(q_start * group_pad, block_m)  # rows padded in the wrapper: never OOB
     qs = [jnp.where(row_ok[:, None], q_ref[q_rows, pl.ds(off, size)], 0)  # [M, Dc] each
           for off, size in d_chunks]
+
+    if has_spans:
+        span_lo, span_hi = lo_ref[q_rows], hi_ref[q_rows]  # [M] each
 
     def body(j, carry):
         accs, m_prev, l_prev = carry
@@ -110,7 +117,10 @@ def _kernel(tile_seq_ref, tile_idx_ref, qsl_ref, kv_lens_ref, tables_ref, q_ref,
         scores = scores * sm_scale
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
-        mask = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        seen = kv_pos[None, :] <= q_pos[:, None]
+        if has_spans:
+            seen |= (kv_pos[None, :] >= span_lo[:, None]) & (kv_pos[None, :] <= span_hi[:, None])
+        mask = kv_ok[None, :] & seen
         if sliding_window is not None:
             mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
         scores = jnp.where(mask, scores, _MASK)
@@ -202,7 +212,7 @@ def _work_list(query_start_loc, num_seqs, num_tiles: int, block_q: int):
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "interpret", "num_splits", "tuning"))
 def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-                           num_seqs, sinks=None, *, sm_scale: float,
+                           num_seqs, sinks=None, spans=None, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            interpret: bool = False, num_splits: int | None = None,
                            tuning: AttentionTuning | None = None):
@@ -214,6 +224,8 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_sta
     tokens are unspecified. `num_splits` and `tuning` override the automatic split-KV choice
     and the tuning table (for benchmarks and sweeps). sinks: float32 [Hq] attention sinks
     (one logit per query head in each row's softmax denominator, with no value), or None.
+    spans: int32 [T, 2] or None: (lo, hi) KV positions each token sees beyond the causal
+    ones (bidirectional image tokens; hi < lo: none).
     """
     _validate(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
     t, hq, d = q.shape
@@ -241,7 +253,7 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_sta
         _kernel, block_q=block_q, group=group, group_pad=group_pad, pages_per_iter=pages,
         block_size=bs, num_splits=splits, d_chunks=head_dim_chunks(d), sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
-        has_sinks=in_sinks)
+        has_sinks=in_sinks, has_spans=spans is not None)
     if sinks is not None:  # [Hkv, G_pad]: each query head's sink (padding heads: none)
         sink_heads = jnp.pad(sinks.astype(jnp.float32).reshape(hkv, group),
                              ((0, 0), (0, group_pad - group)), constant_values=_MASK)
@@ -254,6 +266,12 @@ def ragged_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_sta
     if in_sinks:  # laid out as q's rows: [Hkv, rows]
         args.append(jnp.tile(sink_heads, (1, t + block_q)))
         in_specs.append(pl.BlockSpec((None, rows), lambda w, h, sp: (h, 0)))
+    if spans is not None:  # [rows] each: every q row's token's (lo, hi)
+        for col in (0, 1):
+            a = jnp.repeat(jnp.pad(spans[:, col].astype(jnp.int32), (0, block_q),
+                                   constant_values=-1), group_pad)
+            args.append(a)
+            in_specs.append(whole(a))
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((hkv, rows, d), q.dtype)]
         out_specs = [pl.BlockSpec((None, rows, d), lambda w, h, sp: (h, 0, 0))]

@@ -41,6 +41,7 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks=None,
+    spans=None,
 ):
     """Causal attention of a flat, ragged query batch over a paged KV cache.
 
@@ -52,6 +53,9 @@ def ragged_paged_attention_reference(
     sinks: float32 [Hq] or None: attention sinks (gpt-oss), one learned logit per query head
     joining the softmax's denominator only (no value): softmax over [scores, sink], the sink's
     column dropped.
+    spans: int32 [T, 2] or None: (lo, hi) KV positions each query token sees beyond the causal
+    ones (Gemma 3's bidirectional attention within an image: its tokens see the whole image;
+    hi < lo: none). The sliding window still applies: (causal or in span) and in window.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -73,7 +77,10 @@ def ragged_paged_attention_reference(
         v = jnp.where(kv_valid[:, None, None], v.astype(jnp.float32), 0.0)
         in_seq = (token_idx >= start) & (token_idx < end)  # [T]
         q_pos = kv_len - (end - start) + (token_idx - start)  # [T]
-        mask = kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])  # [T, L]
+        seen = kv_pos[None, :] <= q_pos[:, None]  # [T, L]
+        if spans is not None:
+            seen |= (kv_pos[None, :] >= spans[:, :1]) & (kv_pos[None, :] <= spans[:, 1:])
+        mask = kv_valid[None, :] & seen
         if sliding_window is not None:
             mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
         scores = jnp.einsum("thgd,lhd->thgl", q_grouped, k) * sm_scale

@@ -206,6 +206,16 @@ def _qwen2_5_vl_fields(d: dict[str, Any]) -> dict[str, Any]:
                 else int(d["video_token_id"]))
 
 
+def _gemma3_vl_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 with images (Gemma3ForConditionalGeneration): the text model's fields, the
+    SigLIP tower and the image tokens."""
+    from jaxinfer.config.vision import Gemma3VisionConfig
+
+    image = d.get("image_token_id", d.get("image_token_index", 262144))
+    return dict(**_qwen3_fields(d), **_gemma3_fields(d),
+                vision=Gemma3VisionConfig.from_hf_dict(d), image_token_id=int(image))
+
+
 def _qwen3_fields(d: dict[str, Any]) -> dict[str, Any]:
     return dict(qk_norm=True)
 
@@ -223,6 +233,7 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "DeepseekV3ForCausalLM": _deepseek_v3_fields,
     "DeepseekV2ForCausalLM": lambda d: _deepseek_v3_fields(d, v2=True),
     "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl_fields,
+    "Gemma3ForConditionalGeneration": _gemma3_vl_fields,
 }
 # Bare decoders (HF's *Model: no LM head), served as pooling models (runner="auto" picks
 # pooling for them): the LM head (never used by a pooling step) is the embedding, so none is

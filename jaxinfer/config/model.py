@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxinfer.config.quant import QuantConfig
 from jaxinfer.config.rope import RopeScaling
-from jaxinfer.config.vision import VisionConfig
+from jaxinfer.config.vision import Gemma3VisionConfig, VisionConfig
 
 from jaxinfer.config.dtypes import WEIGHT_DTYPES
 
@@ -101,11 +101,11 @@ class ModelConfig:
     # checkpoint after the decoder layers (model.layers.{num_hidden_layers}...): the MTP
     # drafter's (spec_decode/mtp.py); the model itself never runs them.
     num_nextn_predict_layers: int = 0
-    # Vision-language models (Qwen2.5-VL): the vision tower's config, the placeholder token
-    # ids, and M-RoPE's sections: of the head_dim / 2 rotary frequencies, the first
-    # mrope_section[0] turn with a token's temporal position, the next with its row, the
-    # last with its column (text tokens: all three equal, plain rope).
-    vision: VisionConfig | None = None
+    # Vision-language models (Qwen2.5-VL, Gemma 3): the vision tower's config, the
+    # placeholder token ids, and (Qwen) M-RoPE's sections: of the head_dim / 2 rotary
+    # frequencies, the first mrope_section[0] turn with a token's temporal position, the
+    # next with its row, the last with its column (text tokens: all three equal, plain rope).
+    vision: VisionConfig | Gemma3VisionConfig | None = None
     image_token_id: int | None = None
     video_token_id: int | None = None
     mrope_section: tuple[int, ...] = ()

@@ -100,3 +100,49 @@ class SiglipVisionConfig:
                              f"of patch_size={cfg.patch_size} and hidden_size a multiple of "
                              "num_attention_heads")
         return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma3VisionConfig:
+    """Gemma 3's image path as the engine sees it: the SigLIP tower (`siglip`), its patches
+    average-pooled to mm_tokens_per_image soft tokens, each image written in the prompt as
+    <start_of_image> (boi), the soft tokens (image_token_id), <end_of_image> (eoi)."""
+
+    siglip: SiglipVisionConfig
+    mm_tokens_per_image: int
+    boi_token_id: int
+    eoi_token_id: int
+
+    @property
+    def patch_dim(self) -> int:
+        """Pixels per patch row: C x P x P."""
+        return self.siglip.num_channels * self.siglip.patch_size ** 2
+
+    @property
+    def spatial_merge_size(self) -> int:
+        """Patches a side pooled into one soft token."""
+        return self.siglip.patches_per_side // self.pooled_side
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """Every image's patch grid (one size: the tower's square input)."""
+        side = self.siglip.patches_per_side
+        return 1, side, side
+
+    @property
+    def pooled_side(self) -> int:
+        return int(round(self.mm_tokens_per_image ** 0.5))
+
+    @staticmethod
+    def from_hf_dict(d: dict[str, Any]) -> "Gemma3VisionConfig":
+        """From a Gemma3ForConditionalGeneration config (its top-level keys and vision_config)."""
+        siglip = SiglipVisionConfig.from_hf_dict(d["vision_config"])
+        n = int(d.get("mm_tokens_per_image", 256))
+        side = int(round(n ** 0.5))
+        if side * side != n or siglip.patches_per_side % side:
+            raise ValueError(f"mm_tokens_per_image={n} must be a square whose side divides the "
+                             f"{siglip.patches_per_side} patches a side")
+        return Gemma3VisionConfig(
+            siglip=siglip, mm_tokens_per_image=n,
+            boi_token_id=int(d.get("boi_token_id", d.get("boi_token_index", 255999))),
+            eoi_token_id=int(d.get("eoi_token_id", d.get("eoi_token_index", 256000))))

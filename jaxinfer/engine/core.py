@@ -182,7 +182,8 @@ class EngineCore:
             check_features(req.mm_features, req.prompt_token_ids,
                            image_token_id=mc.image_token_id if images else None,
                            patch_dim=mc.vision.patch_dim if images else 0,
-                           merge=mc.vision.spatial_merge_size if images else 1)
+                           merge=mc.vision.spatial_merge_size if images else 1,
+                           grid=getattr(mc.vision, "grid", None) if images else None)
             if self.kv_connector is not None:
                 raise ValueError("mm_features: images cannot be combined with a KV connector "
                                  "(kv_transfer_config) yet")

@@ -41,10 +41,8 @@ def make_processor(rc, tokenizer, info: dict) -> Processor:
 def make_multimodal_processor(rc):
     """A vision-language model's image step (None for text-only models and for those whose
     image path is not served yet)."""
-    from jaxinfer.config.vision import VisionConfig
-
     mcfg = rc.model_config
-    if not isinstance(mcfg.vision, VisionConfig) or rc.parallel.pipeline_parallel_size > 1:
+    if mcfg.vision is None or rc.parallel.pipeline_parallel_size > 1:
         return None
     from jaxinfer.multimodal.inputs import MultiModalProcessor, parse_limit_mm_per_prompt
 

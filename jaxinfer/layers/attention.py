@@ -34,6 +34,10 @@ class AttentionMetadata:
     # int32 [T]: each token's LoRA adapter slot (-1: the base model), read by the linear
     # layers' adapters (layers/lora.py); None when the engine serves no LoRA.
     lora_slots: jax.Array | None = None
+    # int32 [T, 2]: (lo, hi) KV positions each token sees beyond the causal ones (Gemma 3's
+    # bidirectional attention over an image's tokens; hi < lo: none), in the steps of such a
+    # model whose chunks hold images; None in every other step.
+    attn_spans: jax.Array | None = None
 
 
 def check_backend(backend: str) -> str:
@@ -91,12 +95,18 @@ def attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
 
         cpu = jax.default_backend() == "cpu" and cpu_kernels.available()
         backend = "cpu" if cpu else "xla"
+    spans = md.attn_spans
+    if backend == "cpu" and spans is not None:
+        # (the C++ kernel is causal only: a step with bidirectional image spans, a prefill
+        # chunk holding a Gemma 3 image, runs on the XLA path)
+        backend = "xla"
     if backend == "xla":
         from jaxinfer.layers.ragged_attention import ragged_paged_attention_xla
 
         return ragged_paged_attention_xla(
             q, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
             md.num_decodes, sm_scale=sm_scale, sliding_window=sliding_window, sinks=sinks,
+            spans=spans,
         )
     if backend == "cpu":
         from jaxinfer.layers.cpu_kernels import ragged_paged_attention_cpu
@@ -108,14 +118,14 @@ def attention(q, k_cache, v_cache, md: AttentionMetadata, *, sm_scale: float,
     if backend == "reference":
         return ragged_paged_attention_reference(
             q, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window, sinks=sinks,
+            sm_scale=sm_scale, sliding_window=sliding_window, sinks=sinks, spans=spans,
         )
     if backend == "pallas":
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
         return ragged_paged_attention(
             q, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-            sinks, sm_scale=sm_scale, sliding_window=sliding_window,
+            sinks, spans, sm_scale=sm_scale, sliding_window=sliding_window,
             interpret=jax.default_backend() == "cpu",
         )
     raise ValueError(check_backend(backend))

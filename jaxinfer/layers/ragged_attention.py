@@ -47,7 +47,7 @@ def _online_softmax_step(carry, scores, valid, v):
 def ragged_paged_attention_xla(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
                                num_seqs, num_decodes, *, sm_scale: float,
                                sliding_window: int | None = None, kv_chunk: int = 256,
-                               q_tile: int = 64, sinks=None):
+                               q_tile: int = 64, sinks=None, spans=None):
     """Causal attention of a flat ragged batch over a paged KV cache (same contract as
     `ragged_paged_attention_reference`, plus `num_decodes`).
 
@@ -56,7 +56,9 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, kv_lens, block_tables, query
     num_decodes int32 [1]: sequences [0, num_decodes) have exactly one query token (so their
     tokens are [0, num_decodes)). Returns [T, Hq, D] in q.dtype; padding rows are zero.
     sinks: float32 [Hq] or None (attention sinks: one more term, e^sink, in each row's
-    softmax denominator).
+    softmax denominator). spans: int32 [T, 2] or None: (lo, hi) KV positions a token sees
+    beyond the causal ones (see the reference); decode rows take none (a one-token chunk's
+    span is itself).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -125,6 +127,8 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, kv_lens, block_tables, query
     # -- other sequences: one at a time, in query tiles -----------------------------------------
     tile = min(q_tile, num_tokens)
     q_pad = jnp.pad(q, ((0, tile), (0, 0), (0, 0)))
+    if spans is not None:
+        span_pad = jnp.pad(spans, ((0, tile), (0, 0)), constant_values=-1)
     out = jnp.zeros((num_tokens + tile, num_q_heads, head_dim), f32)
     out = out.at[:rd].set(out_dec)
     tile_iota = jnp.arange(tile, dtype=jnp.int32)
@@ -144,12 +148,18 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, kv_lens, block_tables, query
             qt = jax.lax.dynamic_slice_in_dim(q_pad, t0, tile, axis=0)
             qt = qt.reshape(tile, num_kv_heads, group, head_dim).astype(f32) * sm_scale
             hi = jnp.minimum(kv_len, ctx + jnp.minimum((t + 1) * tile, q_len))  # KV end
+            if spans is not None:  # (a span lies within this step's chunk: < kv_len)
+                sp = jax.lax.dynamic_slice_in_dim(span_pad, t0, tile, axis=0)  # [TQ, 2]
+                hi = kv_len
 
             def kv_chunk_step(c, carry):
                 blocks = jax.lax.dynamic_slice_in_dim(table, c * blocks_per_chunk,
                                                       blocks_per_chunk)
                 pos = c * chunk + chunk_iota  # [C]
-                valid = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_len)  # [TQ, C]
+                seen = pos[None, :] <= q_pos[:, None]  # [TQ, C]
+                if spans is not None:
+                    seen |= (pos[None, :] >= sp[:, :1]) & (pos[None, :] <= sp[:, 1:])
+                valid = seen & (pos[None, :] < kv_len)
                 if sliding_window is not None:
                     valid &= pos[None, :] > q_pos[:, None] - sliding_window
                 k, v = gather_kv(blocks, pos < kv_len)

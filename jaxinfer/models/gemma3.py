@@ -5,10 +5,12 @@ MLP), gelu-tanh MLPs, q/k norms, its own attention scale (query_pre_attn_scalar)
 global layers each with its own rope base (the step's rope tables come stacked, both kinds,
 and each layer picks its own), and final logit soft-capping.
 
-Gemma 3's image path (Gemma3ForConditionalGeneration's, being built: not served yet): the
-SigLIP tower (models/siglip.py) and the projector, equal to HF's; the language model's
-bidirectional attention over each image's tokens, the processor (pan and scan) and the
-engine's image inputs come next."""
+Gemma 3 with images (Gemma3ForConditionalGeneration): the SigLIP tower (models/siglip.py)
+and the average-pooling projector turn each image into mm_tokens_per_image soft tokens, put
+in place of the prompt's image tokens (unscaled: the sqrt(hidden) factor is the text
+embeddings' only); in the language model an image's tokens see each other both ways (HF's
+token_type_ids block mask: the steps whose chunks hold images carry each token's span,
+AttentionMetadata.attn_spans; the scheduler never splits an image across steps)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig, RopeScaling
+import numpy as np
+
 from jaxinfer.config.vision import SiglipVisionConfig
 from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.layers.norms import RMSNorm
@@ -117,3 +121,29 @@ class Gemma3ImageEncoder(nnx.Module):
 
     def __call__(self, pixels):
         return self.multi_modal_projector(self.vision_tower(pixels))
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The Gemma 3 language model and its image path (`visual`: the tower and projector)."""
+
+    # an image's tokens attend to each other both ways (StepBatch attn spans)
+    bidirectional_images = True
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attention_backend: str = "xla",
+                 rngs: nnx.Rngs, mesh=None, packed: bool = False):
+        super().__init__(cfg, dtype=dtype, attention_backend=attention_backend, rngs=rngs,
+                         mesh=mesh, packed=packed)
+        vis = cfg.vision
+        self.visual = Gemma3ImageEncoder(vis.siglip, cfg.hidden_size, vis.mm_tokens_per_image,
+                                         dtype=dtype, rngs=rngs)
+
+    @staticmethod
+    def encoder_inputs(cfg: ModelConfig, feature, min_size: int) -> tuple[tuple, int, np.ndarray]:
+        """One image's tower input: its patch rows [P^2, C x p x p] (multimodal/gemma3.py)
+        back as pixel_values [1, C, S, S] (every image is S x S: one compiled size); its
+        mm_tokens_per_image output rows, in order."""
+        sig = cfg.vision.siglip
+        side, p, c = sig.patches_per_side, sig.patch_size, sig.num_channels
+        x = feature.pixels().reshape(side, side, c, p, p).transpose(2, 0, 3, 1, 4)
+        n = cfg.vision.mm_tokens_per_image
+        return (np.ascontiguousarray(x).reshape(1, c, side * p, side * p),), n, np.arange(n)

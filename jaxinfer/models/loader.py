@@ -50,8 +50,16 @@ def _safetensors_index(model_dir: str) -> dict[str, str]:
 
 
 # transformers >= 5 saves a vision-language checkpoint under its own module paths; the model
-# classes use the hub's: (prefix as stored, prefix the classes use). One table, read both ways.
-_VL_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+# classes use the hub's (Gemma 3's image path under `visual.`, as Qwen's tower): (prefix as
+# stored, prefix the classes use). One table, read both ways; the first row marks such a
+# checkpoint. (Gemma 3: language_model.model.*, vision_tower[.vision_model].*, ...)
+_SIGLIP = "visual.vision_tower.vision_model."
+_VL_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."),
+                ("model.vision_tower.vision_model.", _SIGLIP), ("model.vision_tower.", _SIGLIP),
+                ("model.multi_modal_projector.", "visual.multi_modal_projector."),
+                ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                ("vision_tower.vision_model.", _SIGLIP), ("vision_tower.", _SIGLIP),
+                ("multi_modal_projector.", "visual.multi_modal_projector."))
 
 
 def _stored_name(name: str, header: dict) -> str:
@@ -65,7 +73,8 @@ def _stored_name(name: str, header: dict) -> str:
 
 def _vl_names(files_by_name: dict[str, str]) -> dict[str, str]:
     """A vision-language checkpoint as transformers >= 5 saves it under the hub's names."""
-    if not any(n.startswith(_VL_PREFIXES[0][0]) for n in files_by_name):
+    if not any(n.startswith((_VL_PREFIXES[0][0], "language_model.model."))
+               for n in files_by_name):
         return files_by_name
     out = {}
     for n, fn in files_by_name.items():

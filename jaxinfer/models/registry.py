@@ -22,6 +22,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration"),
 }
 # Bare decoders (HF's *Model: weights without the "model." prefix, no LM head), as pooling
 # models (embeddings, e.g. Qwen3-Embedding): the Llama family's class; the loader maps names.

@@ -3,11 +3,13 @@ the engine core carries with the request (MultiModalFeature), and the front end'
 that makes them (MultiModalProcessor).
 
 A vision-language prompt holds one placeholder token per image (Qwen2.5-VL's chat template
-writes `<|vision_start|><|image_pad|><|vision_end|>`); the processor turns each image into
-the encoder's pixel rows, expands its placeholder into the image's number of embedding
-tokens and records where they sit. The image's identifier (a hash of its pixel rows and
-grid) keys the encoder cache and the prefix-cache blocks that hold its tokens, so two
-prompts with the same text and different images never share KV."""
+writes `<|vision_start|><|image_pad|><|vision_end|>`, Gemma 3's `<start_of_image>`); the
+processor turns each image into the encoder's pixel rows, expands its placeholder into the
+image's number of embedding tokens (Gemma 3: "\n\n<start_of_image>", the soft tokens,
+"<end_of_image>\n\n", as HF's processor writes it) and records where they sit. The
+image's identifier (a hash of its pixel rows and grid) keys the encoder cache and the
+prefix-cache blocks that hold its tokens, so two prompts with the same text and different
+images never share KV."""
 
 from __future__ import annotations
 
@@ -98,7 +100,7 @@ class MultiModalProcessor:
 
     def __init__(self, model_config, model_dir: str, limits: dict[str, int] | None = None,
                  max_tokens_per_image: int | None = None):
-        from jaxinfer.multimodal.qwen2_vl import Qwen2VLImageProcessor
+        from jaxinfer.config.vision import Gemma3VisionConfig
 
         path = os.path.join(model_dir, "preprocessor_config.json")
         d = {}
@@ -106,12 +108,30 @@ class MultiModalProcessor:
             with open(path) as f:
                 d = json.load(f)
         vis = model_config.vision
-        d.setdefault("patch_size", vis.patch_size)
-        d.setdefault("temporal_patch_size", vis.temporal_patch_size)
-        d.setdefault("merge_size", vis.spatial_merge_size)
-        self.image_processor = Qwen2VLImageProcessor.from_config(d)
         self.image_token_id = model_config.image_token_id
-        self.placeholder_text = QWEN_VL_IMAGE_PLACEHOLDER
+        # the prompt's one token per image, and the tokens written around its embedding tokens
+        self.prompt_token_id = self.image_token_id
+        self.before: tuple[int, ...] = ()
+        self.after: tuple[int, ...] = ()
+        self.newlines: dict[int, int] = {}  # (Gemma 3) k -> the token of k newlines
+        if isinstance(vis, Gemma3VisionConfig):
+            from jaxinfer.multimodal.gemma3 import Gemma3ImageProcessor, newline_tokens
+
+            self.image_processor = Gemma3ImageProcessor.from_config(d, vis)
+            self.prompt_token_id = vis.boi_token_id
+            self.newlines = newline_tokens(model_dir)
+            self.placeholder_text = "<start_of_image>"  # (what Gemma 3's template writes)
+            if 2 in self.newlines:
+                nl = self.newlines[2]
+                self.before, self.after = (nl, vis.boi_token_id), (vis.eoi_token_id, nl)
+        else:
+            from jaxinfer.multimodal.qwen2_vl import Qwen2VLImageProcessor
+
+            d.setdefault("patch_size", vis.patch_size)
+            d.setdefault("temporal_patch_size", vis.temporal_patch_size)
+            d.setdefault("merge_size", vis.spatial_merge_size)
+            self.image_processor = Qwen2VLImageProcessor.from_config(d)
+            self.placeholder_text = QWEN_VL_IMAGE_PLACEHOLDER
         self.limits = limits or {"image": DEFAULT_LIMIT_PER_PROMPT}
         # an image must fit one step (its tokens are never split): the token budget
         self.max_tokens_per_image = max_tokens_per_image
@@ -131,28 +151,56 @@ class MultiModalProcessor:
         if len(images) > limit:
             raise ValueError(f"multi_modal_data: {len(images)} images, more than the limit of "
                              f"{limit} per prompt (--limit-mm-per-prompt)")
-        where = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        where = [i for i, t in enumerate(ids) if t == self.prompt_token_id]
         if len(where) != len(images):
             raise ValueError(f"the prompt has {len(where)} image placeholder(s) for "
                              f"{len(images)} image(s): put one image placeholder token (id "
-                             f"{self.image_token_id}) per image (the chat template does)")
+                             f"{self.prompt_token_id}) per image (the chat template does)")
+        if where and self.prompt_token_id != self.image_token_id and not self.before:
+            raise ValueError("Gemma 3 images need the checkpoint's tokenizer.json (the "
+                             "newline tokens written around each image), which was not found")
         return where
+
+    def _newline_count(self, token: int) -> int:
+        return next((k for k, t in self.newlines.items() if t == token), 0)
+
+    def _layout(self, ids: list[int], where: list[int], counts: list[int]):
+        """The expanded prompt and each image's first embedding token: each placeholder
+        replaced by before + its tokens + after; a run of newlines the prompt has next to
+        the newlines written around an image becomes one token where the vocabulary has it
+        (the text HF's processor tokenizes would give that token)."""
+        out, offsets, start = [], [], 0
+        for at, n in zip(where, counts):
+            out += ids[start:at]
+            before = list(self.before)
+            c = self._newline_count(out[-1]) if before and out else 0
+            if c and c + self._newline_count(before[0]) in self.newlines:
+                out[-1] = self.newlines[c + self._newline_count(before[0])]
+                before = before[1:]
+            out += before
+            offsets.append(len(out))
+            out += [self.image_token_id] * n
+            after = list(self.after)
+            start = at + 1
+            if after and start < len(ids) and start not in where and self.newlines:
+                c = self._newline_count(ids[start])
+                k = c + self._newline_count(after[-1])
+                if c and k in self.newlines:
+                    after[-1] = self.newlines[k]
+                    start += 1
+            out += after
+        return out + ids[start:], offsets
 
     def expand(self, ids: list[int], images: list) -> list[int]:
         """The prompt with each image's placeholder expanded (no pixel work)."""
-        out, start = [], 0
-        for at, image in zip(self._placeholders(ids, images), images):
-            out += ids[start:at] + [self.image_token_id] * self.check_image(image)
-            start = at + 1
-        return out + ids[start:]
+        where = self._placeholders(ids, images)
+        return self._layout(ids, where, [self.check_image(im) for im in images])[0]
 
     def process(self, ids: list[int], images: list) -> tuple[list[int], list[MultiModalFeature]]:
         """The prompt with each image's placeholder expanded, and the images' features."""
-        tok = self.image_token_id
         where = self._placeholders(ids, images)
-        feats, out = [], []
-        start = 0
-        for k, (at, image) in enumerate(zip(where, images)):
+        feats, counts = [], []
+        for k, image in enumerate(images):
             try:
                 image.load()  # (a truncated or corrupt file fails here, by name)
                 pixels, grid = self.image_processor([image])
@@ -164,17 +212,16 @@ class MultiModalProcessor:
                 self.check_image(image)
             except ValueError as e:
                 raise ValueError(f"image {k}: {e}") from None
-            out.extend(ids[start:at])
-            offset = len(out)
-            out.extend([tok] * n)
-            start = at + 1
+            counts.append(n)
             raw = np.ascontiguousarray(pixels, np.float32)
             digest = hashlib.sha256(raw.tobytes())
             digest.update(np.asarray(g, np.int64).tobytes())
-            feats.append(MultiModalFeature(identifier=digest.hexdigest(), offset=offset,
+            feats.append(MultiModalFeature(identifier=digest.hexdigest(), offset=0,
                                            length=n, grid_thw=g, pixel_values=raw.tobytes(),
                                            patch_dim=raw.shape[1]))
-        out.extend(ids[start:])
+        out, offsets = self._layout(ids, where, counts)
+        for f, offset in zip(feats, offsets):
+            f.offset = offset
         return out, feats
 
 
@@ -185,9 +232,10 @@ def block_mm_keys(features, block_index: int, block_size: int) -> tuple:
 
 
 def check_features(features, ids, *, image_token_id: int | None, patch_dim: int,
-                   merge: int) -> None:
+                   merge: int, grid: tuple[int, int, int] | None = None) -> None:
     """The engine core's check of a request's images (a request that bypassed the front end
-    fails alone): ValueError naming the field and the limit."""
+    fails alone): ValueError naming the field and the limit. grid: the one grid every image
+    has (Gemma 3's fixed size), or None."""
     if not features:
         return
     if image_token_id is None:
@@ -203,6 +251,9 @@ def check_features(features, ids, *, image_token_id: int | None, patch_dim: int,
                 or g[1] % merge or g[2] % merge):
             raise ValueError(f"{name}.grid_thw must be 3 positive ints, the last two "
                              f"multiples of {merge}")
+        if grid is not None and tuple(g) != tuple(grid):
+            raise ValueError(f"{name}.grid_thw must be {list(grid)} (this model's one image "
+                             "size)")
         rows = g[0] * g[1] * g[2]
         if f.patch_dim != patch_dim or len(f.pixel_values) != rows * patch_dim * 4:
             raise ValueError(f"{name}.pixel_values must hold {rows} x {patch_dim} float32 "

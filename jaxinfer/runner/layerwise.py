@@ -220,12 +220,15 @@ class LayerwiseProgram:
     def _shared_for(self, t: int, r: int, mm: bool, args) -> tuple:
         """The head (per bucket (T, R) and mm: steps with images) and the per-kind layer
         executables (per bucket) every variant of it shares, compiled once (by whichever
-        thread asks first; the others wait for it)."""
+        thread asks first; the others wait for it). A model whose image tokens attend both
+        ways (attention spans in the steps with images) has layers of their own there."""
         with self._lock:
             lock = self._shared_locks.setdefault((t, r), threading.Lock())
+        spans = args[1][5].attn_spans is not None
+        layers_key = (t, r, "spans") if spans else (t, r)
         with lock:
             head = self._shared.get((t, r, mm))
-            layers = self._shared.get((t, r))
+            layers = self._shared.get(layers_key)
             if head is None or layers is None:
                 head_args, (leaves, x, cos, sin, kv_caches, md) = args
                 lm = self.lm
@@ -237,7 +240,7 @@ class LayerwiseProgram:
                 if head is None:
                     head = self._shared[(t, r, mm)] = head_lo.compile()
                 if layers is None:
-                    layers = self._shared[(t, r)] = [lo.compile() for lo in runs]
+                    layers = self._shared[layers_key] = [lo.compile() for lo in runs]
             return head, layers
 
     def lower(self, t: int, r: int, features: StepFeatures, state: StepState,

@@ -2,8 +2,9 @@
 encoder outputs kept by image identifier (the scheduler's EncoderCacheManager decides what
 is encoded and dropped), and what each step carries for them: the encoder rows to put in
 place of the placeholder tokens' embeddings (StepBatch.mm_embeds / mm_mask, the `mm`
-variant) and, for M-RoPE models, every token's three rotary positions
-(StepBatch.rope_positions, every step).
+variant), for models whose image tokens attend both ways (Gemma 3) each image token's span
+(AttentionMetadata.attn_spans, in the same steps) and, for M-RoPE models, every token's
+three rotary positions (StepBatch.rope_positions, every step).
 
 Encoder runs: one image at a time, its inputs padded by the model family
 (`encoder_inputs`: Qwen2.5-VL pads the patches to a power of two, at least 64, so that the
@@ -42,13 +43,14 @@ class MultiModalRunner:
     def __init__(self, model):
         """model: a vision-language model: its `visual` tower, the class functions
         `encoder_inputs` (one image's padded tower inputs) and `mm_rope_positions` (M-RoPE
-        models)."""
+        models), `bidirectional_images` (Gemma 3)."""
         self.config = model.config
         # (the tower's weights are read from the step state's at each run: a weight update or
         # a wake-up replaces them there)
         self.graphdef = nnx.split(model.visual)[0]
         self.hidden_size = model.config.hidden_size
         self.mrope = bool(model.config.mrope_section)
+        self.spans = bool(getattr(model, "bidirectional_images", False))
         self.model_cls = type(model)
         self._encode = jax.jit(_encode, static_argnums=(0,))
         self.outputs: dict[str, np.ndarray] = {}  # identifier -> float32 [rows, H]
@@ -102,12 +104,13 @@ class MultiModalRunner:
         out = self._encode(self.graphdef, self.tower_state(params), *args)
         self.compiled_sizes.add(args[0].shape[0])
         self.num_encoder_runs += 1
-        return np.asarray(jax.device_get(out))[:rows][unmerge]
+        out = np.asarray(jax.device_get(out))
+        return out.reshape(-1, out.shape[-1])[:rows][unmerge]
 
     # -- one step's inputs ----------------------------------------------------------------------
-    def step_images(self, req_ids, computed, q_lens) -> list[tuple[int, np.ndarray]]:
-        """(first token index in the step, encoder rows) of every image part the step's
-        chunks hold, in token order."""
+    def step_images(self, req_ids, computed, q_lens) -> list[tuple[int, np.ndarray, tuple]]:
+        """(first token index in the step, encoder rows, the image's (first, last)
+        position) of every image part the step's chunks hold, in token order."""
         out = []
         if not self.requests:  # (no request with images: no per-row work)
             return out
@@ -119,14 +122,17 @@ class MultiModalRunner:
                     lo, hi = max(f.offset, c), min(f.end, c + q)
                     if lo < hi:
                         rows = self.outputs[f.identifier][lo - f.offset:hi - f.offset]
-                        out.append((start + lo - c, rows))
+                        out.append((start + lo - c, rows, (f.offset, f.end - 1)))
             start += q
         return out
 
     def fill(self, batch, parts) -> None:
-        for at, rows in parts:
+        spans = batch.attn.attn_spans
+        for at, rows, span in parts:
             batch.mm_embeds[at:at + len(rows)] = rows
             batch.mm_mask[at:at + len(rows)] = True
+            if spans is not None:
+                spans[at:at + len(rows)] = span
 
     def fill_rope(self, batch, req_ids, computed, q_lens, pos) -> None:
         """M-RoPE positions of the step's tokens: the prompt table of a request with images

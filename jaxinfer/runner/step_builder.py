@@ -67,7 +67,8 @@ class StepBuilder:
         return empty_step_batch(t, r, self.max_blocks, self.num_slots, prompt_logprobs,
                                 self.bitmask_width if structured else 0, self.num_spec, verify,
                                 bias, self.logits_processors if processors else (),
-                                self.lora, self.mrope, self.mm.hidden_size if mm else 0)
+                                self.lora, self.mrope, self.mm.hidden_size if mm else 0,
+                                spans=mm and self.mm.spans)
 
     def _buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool,
                  verify: bool, bias: int, processors: bool, mm: bool) -> StepBatch:

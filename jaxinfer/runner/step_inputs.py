@@ -122,11 +122,12 @@ def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
                      prompt_logprobs: bool = False, bitmask_width: int = 0,
                      num_spec: int = 0, verify: bool = False, bias: int = 0,
                      logits_processors=(), lora: bool = False, mrope: bool = False,
-                     mm_width: int = 0) -> StepBatch:
+                     mm_width: int = 0, spans: bool = False) -> StepBatch:
     """Host buffers of an all-padding (T=t, R=r) step (num_spec: K of speculative decoding,
     0 = off; verify: room for drafts; bias: logit_bias entries per row; logits_processors:
     room for their rows; lora: each token's adapter slot, -1 for none; mrope: M-RoPE
-    positions; mm_width: room for image encoder rows of this width, 0 for none)."""
+    positions; mm_width: room for image encoder rows of this width, 0 for none; spans: each
+    token's bidirectional attention span, (-1, -1) for none)."""
     zi = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     n = min(t, r * (num_spec + 1)) if verify else r
     return StepBatch(
@@ -134,7 +135,8 @@ def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
         attn=AttentionMetadata(slot_mapping=zi(t), block_tables=zi(r, max_blocks),
                                seq_lens=zi(r), query_start_loc=zi(r + 1), num_seqs=zi(1),
                                num_decodes=zi(1),
-                               lora_slots=np.full(t, -1, np.int32) if lora else None),
+                               lora_slots=np.full(t, -1, np.int32) if lora else None,
+                               attn_spans=np.full((t, 2), -1, np.int32) if spans else None),
         logits_indices=zi(r), token_slots=np.full(t, num_slots, np.int32),
         token_is_output=np.zeros(t, bool), req_slots=zi(r),
         reset_slots=np.full(r, num_slots, np.int32),
@@ -179,6 +181,8 @@ def reset_step_batch(batch: StepBatch, num_slots: int) -> None:
         batch.verify_drafts.fill(-1)
     if batch.attn.lora_slots is not None:
         batch.attn.lora_slots.fill(-1)
+    if batch.attn.attn_spans is not None:
+        batch.attn.attn_spans.fill(-1)
 
 
 def fill_step_inputs(batch: StepBatch, token_ids: np.ndarray, block_table: np.ndarray,

@@ -280,7 +280,7 @@ class Worker:
         multimodal = None
         # (vision-language models take images on one host; multi-host engines serve them
         # text only, and the core refuses a request with images by name)
-        if (getattr(self.model, "mm_rope_positions", None) is not None
+        if (getattr(self.model, "encoder_inputs", None) is not None
                 and jax.process_count() == 1):
             from jaxinfer.runner.multimodal import MultiModalRunner
 

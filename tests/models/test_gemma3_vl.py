@@ -1,0 +1,285 @@
+"""Gemma 3 with images (Gemma3ForConditionalGeneration, jaxinfer/models/gemma3.py) against HF:
+the image processor's pixels equal HF's PIL processor's; the prompt expansion equals HF's
+processor's text tokenized; the engine's prompt logprobs and greedy tokens equal HF's with
+the bidirectional image mask (an image longer than the sliding window; images first and
+mid-prompt), through chunked prefill, preemption and prefix hits, layer-wise and whole
+steps; refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+BOI, EOI, IMAGE = 250, 251, 252
+NL = {1: 253, 2: 254, 3: 255, 4: 256}  # runs of newlines, as Gemma's vocabulary has them
+VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+              image_size=112, patch_size=14, layer_norm_eps=1e-6, vision_use_head=False)
+MM_TOKENS = 16  # 8 x 8 patches pooled 2 x 2
+
+
+def _tokenizer_json(path, vocab_size: int) -> None:
+    """A word-level tokenizer whose vocabulary names the image and newline tokens as
+    Gemma's does (the processor reads the newline tokens from it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    for k, i in NL.items():
+        vocab.pop(f"w{i}")
+        vocab["\n" * k] = i
+    for name, i in (("<start_of_image>", BOI), ("<end_of_image>", EOI),
+                    ("<image_soft_token>", IMAGE)):
+        vocab.pop(f"w{i}")
+        vocab[name] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="removed")
+    tok.save(str(path / "tokenizer.json"))
+
+
+def tiny_gemma3_vl(path, *, vocab_size: int = 300, seed: int = 1):
+    """A tiny random Gemma 3 with images: 2 text layers (sliding window 8, then full), a
+    2-layer SigLIP over 112 x 112 images, 16 soft tokens per image; saved at `path` as
+    transformers saves it, with a tokenizer.json and a preprocessor_config.json."""
+    cfg = transformers.Gemma3Config(
+        architectures=["Gemma3ForConditionalGeneration"],
+        text_config=dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"],
+                         max_position_embeddings=256, bos_token_id=2, eos_token_id=1,
+                         query_pre_attn_scalar=16),
+        vision_config=VISION, mm_tokens_per_image=MM_TOKENS, boi_token_index=BOI,
+        eoi_token_index=EOI, image_token_index=IMAGE)
+    for c in (cfg, cfg.vision_config, cfg.text_config):
+        c._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0 if "language_model" in name or "soft" in name else 1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.15)
+    hf.save_pretrained(path)
+    _tokenizer_json(path, vocab_size)
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Gemma3ImageProcessor", "size": {"height": 112, "width": 112},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2,
+        "rescale_factor": 1 / 255, "do_pan_and_scan": False}))
+    return hf
+
+
+@pytest.fixture(scope="module")
+def hf_vl(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3_vl")
+    return tiny_gemma3_vl(path), str(path)
+
+
+def _image(w: int, h: int, seed: int, mode: str = "RGB"):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    im = Image.fromarray(rng.integers(0, 256, (h, w, 4), dtype=np.uint8), "RGBA")
+    return im if mode == "RGBA" else im.convert(mode)
+
+
+def _processor(hf_vl):
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.multimodal.inputs import MultiModalProcessor
+
+    _, path = hf_vl
+    return MultiModalProcessor(ModelConfig.from_pretrained(path), path)
+
+
+def test_image_processor_equals_hf(hf_vl):
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    ours = _processor(hf_vl).image_processor
+    ref = Gemma3ImageProcessorPil(size={"height": 112, "width": 112}, do_pan_and_scan=False)
+    for im in (_image(300, 200, 0), _image(50, 90, 1, "RGBA"), _image(112, 112, 2, "L"),
+               _image(7, 640, 3)):
+        rows, grids = ours([im])
+        want = ref([im], return_tensors="np")["pixel_values"][0]  # [C, S, S]
+        c, s, p = want.shape[0], 8, 14
+        back = rows.reshape(s, s, c, p, p).transpose(2, 0, 3, 1, 4).reshape(c, 112, 112)
+        np.testing.assert_allclose(back, want, atol=1e-6)
+        assert grids.tolist() == [[1, 8, 8]]
+
+
+def test_prompt_expansion_equals_hf_processor_text(hf_vl):
+    """HF's processor writes "\\n\\n<start_of_image>" + soft tokens + "<end_of_image>\\n\\n"
+    for each image and tokenizes the text; newline runs merge with the prompt's."""
+    from tokenizers import Tokenizer
+
+    _, path = hf_vl
+    tok = Tokenizer.from_file(path + "/tokenizer.json")
+    mm = _processor(hf_vl)
+    assert mm.placeholder_text == "<start_of_image>"
+    # (the word-level tokenizer splits on spaces: a newline run is one word, so the text
+    # below spells the runs as Gemma's tokenizer would see them merged)
+    image = " <start_of_image> " + "<image_soft_token> " * MM_TOKENS + "<end_of_image> "
+    cases = [  # (prompt words, HF's expanded text with newline runs as they merge)
+        ("w5 <start_of_image> w6", "w5 \n\n" + image + "\n\n w6"),
+        ("w5 \n <start_of_image> \n w6", "w5 \n\n\n" + image + "\n\n\n w6"),
+        ("<start_of_image> <start_of_image> \n\n w7",
+         "\n\n" + image + "\n\n\n\n" + image + "\n\n\n\n w7"),
+    ]
+    for prompt, want in cases:
+        ids = tok.encode(prompt).ids
+        n = prompt.count("<start_of_image>")
+        got = mm.expand(ids, [_image(20, 20, 0)] * n)
+        assert got == tok.encode(want).ids, (prompt, tok.decode(got))
+        out, feats = mm.process(ids, [_image(20, 20, k) for k in range(n)])
+        assert out == got
+        assert [out[f.offset - 1] for f in feats] == [BOI] * n
+        assert all(set(out[f.offset:f.end]) == {IMAGE} and out[f.end] == EOI for f in feats)
+
+
+def _hf_greedy(hf, ids, images, n):
+    from jaxinfer.multimodal.gemma3 import Gemma3ImageProcessor
+
+    proc = Gemma3ImageProcessor(image_size=112, merge_size=2)
+    t = torch.tensor([ids])
+    kw = {}
+    if images:
+        rows, _ = proc(images)
+        pix = rows.reshape(len(images), 8, 8, 3, 14, 14).transpose(0, 3, 1, 4, 2, 5)
+        kw = dict(pixel_values=torch.tensor(np.ascontiguousarray(pix).reshape(-1, 3, 112, 112)),
+                  token_type_ids=(t == IMAGE).long())
+    with torch.no_grad():
+        out = hf.generate(t, attention_mask=t * 0 + 1, max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, **kw)
+        logits = hf(t, attention_mask=t * 0 + 1, **kw).logits[0].double()
+    return out[0, len(ids):].tolist(), torch.log_softmax(logits, -1).numpy()
+
+
+def _expand(ids, n_images):
+    out = []
+    for t in ids:
+        if t == BOI:
+            out += [NL[2], BOI] + [IMAGE] * MM_TOKENS + [EOI, NL[2]]
+        else:
+            out.append(t)
+    return out
+
+
+def _cases():
+    rng = np.random.default_rng(5)
+    a, b, c = _image(60, 40, 0), _image(112, 112, 1), _image(30, 90, 2, "RGBA")
+    text = rng.integers(3, 240, 9).tolist()
+    return [
+        ([2, BOI] + text, [a]),
+        ([2] + text[:4] + [BOI] + text[4:] + [BOI, 7], [b, c]),
+        ([2, BOI] + text, [b]),  # the first's text with another image
+        ([2] + text[:4] + [BOI] + text[4:] + [BOI, 7], [b, c]),
+    ]
+
+
+def test_prompt_logprobs_equal_hf(hf_vl):
+    """Every prompt position's logprob equals HF's (atol 2e-4): the rows of an image's
+    tokens see the whole image (16 tokens, twice the sliding window), through 24-token
+    chunks that stop before an image."""
+    from jaxinfer import LLM, SamplingParams
+
+    hf, path = hf_vl
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=128,
+              max_num_batched_tokens=24, warmup=False, enable_multiprocessing=False,
+              block_size=8, max_num_seqs=4)
+    cases = _cases()[:2]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": ims}}
+                         for ids, ims in cases], params, use_tqdm=False)
+    for (ids, ims), o in zip(cases, outs):
+        full = _expand(ids, len(ims))
+        _, logprobs = _hf_greedy(hf, full, ims, 1)
+        got = np.array([d[t].logprob for d, t in zip(o.prompt_logprobs[1:], full[1:])])
+        want = logprobs[np.arange(len(full) - 1), full[1:]]
+        np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("step_compilation,async_scheduling",
+                         [("layerwise", False), ("whole", True)])
+def test_engine_images_equal_hf(hf_vl, step_compilation, async_scheduling):
+    """Greedy tokens equal HF's: images first and mid-prompt, 24-token chunks (text cut
+    around the images), preemption, the same image in two requests encoded once, and the
+    prefix cache (the same request again)."""
+    from jaxinfer import LLM, SamplingParams
+
+    hf, path = hf_vl
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=128,
+              max_num_batched_tokens=24, warmup=False, enable_multiprocessing=False,
+              num_kv_blocks=17, block_size=8, max_num_seqs=4,
+              step_compilation=step_compilation, async_scheduling=async_scheduling)
+    cases = _cases()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": ims}}
+                         for ids, ims in cases], params, use_tqdm=False)
+    for (ids, ims), o in zip(cases, outs):
+        full = _expand(ids, len(ims))
+        assert list(o.prompt_token_ids) == full
+        assert list(o.outputs[0].token_ids) == _hf_greedy(hf, full, ims, 6)[0]
+    stats = llm.llm_engine.get_stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["encoder_cache_hits"] > 0
+    again = llm.generate([{"prompt_token_ids": cases[1][0],
+                           "multi_modal_data": {"image": cases[1][1]}}], params,
+                         use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
+    assert list(again.outputs[0].token_ids) == list(outs[1].outputs[0].token_ids)
+    assert not llm.llm_engine.engine_core.core.scheduler.requests
+    llm.shutdown()
+
+
+def test_bidirectional_mask_matters(hf_vl):
+    """The check above could not pass with a causal mask: HF's logits at the image tokens
+    change without token_type_ids (the block mask), by far more than its tolerance."""
+    hf, _ = hf_vl
+    full = _expand([2, BOI, 9, 10], 1)
+    from jaxinfer.multimodal.gemma3 import Gemma3ImageProcessor
+
+    rows, _ = Gemma3ImageProcessor(image_size=112, merge_size=2)([_image(60, 40, 0)])
+    pix = np.ascontiguousarray(rows.reshape(1, 8, 8, 3, 14, 14).transpose(0, 3, 1, 4, 2, 5))
+    t = torch.tensor([full])
+    kw = dict(pixel_values=torch.tensor(pix.reshape(1, 3, 112, 112)))
+    with torch.no_grad():
+        bi = hf(t, token_type_ids=(t == IMAGE).long(), **kw).logits[0]
+        causal = hf(t, **kw).logits[0]
+    assert (bi - causal).abs().max() > 1e-2
+
+
+def test_refusals(hf_vl):
+    from jaxinfer import LLM, SamplingParams
+
+    _, path = hf_vl
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+              max_num_batched_tokens=24, warmup=False, enable_multiprocessing=False,
+              block_size=8, max_num_seqs=4)
+    p = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="placeholder"):
+        llm.generate([{"prompt_token_ids": [2, 5, 6], "multi_modal_data": {"image": [
+            _image(20, 20, 0)]}}], p, use_tqdm=False)
+    with pytest.raises(ValueError, match="placeholder"):  # bare soft tokens
+        llm.generate([{"prompt_token_ids": [2, IMAGE, 6]}], p, use_tqdm=False)
+    with pytest.raises(ValueError, match="aspect ratio"):
+        llm.generate([{"prompt_token_ids": [2, BOI], "multi_modal_data": {"image": [
+            _image(1, 300, 0)]}}], p, use_tqdm=False)
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.multimodal.gemma3 import Gemma3ImageProcessor
+
+    vis = ModelConfig.from_pretrained(path).vision
+    with pytest.raises(ValueError, match="do_pan_and_scan"):
+        Gemma3ImageProcessor.from_config({"do_pan_and_scan": True}, vis)
+    with pytest.raises(ValueError, match="image_size"):
+        Gemma3ImageProcessor.from_config({"size": {"height": 224, "width": 224}}, vis)
+    # the engine serves on
+    out = llm.generate([{"prompt_token_ids": [2, BOI, 5],
+                         "multi_modal_data": {"image": _image(20, 20, 0)}}], p,
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
+    llm.shutdown()
