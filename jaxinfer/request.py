@@ -119,6 +119,10 @@ class Request:
         # penalties need every token to pass through the step (cached tokens do not).
         p = sampling_params
         self.skip_prefix_cache = (p.prompt_logprobs is not None or p.uses_penalties)
+        # Prompt logprobs: entries sent to the front end, and where this run of the prompt
+        # is (a preempted request recomputes its prompt from position 0).
+        self.prompt_logprobs_sent = 0
+        self.prompt_logprobs_run = 0
         # KV connectors (disaggregated prefill/decode): the request's kv_transfer_params, and
         # whether the connector was asked already (once per request: a preempted request
         # recomputes); during a load, the prefix-cache hit it started from.
@@ -147,6 +151,18 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def new_prompt_logprobs(self, entries: tuple) -> tuple:
+        """A step's prompt logprobs for this request (from the position its chunk starts
+        at; None first when that is 0) less those sent before a preemption: each prompt
+        position's entry goes out once."""
+        if not entries:
+            return entries
+        start = 0 if entries[0] is None else self.prompt_logprobs_run
+        self.prompt_logprobs_run = start + len(entries)
+        skip = max(0, self.prompt_logprobs_sent - start)
+        self.prompt_logprobs_sent = max(self.prompt_logprobs_sent, self.prompt_logprobs_run)
+        return entries[skip:]
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         if isinstance(token_ids, int):

@@ -556,6 +556,8 @@ class Scheduler:
         """One request's part of update_from_output: its new tokens, stop checks, grammar."""
         rid = request.request_id
         prompt_lps = prompt_logprobs.get(rid) if prompt_logprobs else None
+        if prompt_lps:
+            prompt_lps = request.new_prompt_logprobs(prompt_lps)
         if spec and rid in spec:
             # The step verified the drafts: it returns the accepted ones plus one token.
             # Rejected drafts' KV is not computed; the next step recomputes from there.

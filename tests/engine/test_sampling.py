@@ -188,6 +188,33 @@ def test_prompt_logprobs_match_hf_across_chunks(tmp_path, smollm2_dir):
     assert_no_leaks(llm)
 
 
+def test_prompt_logprobs_once_per_position_through_preemption(tmp_path, smollm2_dir):
+    """A preempted request recomputes its prompt from position 0 (prefix caching is off for
+    it): the positions it had sent before are not sent again (each request's list is one
+    entry per prompt token) and the values equal an unpreempted run's."""
+    path = tmp_path / "m"
+    make_tiny_model_dir(path, "llama", smollm2_dir)
+    prompts = [{"prompt_token_ids": list(range(1000 + 50 * i, 1020 + 50 * i + i))}
+               for i in range(4)]
+    params = SamplingParams(max_tokens=20, prompt_logprobs=1, temperature=0, ignore_eos=True)
+    outs = {}
+    for blocks in (9, 60):
+        llm = LLM(str(path), dtype="float32", max_model_len=64, max_num_seqs=4,
+                  max_num_batched_tokens=32, warmup=False, num_kv_blocks=blocks,
+                  block_size=8, enable_multiprocessing=False)
+        outs[blocks] = llm.generate(prompts, params, use_tqdm=False)
+        assert (llm.llm_engine.get_stats()["num_preemptions"] > 0) == (blocks == 9)
+        assert_no_leaks(llm)
+        llm.shutdown()
+    for tight, roomy, p in zip(outs[9], outs[60], prompts):
+        ids = p["prompt_token_ids"]
+        assert len(tight.prompt_logprobs) == len(ids) and tight.prompt_logprobs[0] is None
+        for i in range(1, len(ids)):
+            assert abs(tight.prompt_logprobs[i][ids[i]].logprob
+                       - roomy.prompt_logprobs[i][ids[i]].logprob) < 1e-5
+        assert tight.outputs[0].token_ids == roomy.outputs[0].token_ids
+
+
 def test_kv_cache_dtype_bfloat16(tmp_path, smollm2_dir):
     """kv_cache_dtype (vLLM's option): a bfloat16 cache under a float32 model holds twice the
     blocks for the same bytes; greedy tokens match the float32 cache on a peaky model."""
