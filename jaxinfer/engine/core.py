@@ -484,9 +484,12 @@ class EngineCore:
         return self.pause_state
 
     def _weights_changed(self, result: dict, weight_version: str | None) -> dict:
-        """After an update: KV computed with the old weights is never reused (every cached
-        block forgotten, the blocks of running requests too), and the new label."""
+        """After an update: KV and image encoder outputs computed with the old weights are
+        never reused (every cached block forgotten, the blocks of running requests too; the
+        encoder cache emptied), and the new label."""
         self.scheduler.kv.reset_prefix_cache(force=True)
+        if self.scheduler.encoder_cache is not None:
+            self.scheduler.encoder_cache.reset()
         self.num_weight_updates += 1
         self.weight_version = (str(weight_version) if weight_version is not None
                                else str(self.num_weight_updates))

@@ -91,9 +91,10 @@ class Gemma3ImageProcessor:
 
 
 def newline_tokens(model_dir: str) -> dict[int, int]:
-    """{k: id of the token of k newlines} in the checkpoint's tokenizer.json (Gemma's vocab
-    has runs of newlines as single tokens; HF's processor writes "\\n\\n" around each image
-    and tokenizes the text, so those runs merge with the prompt's own newlines)."""
+    """{k: id of the one token a run of k newlines tokenizes to} with the checkpoint's
+    tokenizer.json (Gemma's vocabulary has such runs as single tokens; HF's processor writes
+    "\\n\\n" around each image and tokenizes the text, so those runs merge with the
+    prompt's own newlines)."""
     import os
 
     path = os.path.join(model_dir, "tokenizer.json")
@@ -104,7 +105,7 @@ def newline_tokens(model_dir: str) -> dict[int, int]:
     tok = Tokenizer.from_file(path)
     out = {}
     for k in range(1, 32):
-        i = tok.token_to_id("\n" * k)
-        if i is not None:
-            out[k] = i
+        ids = tok.encode("\n" * k, add_special_tokens=False).ids
+        if len(ids) == 1:
+            out[k] = ids[0]
     return out

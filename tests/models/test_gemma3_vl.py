@@ -41,10 +41,13 @@ def _tokenizer_json(path, vocab_size: int) -> None:
     tok.save(str(path / "tokenizer.json"))
 
 
-def tiny_gemma3_vl(path, *, vocab_size: int = 300, seed: int = 1):
+def tiny_gemma3_vl(path, *, vocab_size: int = 300, seed: int = 1,
+                   image_ids: tuple[int, int, int] = (BOI, EOI, IMAGE), tokenizer: bool = True):
     """A tiny random Gemma 3 with images: 2 text layers (sliding window 8, then full), a
-    2-layer SigLIP over 112 x 112 images, 16 soft tokens per image; saved at `path` as
-    transformers saves it, with a tokenizer.json and a preprocessor_config.json."""
+    2-layer SigLIP over 112 x 112 images, 16 soft tokens per image (image_ids: the boi, eoi
+    and soft token ids); saved at `path` as transformers saves it, with a
+    preprocessor_config.json and (tokenizer) a word-level tokenizer.json."""
+    boi, eoi, image = image_ids
     cfg = transformers.Gemma3Config(
         architectures=["Gemma3ForConditionalGeneration"],
         text_config=dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
@@ -53,8 +56,8 @@ def tiny_gemma3_vl(path, *, vocab_size: int = 300, seed: int = 1):
                          layer_types=["sliding_attention", "full_attention"],
                          max_position_embeddings=256, bos_token_id=2, eos_token_id=1,
                          query_pre_attn_scalar=16),
-        vision_config=VISION, mm_tokens_per_image=MM_TOKENS, boi_token_index=BOI,
-        eoi_token_index=EOI, image_token_index=IMAGE)
+        vision_config=VISION, mm_tokens_per_image=MM_TOKENS, boi_token_index=boi,
+        eoi_token_index=eoi, image_token_index=image)
     for c in (cfg, cfg.vision_config, cfg.text_config):
         c._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -66,7 +69,8 @@ def tiny_gemma3_vl(path, *, vocab_size: int = 300, seed: int = 1):
             else:
                 p.normal_(0.0, 0.15)
     hf.save_pretrained(path)
-    _tokenizer_json(path, vocab_size)
+    if tokenizer:
+        _tokenizer_json(path, vocab_size)
     (path / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Gemma3ImageProcessor", "size": {"height": 112, "width": 112},
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2,
@@ -140,7 +144,7 @@ def test_prompt_expansion_equals_hf_processor_text(hf_vl):
         assert all(set(out[f.offset:f.end]) == {IMAGE} and out[f.end] == EOI for f in feats)
 
 
-def _hf_greedy(hf, ids, images, n):
+def _hf_greedy(hf, ids, images, n, image_id: int = IMAGE):
     from jaxinfer.multimodal.gemma3 import Gemma3ImageProcessor
 
     proc = Gemma3ImageProcessor(image_size=112, merge_size=2)
@@ -150,7 +154,7 @@ def _hf_greedy(hf, ids, images, n):
         rows, _ = proc(images)
         pix = rows.reshape(len(images), 8, 8, 3, 14, 14).transpose(0, 3, 1, 4, 2, 5)
         kw = dict(pixel_values=torch.tensor(np.ascontiguousarray(pix).reshape(-1, 3, 112, 112)),
-                  token_type_ids=(t == IMAGE).long())
+                  token_type_ids=(t == image_id).long())
     with torch.no_grad():
         out = hf.generate(t, attention_mask=t * 0 + 1, max_new_tokens=n, min_new_tokens=n,
                           do_sample=False, **kw)
@@ -282,4 +286,101 @@ def test_refusals(hf_vl):
                          "multi_modal_data": {"image": _image(20, 20, 0)}}], p,
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 2
+    llm.shutdown()
+
+
+def test_llm_chat_with_gemma3_images(tmp_path, smollm2_dir):
+    """LLM.chat with image_pil and data-URL parts: each image written as <start_of_image> in
+    the rendered chat (SmolLM2's tokenizer and template, Gemma's image tokens added), the
+    prompt expanded around it, greedy tokens equal HF's on that prompt."""
+    import base64
+    import io
+    import os
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer
+
+    from jaxinfer import LLM, SamplingParams
+
+    ids = (49152, 49153, 49154)
+    hf = tiny_gemma3_vl(tmp_path, vocab_size=49160, image_ids=ids, tokenizer=False)
+    tok = Tokenizer.from_file(os.path.join(smollm2_dir, "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in
+                            ("<start_of_image>", "<end_of_image>", "<image_soft_token>")])
+    assert tok.token_to_id("<image_soft_token>") == ids[2]
+    tok.save(str(tmp_path / "tokenizer.json"))
+    shutil.copy(os.path.join(smollm2_dir, "tokenizer_config.json"), tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_batched_tokens=32,
+              max_num_seqs=2, warmup=False, enable_multiprocessing=False, block_size=8)
+    a, b = _image(40, 70, 3), _image(90, 50, 4)
+    buf = io.BytesIO()
+    b.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    conv = [{"role": "user", "content": [
+        {"type": "image_pil", "image_pil": a}, {"type": "text", "text": "What differs from"},
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                   use_tqdm=False)[0]
+    rendered = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "<start_of_image>What differs from<start_of_image>?"}],
+        tokenize=False, add_generation_prompt=True)
+    plain = tok.encode(rendered, add_special_tokens=False).ids
+    mm = llm.llm_engine.processor.multimodal
+    full = mm.expand(plain, [a, b])
+    assert list(out.prompt_token_ids) == full
+    assert full.count(ids[2]) == 2 * MM_TOKENS and full.count(ids[0]) == 2
+    assert list(out.outputs[0].token_ids) == _hf_greedy(hf, full, [a, b], 6, ids[2])[0]
+    llm.shutdown()
+
+
+@pytest.mark.slow
+def test_engine_images_under_tensor_parallelism(hf_vl):
+    """TP=2 (4 fake CPU devices) gives TP=1's greedy tokens for Gemma 3 prompts with images;
+    the tower is replicated (its weights declare no tensor-parallel axes)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _, path = hf_vl
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+
+    def run(tp):
+        out = subprocess.run([sys.executable, "tests/parallel/vl_tp_worker.py", path, str(tp),
+                              "gemma"], cwd=root, env=env, capture_output=True, text=True,
+                             timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    base, got = run(1), run(2)
+    assert got["tokens"] == base["tokens"]
+    np.testing.assert_allclose(np.concatenate(got["logprobs"]),
+                               np.concatenate(base["logprobs"]), atol=2e-4)
+    assert got["tower_replicated"] and got["devices"] == 2
+
+
+def test_weight_update_reaches_the_tower_and_drops_encoder_outputs(hf_vl, tmp_path):
+    """update_weights with another checkpoint's tensors (HF names, the tower's included):
+    the same image prompt then gives the new model's tokens — the encoder outputs cached
+    from the old tower are not reused."""
+    from jaxinfer import LLM, SamplingParams
+
+    hf, path = hf_vl
+    other = tiny_gemma3_vl(tmp_path, seed=9)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+              max_num_batched_tokens=24, warmup=False, enable_multiprocessing=False,
+              block_size=8, max_num_seqs=2)
+    ids, ims = _cases()[0]
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": ims}}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    full = _expand(ids, 1)
+    before = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert list(before) == _hf_greedy(hf, full, ims, 6)[0]
+    runs = llm.llm_engine.get_stats()["encoder_cache_runs"]
+    llm.update_weights({k: v.numpy() for k, v in other.state_dict().items()})
+    after = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    want = _hf_greedy(other, full, ims, 6)[0]
+    assert list(after) == want and want != list(before)
+    assert llm.llm_engine.get_stats()["encoder_cache_runs"] == runs + 1  # (encoded again)
     llm.shutdown()

@@ -1,7 +1,8 @@
-"""Runs in a subprocess with fake CPU devices: a Qwen2.5-VL engine at one tensor-parallel size
-generates greedily for prompts with images; prints the tokens as JSON.
+"""Runs in a subprocess with fake CPU devices: a vision-language engine (the tiny Qwen2.5-VL or
+Gemma 3 of tests/models) at one tensor-parallel size generates greedily for prompts with
+images; prints the tokens as JSON.
 
-    vl_tp_worker.py MODEL_DIR TP
+    vl_tp_worker.py MODEL_DIR TP [qwen|gemma]
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 
 def main():
     model_dir, tp = sys.argv[1], int(sys.argv[2])
+    family = sys.argv[3] if len(sys.argv) > 3 else "qwen"
     import jax
     import numpy as np
     from PIL import Image
@@ -19,13 +21,17 @@ def main():
     jax.config.update("jax_default_matmul_precision", "highest")
     from jaxinfer import LLM, SamplingParams
 
+    gemma = family == "gemma"
     llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, skip_tokenizer_init=True,
-              max_model_len=96, max_num_batched_tokens=16, warmup=False, num_kv_blocks=13,
-              block_size=8, max_num_seqs=4, enable_multiprocessing=False)
+              max_model_len=96, max_num_batched_tokens=24 if gemma else 16, warmup=False,
+              num_kv_blocks=17 if gemma else 13, block_size=8, max_num_seqs=4,
+              enable_multiprocessing=False)
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
               for h, w in ((56, 56), (84, 112), (56, 84))]
     image, start, end = 190, 188, 189
+    if gemma:  # (<start_of_image> alone marks an image)
+        image, start, end = 250, 2, 7
     prompts = [
         {"prompt_token_ids": [start, image, end, 5, 6, 7],
          "multi_modal_data": {"image": images[0]}},
@@ -37,13 +43,13 @@ def main():
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                                 logprobs=1), use_tqdm=False)
     runner = llm.llm_engine.engine_core.core.runner
-    qkv = runner.mm.tower_state(runner.state.params)["blocks"][0]["attn"]["qkv"]["weight"]
+    leaves = jax.tree.leaves(runner.mm.tower_state(runner.state.params))
     print(json.dumps({
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
                                                      o.outputs[0].logprobs)] for o in outs],
-        "tower_replicated": qkv.value.sharding.is_fully_replicated,
-        "devices": len(qkv.value.sharding.device_set),
+        "tower_replicated": all(x.sharding.is_fully_replicated for x in leaves),
+        "devices": min(len(x.sharding.device_set) for x in leaves),
     }))
     llm.shutdown()
 
