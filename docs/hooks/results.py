@@ -267,7 +267,8 @@ def _mla_step(d: dict) -> str:
 def _vision_prefill(d: dict) -> str:
     env, v, t = d["environment"], d["model"]["vision_config"], d["model"]["text_config"]
     head = (f"{env.get('cpu')} ({env.get('cpus')} cores), float32, "
-            f"`{env.get('step_compilation')}` steps; tower: {v['depth']} blocks of width "
+            f"`{env.get('step_compilation')}` steps; tower: "
+            f"{v.get('depth', v.get('num_hidden_layers'))} blocks of width "
             f"{v['hidden_size']}; language model: {t['num_hidden_layers']} layers of width "
             f"{t['hidden_size']}; image {d['image_pixels'][0]} x {d['image_pixels'][1]} "
             f"({d['image_tokens']} tokens), prompt {d['prompt_tokens']} tokens; median of "

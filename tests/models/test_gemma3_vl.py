@@ -289,48 +289,106 @@ def test_refusals(hf_vl):
     llm.shutdown()
 
 
-def test_llm_chat_with_gemma3_images(tmp_path, smollm2_dir):
-    """LLM.chat with image_pil and data-URL parts: each image written as <start_of_image> in
-    the rendered chat (SmolLM2's tokenizer and template, Gemma's image tokens added), the
-    prompt expanded around it, greedy tokens equal HF's on that prompt."""
-    import base64
-    import io
+CHAT_IDS = (49152, 49153, 49154)  # boi, eoi, soft token after SmolLM2's vocabulary
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory, smollm2_dir):
+    """The tiny Gemma 3 with SmolLM2's tokenizer and chat template, Gemma's image tokens
+    added as special tokens; (HF's model, the folder, the tokenizer)."""
     import os
     import shutil
 
     from tokenizers import AddedToken, Tokenizer
 
-    from jaxinfer import LLM, SamplingParams
-
-    ids = (49152, 49153, 49154)
-    hf = tiny_gemma3_vl(tmp_path, vocab_size=49160, image_ids=ids, tokenizer=False)
+    path = tmp_path_factory.mktemp("gemma3_vl_chat")
+    hf = tiny_gemma3_vl(path, vocab_size=49160, image_ids=CHAT_IDS, tokenizer=False)
     tok = Tokenizer.from_file(os.path.join(smollm2_dir, "tokenizer.json"))
     tok.add_special_tokens([AddedToken(t, special=True) for t in
                             ("<start_of_image>", "<end_of_image>", "<image_soft_token>")])
-    assert tok.token_to_id("<image_soft_token>") == ids[2]
-    tok.save(str(tmp_path / "tokenizer.json"))
-    shutil.copy(os.path.join(smollm2_dir, "tokenizer_config.json"), tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_batched_tokens=32,
+    assert tok.token_to_id("<image_soft_token>") == CHAT_IDS[2]
+    tok.save(str(path / "tokenizer.json"))
+    shutil.copy(os.path.join(smollm2_dir, "tokenizer_config.json"), path)
+    return hf, str(path), tok
+
+
+def _chat_prompt(llm_tokenizer, tok, mm, text: str, images) -> list[int]:
+    """The route's prompt: the template over the text with each image as <start_of_image>,
+    tokenized, expanded."""
+    rendered = llm_tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                 tokenize=False, add_generation_prompt=True)
+    return mm.expand(tok.encode(rendered, add_special_tokens=False).ids, images)
+
+
+def _data_url(image) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_llm_chat_with_gemma3_images(chat_dir):
+    """LLM.chat with image_pil and data-URL parts: each image written as <start_of_image> in
+    the rendered chat, the prompt expanded around it, greedy tokens equal HF's on it."""
+    from jaxinfer import LLM, SamplingParams
+
+    hf, path, tok = chat_dir
+    llm = LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=32,
               max_num_seqs=2, warmup=False, enable_multiprocessing=False, block_size=8)
     a, b = _image(40, 70, 3), _image(90, 50, 4)
-    buf = io.BytesIO()
-    b.save(buf, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     conv = [{"role": "user", "content": [
         {"type": "image_pil", "image_pil": a}, {"type": "text", "text": "What differs from"},
-        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}]
+        {"type": "image_url", "image_url": {"url": _data_url(b)}},
+        {"type": "text", "text": "?"}]}]
     out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                    use_tqdm=False)[0]
-    rendered = llm.get_tokenizer().apply_chat_template(
-        [{"role": "user", "content": "<start_of_image>What differs from<start_of_image>?"}],
-        tokenize=False, add_generation_prompt=True)
-    plain = tok.encode(rendered, add_special_tokens=False).ids
     mm = llm.llm_engine.processor.multimodal
-    full = mm.expand(plain, [a, b])
+    full = _chat_prompt(llm.get_tokenizer(), tok, mm,
+                        "<start_of_image>What differs from<start_of_image>?", [a, b])
     assert list(out.prompt_token_ids) == full
-    assert full.count(ids[2]) == 2 * MM_TOKENS and full.count(ids[0]) == 2
-    assert list(out.outputs[0].token_ids) == _hf_greedy(hf, full, [a, b], 6, ids[2])[0]
+    assert full.count(CHAT_IDS[2]) == 2 * MM_TOKENS and full.count(CHAT_IDS[0]) == 2
+    assert list(out.outputs[0].token_ids) == _hf_greedy(hf, full, [a, b], 6, CHAT_IDS[2])[0]
     llm.shutdown()
+
+
+def test_chat_route_with_gemma3_images(chat_dir):
+    """The server's chat route through the openai SDK (whole and streamed): an image_url
+    data URL between text parts; the text equals HF's greedy continuation, usage counts the
+    image tokens."""
+    openai = pytest.importorskip("openai")
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine.async_engine import AsyncLLM
+    from tests.helpers import LiveServer
+
+    hf, path, tok = chat_dir
+    llm = AsyncLLM(EngineConfig(model=path, dtype="float32", max_model_len=128,
+                                max_num_seqs=2, max_num_batched_tokens=32, warmup=False,
+                                block_size=8))
+    server = LiveServer(llm, "tiny-gemma")
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x")
+        im = _image(64, 48, 6)
+        common = dict(model="tiny-gemma", max_tokens=5, temperature=0,
+                      extra_body={"ignore_eos": True}, messages=[{"role": "user", "content": [
+                          {"type": "text", "text": "Describe"},
+                          {"type": "image_url", "image_url": {"url": _data_url(im)}},
+                          {"type": "text", "text": " briefly."}]}])
+        r = client.chat.completions.create(**common)
+        from transformers import AutoTokenizer
+
+        full = _chat_prompt(AutoTokenizer.from_pretrained(path), tok,
+                            server.server.llm.processor.multimodal,
+                            "Describe<start_of_image> briefly.", [im])
+        want = tok.decode(_hf_greedy(hf, full, [im], 5, CHAT_IDS[2])[0])
+        assert r.choices[0].message.content == want
+        assert r.usage.prompt_tokens == len(full)
+        streamed = "".join(c.choices[0].delta.content or "" for c in
+                           client.chat.completions.create(stream=True, **common) if c.choices)
+        assert streamed == want
+    finally:
+        server.close()
 
 
 @pytest.mark.slow

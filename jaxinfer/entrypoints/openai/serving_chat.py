@@ -49,15 +49,17 @@ class ChatServing:
         ids, template_kwargs = await self.render(req, params.truncate_prompt_tokens is not None)
         ids = self.server.llm.processor.truncate(ids, params)
         # (with images: the prompt as the engine sees it, each placeholder expanded)
-        full = ids
+        full, image_tokens = ids, 0
         if images:
+            mm = self.server.llm.processor.multimodal
             try:
-                full = self.server.llm.processor.multimodal.expand(ids, images)
+                full = mm.expand(ids, images)
+                image_tokens = sum(mm.check_image(im) for im in images)
             except ValueError as e:
                 raise APIError(f"messages: {e}", 400, "messages") from None
         if info is not None:
             info["prompt_tokens"] = len(full)
-        self.server.check_prompt(full, len(full) - len(ids) + len(images))
+        self.server.check_prompt(full, image_tokens)
         asked = req.max_tokens or req.max_completion_tokens
         self.server.check_length(len(full), params.max_tokens if asked else None)
         room = self.server.llm.max_model_len - len(full)
