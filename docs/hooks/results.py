@@ -270,7 +270,7 @@ def _vision_prefill(d: dict) -> str:
             f"`{env.get('step_compilation')}` steps; tower: "
             f"{v.get('depth', v.get('num_hidden_layers'))} blocks of width "
             f"{v['hidden_size']}; language model: {t['num_hidden_layers']} layers of width "
-            f"{t['hidden_size']}; image {d['image_pixels'][0]} x {d['image_pixels'][1]} "
+            f"{t['hidden_size']}; input image {d['image_pixels'][0]} x {d['image_pixels'][1]} "
             f"({d['image_tokens']} tokens), prompt {d['prompt_tokens']} tokens; median of "
             "the runs")
     r = d["request_ms"]
