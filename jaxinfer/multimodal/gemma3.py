@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxinfer.multimodal.qwen2_vl import MAX_ASPECT_RATIO, to_rgb
+from jaxinfer.multimodal.qwen2_vl import MAX_ASPECT_RATIO, rescale_normalize, to_rgb
 
 HALF = (0.5, 0.5, 0.5)
 
@@ -75,15 +75,7 @@ class Gemma3ImageProcessor:
         s, p = self.image_size, self.patch_size
         for image in images:
             self.num_tokens(image.height, image.width)
-            x = np.asarray(to_rgb(image).resize((s, s), resample=self.resample))
-            x = x.transpose(2, 0, 1)  # [C, S, S]
-            if self.do_rescale:
-                x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
-            if self.do_normalize:
-                mean = np.asarray(self.image_mean, np.float32)[:, None, None]
-                std = np.asarray(self.image_std, np.float32)[:, None, None]
-                x = (x.astype(np.float32) - mean) / std
-            x = np.asarray(x, np.float32)
+            x = rescale_normalize(to_rgb(image).resize((s, s), resample=self.resample), self)
             c, n = x.shape[0], self.side
             rows.append(x.reshape(c, n, p, n, p).transpose(1, 3, 0, 2, 4).reshape(n * n, -1))
         grids = np.asarray([(1, self.side, self.side)] * len(rows), np.int64)

@@ -54,6 +54,19 @@ def to_rgb(image):
     return image.convert("RGB")
 
 
+def rescale_normalize(image, proc) -> np.ndarray:
+    """A resized RGB PIL image -> float32 [C, H, W]: times proc.rescale_factor (in float64,
+    as HF), then (x - mean) / std in float32, each if the processor's config says so."""
+    x = np.asarray(image).transpose(2, 0, 1)  # [C, H, W]
+    if proc.do_rescale:
+        x = (x.astype(np.float64) * proc.rescale_factor).astype(np.float32)
+    if proc.do_normalize:
+        mean = np.asarray(proc.image_mean, np.float32)[:, None, None]
+        std = np.asarray(proc.image_std, np.float32)[:, None, None]
+        x = (x.astype(np.float32) - mean) / std
+    return np.asarray(x, np.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen2VLImageProcessor:
     min_pixels: int = 56 * 56
@@ -118,14 +131,7 @@ class Qwen2VLImageProcessor:
             if self.do_resize:
                 image = image.resize((gw * self.patch_size, gh * self.patch_size),
                                      resample=self.resample)
-            x = np.asarray(image).transpose(2, 0, 1)  # [C, H, W]
-            if self.do_rescale:
-                x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
-            if self.do_normalize:
-                mean = np.asarray(self.image_mean, np.float32)[:, None, None]
-                std = np.asarray(self.image_std, np.float32)[:, None, None]
-                x = (x.astype(np.float32) - mean) / std
-            rows.append(self._patches(np.asarray(x, np.float32), gh, gw))
+            rows.append(self._patches(rescale_normalize(image, self), gh, gw))
             grids.append((t, gh, gw))
         return np.concatenate(rows), np.asarray(grids, np.int64)
 

@@ -396,27 +396,9 @@ def test_engine_images_under_tensor_parallelism(hf_vl):
     """TP=2 (4 fake CPU devices) gives TP=1's greedy tokens for prompts with images; the
     vision tower is replicated on both devices (its weights declare no tensor-parallel
     axes), the language model split as usual."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from tests.parallel.vl_tp_worker import check_tp2_equals_tp1
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    _, path = hf_vl
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
-
-    def run(tp):
-        out = subprocess.run([sys.executable, "tests/parallel/vl_tp_worker.py", path, str(tp)],
-                             cwd=root, env=env, capture_output=True, text=True, timeout=900)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    base, got = run(1), run(2)
-    assert got["tokens"] == base["tokens"]
-    np.testing.assert_allclose(np.concatenate(got["logprobs"]),
-                               np.concatenate(base["logprobs"]), atol=2e-4)
-    assert got["tower_replicated"] and got["devices"] == 2
+    check_tp2_equals_tp1(hf_vl[1], "qwen")
 
 
 def test_engine_images_with_ngram_drafts_equal_hf(hf_vl):

@@ -54,5 +54,31 @@ def main():
     llm.shutdown()
 
 
+def check_tp2_equals_tp1(model_dir: str, family: str) -> None:
+    """(In a test) TP=2 on 4 fake CPU devices gives TP=1's tokens and logprobs (within 2e-4),
+    the tower replicated on both devices; each run in a subprocess of this script."""
+    import os
+    import subprocess
+
+    import numpy as np
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+
+    def run(tp):
+        out = subprocess.run([sys.executable, "tests/parallel/vl_tp_worker.py", model_dir,
+                              str(tp), family], cwd=root, env=env, capture_output=True,
+                             text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    base, got = run(1), run(2)
+    assert got["tokens"] == base["tokens"]
+    np.testing.assert_allclose(np.concatenate(got["logprobs"]),
+                               np.concatenate(base["logprobs"]), atol=2e-4)
+    assert got["tower_replicated"] and got["devices"] == 2
+
+
 if __name__ == "__main__":
     main()
