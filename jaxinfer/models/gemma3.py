@@ -18,11 +18,10 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig, RopeScaling
-import numpy as np
-
 from jaxinfer.config.vision import SiglipVisionConfig
 from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.layers.norms import RMSNorm
