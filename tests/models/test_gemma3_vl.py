@@ -424,3 +424,33 @@ def test_weight_update_reaches_the_tower_and_drops_encoder_outputs(hf_vl, tmp_pa
     assert list(after) == want and want != list(before)
     assert llm.llm_engine.get_stats()["encoder_cache_runs"] == runs + 1  # (encoded again)
     llm.shutdown()
+
+
+def test_core_checks_image_features(hf_vl):
+    """The engine core's re-check of a request's images (one that bypassed the front end
+    fails alone, the field named): Gemma 3's one grid, sizes, positions, values."""
+    import msgspec
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.multimodal.inputs import check_features
+
+    vis = ModelConfig.from_pretrained(hf_vl[1]).vision
+    ids, (f,) = _processor(hf_vl).process([2, BOI, 5], [_image(20, 20, 0)])
+    kw = dict(image_token_id=IMAGE, patch_dim=vis.patch_dim, merge=vis.spatial_merge_size,
+              grid=vis.grid)
+    check_features([f], ids, **kw)
+    nan = np.frombuffer(f.pixel_values, np.float32).copy()
+    nan[3] = np.nan
+    bad = [  # (the feature changed, the message)
+        (dict(grid_thw=(1, 4, 16)), r"grid_thw must be \[1, 8, 8\]"),
+        (dict(length=15), "length must be 16"),
+        (dict(offset=f.offset - 1), "must hold the image token"),
+        (dict(pixel_values=f.pixel_values[:-4]), "pixel_values must hold 64 x 588"),
+        (dict(pixel_values=nan.tobytes()), "must be finite"),
+        (dict(identifier="x" * 129), "identifier"),
+    ]
+    for change, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            check_features([msgspec.structs.replace(f, **change)], ids, **kw)
+    with pytest.raises(ValueError, match="every image token"):
+        check_features([f], ids + [IMAGE], **kw)
