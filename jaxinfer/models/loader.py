@@ -36,7 +36,7 @@ def _safetensors_index(model_dir: str) -> dict[str, str]:
     if os.path.isfile(index):
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
-        return _vl_names(_bare_names({name: os.path.join(model_dir, fn)
+        return vl_names(_bare_names({name: os.path.join(model_dir, fn)
                                       for name, fn in weight_map.items()}))
     single = os.path.join(model_dir, "model.safetensors")
     if not os.path.isfile(single):
@@ -46,13 +46,14 @@ def _safetensors_index(model_dir: str) -> dict[str, str]:
     from safetensors import safe_open
 
     with safe_open(single, framework="numpy") as f:
-        return _vl_names(_bare_names({name: single for name in f.keys()}))
+        return vl_names(_bare_names({name: single for name in f.keys()}))
 
 
 # transformers >= 5 saves a vision-language checkpoint under its own module paths; the model
 # classes use the hub's (Gemma 3's image path under `visual.`, as Qwen's tower): (prefix as
-# stored, prefix the classes use). One table, read both ways; the first row marks such a
-# checkpoint. (Gemma 3: language_model.model.*, vision_tower[.vision_model].*, ...)
+# stored, prefix the classes use). One table, read both ways; a language model stored under
+# one of _VL_MARKERS marks such a checkpoint. (Gemma 3's hub layout: language_model.model.*,
+# vision_tower.vision_model.*, multi_modal_projector.*)
 _SIGLIP = "visual.vision_tower.vision_model."
 _VL_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."),
                 ("model.vision_tower.vision_model.", _SIGLIP), ("model.vision_tower.", _SIGLIP),
@@ -60,6 +61,7 @@ _VL_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."
                 ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                 ("vision_tower.vision_model.", _SIGLIP), ("vision_tower.", _SIGLIP),
                 ("multi_modal_projector.", "visual.multi_modal_projector."))
+_VL_MARKERS = ("model.language_model.", "language_model.model.")
 
 
 def _stored_name(name: str, header: dict) -> str:
@@ -71,10 +73,10 @@ def _stored_name(name: str, header: dict) -> str:
     return next((c for c in candidates if c in header), name)
 
 
-def _vl_names(files_by_name: dict[str, str]) -> dict[str, str]:
-    """A vision-language checkpoint as transformers >= 5 saves it under the hub's names."""
-    if not any(n.startswith((_VL_PREFIXES[0][0], "language_model.model."))
-               for n in files_by_name):
+def vl_names(files_by_name: dict[str, str]) -> dict[str, str]:
+    """A vision-language checkpoint's names (transformers 5's, or Gemma 3's hub layout) as the
+    model classes name the tensors."""
+    if not any(n.startswith(_VL_MARKERS) for n in files_by_name):
         return files_by_name
     out = {}
     for n, fn in files_by_name.items():

@@ -172,13 +172,13 @@ class WeightManager:
         return new, copied
 
     def _hf_layout(self, weights: Mapping, variables: dict, only_known: bool) -> dict:
-        from jaxinfer.models.loader import (_vl_names, convert_tensors, param_sources,
-                                            source_owners)
+        from jaxinfer.models.loader import (convert_tensors, param_sources, source_owners,
+                                            vl_names)
 
         w = self.worker
         # (a vision-language model's state dict under transformers 5's module paths: the
         # names its checkpoint files would be read under)
-        weights = _vl_names(dict(weights))
+        weights = vl_names(dict(weights))
         sources, _, _ = param_sources(variables, weights)
         owners = source_owners(sources)
         names = [k for k in weights if not k.endswith(_SCALE_SUFFIXES)]
