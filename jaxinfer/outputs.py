@@ -21,6 +21,9 @@ class NewRequestData:
     sampling_seed: int = 0  # seed of the request's RNG stream
     lora_int_id: int = 0  # the request's LoRA adapter (0: the base model)
     mm_features: tuple = ()  # its images (multimodal/inputs.py MultiModalFeature)
+    # Models with sliding and full layers: every block of the request in the sliding layers'
+    # pool (core/window_blocks.py; the null block where freed). () otherwise.
+    window_block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class CachedRequestData:
     req_id: str
     new_block_ids: tuple[int, ...]  # blocks appended this step
     num_computed_tokens: int  # before this step
+    new_window_block_ids: tuple[int, ...] = ()  # sliding layers' pool: blocks appended
 
 
 @dataclass(frozen=True)

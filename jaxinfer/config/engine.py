@@ -134,6 +134,10 @@ class EngineConfig:
     # split by tokens between the tensor-parallel regions. No effect at tensor_parallel_size 1.
     enable_sequence_parallelism: bool = False
     num_kv_blocks: int | None = None  # explicit KV cache size in blocks (incl. null block)
+    # Models with sliding and full layers (Gemma 3, gpt-oss) keep the sliding layers' KV in a
+    # pool of their own that frees blocks as the window moves (core/window_blocks.py); True:
+    # one pool, every layer keeps every block (vLLM's flag of the same name).
+    disable_hybrid_kv_cache_manager: bool = False
     kv_cache_memory_bytes: int | None = None  # or a byte budget for the KV cache
     gpu_memory_utilization: float = 0.9  # on GPU: fraction of device memory the engine may use
     compilation_cache_dir: str | None = None  # None: <cache>/xla; "" disables the cache

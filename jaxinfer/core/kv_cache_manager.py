@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from jaxinfer.core.block_pool import BlockPool, KVCacheBlock
 from jaxinfer.core.kv_cache_utils import none_hash, update_block_hashes
+from jaxinfer.core.window_blocks import WindowBlocks
 from jaxinfer.request import Request
 
 
@@ -28,7 +29,11 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, *,
-                 enable_caching: bool = True, hash_algo: str = "sha256", hash_seed: int = 0):
+                 enable_caching: bool = True, hash_algo: str = "sha256", hash_seed: int = 0,
+                 window: int | None = None, window_blocks: int = 0, window_margin: int = 0):
+        """window, window_blocks: a model with sliding and full layers keeps its sliding
+        layers' KV in a pool of its own of window_blocks blocks (core/window_blocks.py);
+        window_margin: tokens a rejected draft may move a request back by."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -40,6 +45,9 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # blocks of each request already hashed
         self.prefix_cache_stats = PrefixCacheStats()
+        self.window = (WindowBlocks(window_blocks, block_size, window,
+                                    enable_caching=enable_caching, margin=window_margin)
+                       if window_blocks else None)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -66,6 +74,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.window is not None:  # the sliding layers' blocks of the hit's end are cached too
+            hits = hits[:self.window.longest_hit(request.block_hashes, len(hits))]
         num_hit_tokens = len(hits) * self.block_size
         self.prefix_cache_stats.requests += 1
         self.prefix_cache_stats.queries += request.num_tokens
@@ -74,6 +84,8 @@ class KVCacheManager:
 
     def reset_prefix_cache(self, force: bool = False) -> bool:
         ok = self.block_pool.reset_prefix_cache(force)
+        if ok and self.window is not None:
+            ok = self.window.pool.reset_prefix_cache(force)
         if ok:
             self.prefix_cache_stats = PrefixCacheStats()
         return ok
@@ -112,6 +124,13 @@ class KVCacheManager:
         num_required = -(-num_tokens_need_slot // self.block_size)
         hits = new_computed_blocks or []
         num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        window, window_hits = self.window, []
+        if window is not None:
+            window.free_out_of_window(request.request_id, request.num_computed_tokens)
+            if hits:
+                window_hits = window.hit_blocks(request.block_hashes, len(hits))
+                if window_hits is None:
+                    raise RuntimeError("a prefix hit whose sliding-window blocks are gone")
         if full_sequence_must_fit:
             full = self.blocks_needed(request.num_tokens)
             if (max(full - len(req_blocks) - len(hits), 0)
@@ -128,6 +147,10 @@ class KVCacheManager:
         # Free hits leave the free queue when touched, so they compete with new blocks.
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
             return None
+        if window is not None and not window.can_allocate(
+                window.num_to_allocate(request.request_id, num_required, num_computed),
+                window_hits):
+            return None
 
         req_blocks = self.req_to_blocks.setdefault(request.request_id, req_blocks)
         if hits:
@@ -136,6 +159,8 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = len(req_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
+        if window is not None:
+            window.allocate(request.request_id, num_required, num_computed, window_hits)
         if caching:
             # Blocks filled by this step become findable now: the step writes every token's KV
             # before any attention reads it, so a request admitted later in the same step may
@@ -158,15 +183,36 @@ class KVCacheManager:
         for i in range(done, num_full):
             self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = num_full
+        if self.window is not None:
+            self.window.cache_blocks(request.request_id, request.block_hashes, num_full)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first: a prefix's first blocks are evicted last."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+        if self.window is not None:
+            self.window.free(request.request_id)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def free_out_of_window(self, requests) -> None:
+        """Hand back the sliding-pool blocks that the requests' next tokens no longer read
+        (the scheduler calls this first thing each step, for every running request; the
+        pool's size counts on it: core/window_blocks.py)."""
+        if self.window is not None:
+            for r in requests:
+                self.window.free_out_of_window(r.request_id, r.num_computed_tokens)
+
+    def get_window_block_ids(self, request_id: str) -> tuple[int, ...]:
+        """Every block of the request in the sliding layers' pool (null where freed); () for a
+        model without one."""
+        return () if self.window is None else tuple(self.window.block_ids(request_id))
+
+    def pop_new_window_block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The request's sliding-pool blocks appended since its last step diff."""
+        return () if self.window is None else self.window.pop_new_ids(request_id)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(min(num_tokens, self.max_model_len), self.block_size)

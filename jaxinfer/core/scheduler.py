@@ -254,7 +254,9 @@ class Scheduler:
         if len(self.running) + len(self.waiting) <= 1:
             threshold = 0
 
-        # Running requests first.
+        # Running requests first (their sliding-window blocks that no next token reads go
+        # back first: the sliding layers' pool is sized on it).
+        self.kv.free_out_of_window(self.running)
         i = 0
         in_flight = self.in_flight
         # Pipeline parallelism: a batch takes at most max_num_seqs / P sequences, so that the
@@ -308,7 +310,7 @@ class Scheduler:
             cached_reqs.append(CachedRequestData(
                 request.request_id,
                 tuple([b.block_id for b in new_blocks]) if new_blocks else (),
-                computed,
+                computed, self.kv.pop_new_window_block_ids(request.request_id),
             ))
             num_scheduled[request.request_id] = n
             num_spec = computed + n - num_tokens
@@ -469,7 +471,8 @@ class Scheduler:
             block_ids=tuple(self.kv.get_block_ids(request.request_id)),
             num_computed_tokens=base + num_hit,
             sampling_seed=request.sampling_seed, lora_int_id=request.lora_int_id,
-            mm_features=tuple(request.mm_features)))
+            mm_features=tuple(request.mm_features),
+            window_block_ids=self.kv.get_window_block_ids(request.request_id)))
         num_scheduled[request.request_id] = n
         return n
 

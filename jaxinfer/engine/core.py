@@ -58,9 +58,13 @@ class EngineCore:
         self.runner = self.worker.runner
         cache, sched = rc.cache, rc.scheduler
         block_size = self.worker.block_size  # (None resolved for these devices)
+        spec = cfg.speculative_config
         kv = KVCacheManager(self.worker.num_kv_blocks, block_size, rc.max_model_len,
                             enable_caching=cache.enable_prefix_caching,
-                            hash_algo=cache.prefix_caching_hash_algo, hash_seed=cache.hash_seed)
+                            hash_algo=cache.prefix_caching_hash_algo, hash_seed=cache.hash_seed,
+                            window=self.worker.sliding_window,
+                            window_blocks=self.worker.window_kv_blocks,
+                            window_margin=spec.num_speculative_tokens if spec else 0)
         self.structured_output_manager = None
         if rc.tokenizer_dir is not None:
             from jaxinfer.structured_output import StructuredOutputManager
@@ -81,7 +85,6 @@ class EngineCore:
                 fingerprint=model_fingerprint(os.path.basename(os.path.normpath(rc.model_dir)),
                                               self.model_config, block_size,
                                               self.worker.kv_dtype))
-        spec = cfg.speculative_config
         self.scheduler = Scheduler(sched, kv, kv_connector=kv_sched,
                                    structured_output_manager=self.structured_output_manager,
                                    speculative_config=spec,
@@ -384,6 +387,10 @@ class EngineCore:
         stats = self.scheduler.make_stats()
         stats["num_free_kv_blocks"] = self.scheduler.kv.get_num_free_blocks()
         stats["num_kv_blocks"] = self.runner.num_kv_blocks
+        window = self.scheduler.kv.window
+        if window is not None:  # the sliding layers' own pool (core/window_blocks.py)
+            stats["num_window_kv_blocks"] = window.pool.num_blocks
+            stats["num_free_window_kv_blocks"] = window.pool.get_num_free_blocks()
         stats["attention_backend"] = self.worker.attention_backend
         stats.update(getattr(self.worker, "memory", {}))
         stats["num_compilations"] = self.runner.num_compilations
@@ -438,6 +445,11 @@ class EngineCore:
                             f"{self.runner.num_kv_blocks - 1}")
         if kv.req_to_blocks or kv.num_cached_blocks:
             problems.append(f"block lists left: {sorted(kv.req_to_blocks)}")
+        w = kv.window
+        if w is not None and (w.pool.get_num_free_blocks() != w.pool.num_blocks - 1
+                              or w.req_to_blocks or w.new_ids):
+            problems.append(f"sliding-window blocks held: {sorted(w.req_to_blocks)}, free "
+                            f"{w.pool.get_num_free_blocks()} of {w.pool.num_blocks - 1}")
         return problems
 
     # -- RL rollouts: pause / resume, weight updates, sleep / wake up (docs/rl.md) -------------

@@ -38,6 +38,17 @@ class AttentionMetadata:
     # bidirectional attention over an image's tokens; hi < lo: none), in the steps of such a
     # model whose chunks hold images; None in every other step.
     attn_spans: jax.Array | None = None
+    # Models with sliding and full layers: the sliding layers' own slot mapping [T] and block
+    # tables [R, max_blocks] in their pool (core/window_blocks.py); None otherwise.
+    window_slot_mapping: jax.Array | None = None
+    window_block_tables: jax.Array | None = None
+
+    def for_sliding_layer(self) -> "AttentionMetadata":
+        """What a sliding-window layer reads: its own pool's slots and tables, if it has one."""
+        if self.window_block_tables is None:
+            return self
+        return dataclasses.replace(self, slot_mapping=self.window_slot_mapping,
+                                   block_tables=self.window_block_tables)
 
 
 def check_backend(backend: str) -> str:
@@ -141,7 +152,11 @@ def paged_attention(q, k, v, k_cache, v_cache, md: AttentionMetadata, *, sm_scal
     kernels: q . (k_cache * ks) = (q * ks) . k_cache, and the output times vs. sinks: float32
     [Hq] attention sinks, or None.
 
-    With a mesh, both run per device on its own heads (jax.shard_map): no communication."""
+    With a mesh, both run per device on its own heads (jax.shard_map): no communication.
+    A sliding-window layer of a model whose sliding layers have a pool of their own reads that
+    pool's slots and tables (AttentionMetadata.for_sliding_layer)."""
+    if sliding_window is not None:
+        md = md.for_sliding_layer()
     fp8 = is_fp8(k_cache.dtype)
     if fp8 and kv_scales is None:
         kv_scales = (jnp.float32(1.0), jnp.float32(1.0))

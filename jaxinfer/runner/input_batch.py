@@ -11,7 +11,8 @@ class InputBatch:
     """Token ids, block table and sampling parameters of every request the runner holds."""
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-                 logits_processors=()):
+                 logits_processors=(), window: bool = False):
+        """window: the model's sliding layers have a pool of their own (a second table)."""
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), np.int32)  # [S, L+1]
@@ -28,6 +29,9 @@ class InputBatch:
         self.num_computed = np.zeros(max_num_reqs, np.int32)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), np.int32)  # [S, B]
         self.num_blocks = np.zeros(max_num_reqs, np.int32)
+        self.window_block_table = (np.zeros((max_num_reqs, max_blocks_per_req), np.int32)
+                                   if window else None)
+        self.num_window_blocks = np.zeros(max_num_reqs, np.int32)
         self.temperature = np.zeros(max_num_reqs, np.float32)
         self.top_k = np.zeros(max_num_reqs, np.int32)
         self.top_p = np.ones(max_num_reqs, np.float32)
@@ -69,6 +73,10 @@ class InputBatch:
         # slot's previous request (a draft model's lookahead writes may land there).
         self.block_table[s] = 0
         self.append_blocks(s, new.block_ids)
+        if self.window_block_table is not None:
+            self.window_block_table[s] = 0
+            self.num_window_blocks[s] = 0
+            self.append_window_blocks(s, new.window_block_ids)
         p = new.sampling_params
         self.temperature[s] = p.temperature
         self.top_k[s] = p.top_k if p.top_k > 0 else 0
@@ -107,3 +115,11 @@ class InputBatch:
         n0 = self.num_blocks[slot]
         self.block_table[slot, n0 : n0 + len(block_ids)] = block_ids
         self.num_blocks[slot] = n0 + len(block_ids)
+
+    def append_window_blocks(self, slot: int, block_ids) -> None:
+        """The sliding layers' pool: blocks appended to the slot's second table (the entries
+        of blocks the scheduler freed keep their old ids: those keys are out of every query's
+        window, masked, never read into an output)."""
+        n0 = self.num_window_blocks[slot]
+        self.window_block_table[slot, n0 : n0 + len(block_ids)] = block_ids
+        self.num_window_blocks[slot] = n0 + len(block_ids)

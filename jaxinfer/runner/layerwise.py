@@ -205,10 +205,10 @@ class LayerwiseProgram:
         self._shared_locks: dict[tuple[int, int], threading.Lock] = {}
 
     def init_state(self, num_blocks: int, block_size: int, kv_dtype,
-                   num_slots: int) -> StepState:
+                   num_slots: int, window_blocks: int = 0) -> StepState:
         return single_stage_state((self.lm.shell_state, self.lm.layer_leaves),
                                   self.model_config, self.mesh, self.drafter, num_blocks,
-                                  block_size, kv_dtype, num_slots)
+                                  block_size, kv_dtype, num_slots, window_blocks)
 
     def place(self, batch: StepBatch):
         return place_replicated(self.mesh, batch)

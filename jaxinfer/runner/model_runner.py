@@ -48,13 +48,14 @@ class ModelRunner:
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, kv_dtype,
                  buckets: BucketTable | None = None, speculative_config=None,
                  pipeline_depth: int = 1, logits_processors=(), lora=None,
-                 pooling: str = "", multimodal=None):
+                 pooling: str = "", multimodal=None, window_kv_blocks: int = 0):
         """program: how steps are compiled and run (step_program.make_step_program);
         pipeline_depth: step batches in flight at most (P under pipeline parallelism);
         logits_processors: custom LogitsProcessor instances (jaxinfer/logits_processors.py);
         lora: the LoRAManager of an engine serving adapters (lora/manager.py), or None;
         pooling: a pooling engine's pooling type (LAST / MEAN / CLS; "": a generating one);
-        multimodal: a vision-language engine's MultiModalRunner (runner/multimodal.py)."""
+        multimodal: a vision-language engine's MultiModalRunner (runner/multimodal.py);
+        window_kv_blocks: blocks of the sliding layers' own pool (0: none, one pool)."""
         self.lora = lora
         self.mm = multimodal
         if multimodal is not None and jax.process_count() > 1:
@@ -69,12 +70,14 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.num_kv_blocks = num_kv_blocks
         self.buckets = buckets or BucketTable.build(max_num_batched_tokens, max_num_seqs)
-        self.state = program.init_state(num_kv_blocks, block_size, kv_dtype, max_num_seqs)
+        self.window_kv_blocks = window_kv_blocks
+        self.state = program.init_state(num_kv_blocks, block_size, kv_dtype, max_num_seqs,
+                                        window_kv_blocks)
         self.logits_processors = tuple(logits_processors)
         self.extra_args_keys = frozenset(k for p in self.logits_processors
                                          for k in p.extra_args_keys)
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks,
-                                self.logits_processors)
+                                self.logits_processors, window=window_kv_blocks > 0)
         # Speculative decoding: K drafts at most per request; every step verifies (the spec
         # variant). A draft model or EAGLE head drafts inside the step (its drafts come back
         # with the sampled tokens); else an n-gram proposer drafts from the tokens on the host.

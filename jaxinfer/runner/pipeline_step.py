@@ -62,7 +62,9 @@ class PipelineProgram:
                               if self.plan.local[s] else None for s, st in enumerate(stages)]
 
     def init_state(self, num_blocks: int, block_size: int, kv_dtype,
-                   num_slots: int) -> StepState:
+                   num_slots: int, window_blocks: int = 0) -> StepState:
+        if window_blocks:  # (the worker keeps one pool under pipeline parallelism)
+            raise ValueError("a sliding-window pool of its own is not built for pipelines")
         kv = []
         cfg = self.model_config
         for i, st in enumerate(self.stages):

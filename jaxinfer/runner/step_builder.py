@@ -13,8 +13,9 @@ import numpy as np
 from jaxinfer.outputs import SchedulerOutput
 from jaxinfer.runner.input_batch import InputBatch
 from jaxinfer.runner.step_inputs import (StepBatch, StepFeatures, empty_step_batch,
-                                         logit_bias_bucket,
-                                         fill_step_inputs, fill_verify_inputs, reset_step_batch)
+                                         fill_step_inputs, fill_verify_inputs,
+                                         fill_window_inputs, logit_bias_bucket,
+                                         reset_step_batch)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class StepBuilder:
         # M-RoPE positions), else None.
         self.mm = mm
         self.mrope = mm is not None and mm.mrope
+        self.window = batch.window_block_table is not None  # sliding layers' own pool
         self._host_buffers: dict[tuple, list[StepBatch]] = {}
 
     def new_buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool = False,
@@ -68,7 +70,7 @@ class StepBuilder:
                                 self.bitmask_width if structured else 0, self.num_spec, verify,
                                 bias, self.logits_processors if processors else (),
                                 self.lora, self.mrope, self.mm.hidden_size if mm else 0,
-                                spans=mm and self.mm.spans)
+                                spans=mm and self.mm.spans, window=self.window)
 
     def _buffers(self, t: int, r: int, prompt_logprobs: bool, structured: bool,
                  verify: bool, bias: int, processors: bool, mm: bool) -> StepBatch:
@@ -107,6 +109,8 @@ class StepBuilder:
             b.num_computed[s] = c.num_computed_tokens
             if c.new_block_ids:
                 b.append_blocks(s, c.new_block_ids)
+            if c.new_window_block_ids:
+                b.append_window_blocks(s, c.new_window_block_ids)
         return failed
 
     def build(self, so: SchedulerOutput, grammar,
@@ -165,6 +169,8 @@ class StepBuilder:
             batch.bitmask[[row_of[rid] for rid in grammar_ids]] = grammar_bitmask
         pos = fill_step_inputs(batch, b.token_ids, b.block_table, slots, computed, q_lens,
                                self.block_size)
+        if self.window:
+            fill_window_inputs(batch, b.window_block_table, slots, pos, self.block_size)
         if num_drafts is not None:
             fill_verify_inputs(batch, num_drafts)
             batch.sample_rows[:n_req] = computed + q_lens >= b.num_tokens[slots]

@@ -122,12 +122,14 @@ def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
                      prompt_logprobs: bool = False, bitmask_width: int = 0,
                      num_spec: int = 0, verify: bool = False, bias: int = 0,
                      logits_processors=(), lora: bool = False, mrope: bool = False,
-                     mm_width: int = 0, spans: bool = False) -> StepBatch:
+                     mm_width: int = 0, spans: bool = False, window: bool = False
+                     ) -> StepBatch:
     """Host buffers of an all-padding (T=t, R=r) step (num_spec: K of speculative decoding,
     0 = off; verify: room for drafts; bias: logit_bias entries per row; logits_processors:
     room for their rows; lora: each token's adapter slot, -1 for none; mrope: M-RoPE
     positions; mm_width: room for image encoder rows of this width, 0 for none; spans: each
-    token's bidirectional attention span, (-1, -1) for none)."""
+    token's bidirectional attention span, (-1, -1) for none; window: the sliding layers' own
+    slot mapping and block tables)."""
     zi = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     n = min(t, r * (num_spec + 1)) if verify else r
     return StepBatch(
@@ -136,7 +138,9 @@ def empty_step_batch(t: int, r: int, max_blocks: int, num_slots: int,
                                seq_lens=zi(r), query_start_loc=zi(r + 1), num_seqs=zi(1),
                                num_decodes=zi(1),
                                lora_slots=np.full(t, -1, np.int32) if lora else None,
-                               attn_spans=np.full((t, 2), -1, np.int32) if spans else None),
+                               attn_spans=np.full((t, 2), -1, np.int32) if spans else None,
+                               window_slot_mapping=zi(t) if window else None,
+                               window_block_tables=zi(r, max_blocks) if window else None),
         logits_indices=zi(r), token_slots=np.full(t, num_slots, np.int32),
         token_is_output=np.zeros(t, bool), req_slots=zi(r),
         reset_slots=np.full(r, num_slots, np.int32),
@@ -218,6 +222,17 @@ def fill_step_inputs(batch: StepBatch, token_ids: np.ndarray, block_table: np.nd
     batch.token_slots[:n_tok] = tok_slot
     batch.req_slots[:n_req] = slots
     return pos
+
+
+def fill_window_inputs(batch: StepBatch, window_table: np.ndarray, slots: np.ndarray,
+                       pos: np.ndarray, block_size: int) -> None:
+    """The sliding layers' slot mapping and block tables (their own pool), laid out like
+    fill_step_inputs' (call after it: it reads each token's slot)."""
+    md, n_tok, n_req = batch.attn, len(pos), len(slots)
+    tok_slot = batch.token_slots[:n_tok]
+    md.window_slot_mapping[:n_tok] = (window_table[tok_slot, pos // block_size] * block_size
+                                      + pos % block_size)
+    md.window_block_tables[:n_req] = window_table[slots]
 
 
 def fill_verify_inputs(batch: StepBatch, num_drafts: np.ndarray) -> None:

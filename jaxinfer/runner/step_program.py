@@ -9,8 +9,9 @@ Three implementations, each in its own module:
   residual stream moved between the stages' devices.
 
 The ModelRunner only ever calls:
-- `init_state(num_blocks, block_size, kv_dtype, num_slots) -> StepState`: allocate the KV
-  caches and sampler state beside the weights (step_state.py);
+- `init_state(num_blocks, block_size, kv_dtype, num_slots, window_blocks) -> StepState`:
+  allocate the KV caches (window_blocks > 0: the sliding layers' caches that many blocks)
+  and sampler state beside the weights (step_state.py);
 - `place(batch) -> device batch`: the one transfer in of a step's StepBatch;
 - `lower(t, r, features, state, example) -> lowered`: lower the step of bucket (T, R) and
   variant `features` against `state` (shapes: the live arrays may be donated meanwhile) and a
@@ -32,7 +33,7 @@ class StepProgram(Protocol):
     model_config: Any
 
     def init_state(self, num_blocks: int, block_size: int, kv_dtype,
-                   num_slots: int) -> StepState: ...
+                   num_slots: int, window_blocks: int = 0) -> StepState: ...
 
     def place(self, batch: StepBatch) -> Any: ...
 

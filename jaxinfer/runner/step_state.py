@@ -99,7 +99,7 @@ def place_replicated(mesh, tree):
 
 
 def single_stage_state(params, model_config, mesh, drafter, num_blocks: int, block_size: int,
-                       kv_dtype, num_slots: int) -> StepState:
+                       kv_dtype, num_slots: int, window_blocks: int = 0) -> StepState:
     """The StepState of a model on one mesh (whole and layer-wise programs): `params` in the
     program's layout, zeroed KV caches (and the drafter's) and sampler state."""
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -109,7 +109,8 @@ def single_stage_state(params, model_config, mesh, drafter, num_blocks: int, blo
     replicated = None if mesh is None else NamedSharding(mesh, P())
     return StepState(
         params=params,
-        kv=allocate_kv_caches(model_config, num_blocks, block_size, kv_dtype, mesh),
+        kv=allocate_kv_caches(model_config, num_blocks, block_size, kv_dtype, mesh,
+                              window_blocks=window_blocks),
         sampler=SamplerState.zeros(num_slots, model_config.vocab_size, replicated),
         draft_params=drafter.params if drafter is not None else None,
         draft_kv=drafter.allocate_kv(num_blocks, block_size, kv_dtype, mesh)

@@ -54,9 +54,9 @@ class WholeStepProgram:
         self.max_model_len = max_model_len
 
     def init_state(self, num_blocks: int, block_size: int, kv_dtype,
-                   num_slots: int) -> StepState:
+                   num_slots: int, window_blocks: int = 0) -> StepState:
         return single_stage_state(self.params, self.model_config, self.mesh, self.drafter,
-                                  num_blocks, block_size, kv_dtype, num_slots)
+                                  num_blocks, block_size, kv_dtype, num_slots, window_blocks)
 
     def set_params(self, params) -> None:
         """The weights after an update or wake-up (runner/weights.py)."""

@@ -15,10 +15,11 @@ import numpy as np
 
 from jaxinfer.config import ResolvedConfig
 from jaxinfer.config.dtypes import dtype as array_dtype
+from jaxinfer.core.window_blocks import window_pool_blocks
 from jaxinfer.logits_processors import load_processor
 from jaxinfer.runner.buckets import BucketTable
 from jaxinfer.runner.compile_cache import CompileCacheCounter, enable_compilation_cache
-from jaxinfer.runner.kv_cache import kv_cache_bytes_per_block
+from jaxinfer.runner.kv_cache import kv_cache_bytes_per_block, sliding_layers
 from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.runner.step_program import make_step_program
 
@@ -161,7 +162,7 @@ class Worker:
                                                 seed=cfg.seed, mesh=self.mesh)
         # Start-up phases in seconds (jaxinfer bench startup reports them).
         self.timings = {"load_weights_s": time.perf_counter() - t0}
-        num_blocks = self._num_kv_blocks()
+        num_blocks, self.window_kv_blocks = self._kv_pools()
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -171,7 +172,9 @@ class Worker:
                     f"all devices ({jax.device_count()} over {jax.process_count()} processes), "
                     f"got {tp} x {pp}")
             # Every process must size the cache as process 0 did.
-            num_blocks = int(multihost_utils.broadcast_one_to_all(np.int64(num_blocks)))
+            pools = multihost_utils.broadcast_one_to_all(
+                np.array([num_blocks, self.window_kv_blocks], np.int64))
+            num_blocks, self.window_kv_blocks = int(pools[0]), int(pools[1])
         if num_blocks * self.block_size > np.iinfo(np.int32).max:  # slot ids are int32
             raise ValueError(f"num_kv_blocks={num_blocks} x block_size={self.block_size} KV "
                              f"slots exceed the int32 slot ids ({np.iinfo(np.int32).max})")
@@ -296,7 +299,7 @@ class Worker:
                                               for p in cfg.logits_processors or ()],
                            lora=lora,
                            pooling=rc.pooler.pooling_type if rc.runner == "pooling" else "",
-                           multimodal=multimodal)
+                           multimodal=multimodal, window_kv_blocks=self.window_kv_blocks)
 
     @property
     def step_compilation(self) -> str:
@@ -309,6 +312,45 @@ class Worker:
         if mode == "auto":
             mode = "whole" if on_gpu(self.devices) else "layerwise"
         return mode
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the sliding layers' own pool, or None (one pool)."""
+        return self.model_config.sliding_window if self.window_kv_blocks else None
+
+    def _window_pool(self) -> int:
+        """Blocks of the sliding layers' own pool (0: none): for a model with sliding and
+        full layers, sized so that it never runs out (core/window_blocks.py); not with a KV
+        connector, a drafter with a cache of its own or pipeline stages (they address every
+        layer's blocks with one table), nor with disable_hybrid_kv_cache_manager."""
+        rc, cfg = self.resolved, self.model_config
+        sliding = sliding_layers(cfg)
+        spec = rc.engine.speculative_config
+        if (not any(sliding) or all(sliding) or rc.engine.disable_hybrid_kv_cache_manager
+                or rc.engine.kv_transfer_config is not None or self.pp_partition
+                or self.draft_model is not None or self.eagle_head is not None):
+            return 0
+        return window_pool_blocks(cfg.sliding_window, self.block_size,
+                                  rc.scheduler.max_num_seqs,
+                                  rc.scheduler.max_num_batched_tokens,
+                                  margin=spec.num_speculative_tokens if spec else 0)
+
+    def _kv_pools(self) -> tuple[int, int]:
+        """(blocks of the KV cache, blocks of the sliding layers' own pool or 0). With a
+        memory budget the sliding pool is used only where it leaves the full layers more
+        blocks than one pool would; num_kv_blocks, when given, is the full layers' count."""
+        window = self._window_pool()
+        blocks = self._num_kv_blocks()
+        if not window or self.resolved.engine.num_kv_blocks is not None:
+            return blocks, window
+        if window >= blocks:
+            return blocks, 0
+        cfg, n_sliding = self.model_config, sum(sliding_layers(self.model_config))
+        per_full = kv_cache_bytes_per_block(cfg, self.block_size, self.kv_dtype,
+                                            cfg.num_hidden_layers - n_sliding)
+        per_sliding = kv_cache_bytes_per_block(cfg, self.block_size, self.kv_dtype, n_sliding)
+        budget = (blocks - 1) * (per_full + per_sliding)
+        return (budget - window * per_sliding) // per_full + 1, window
 
     def _num_kv_blocks(self) -> int:
         rc, c = self.resolved, self.resolved.engine
