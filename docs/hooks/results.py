@@ -264,6 +264,26 @@ def _mla_step(d: dict) -> str:
             + "\n\n" + _table(["step", "ms"], steps))
 
 
+def _window_kv(d: dict) -> str:
+    env, med, ratio = d["environment"], d["median"], d["window_over_one_pool"]
+    head = (f"{env.get('cpu')} ({env.get('cpus')} cores), {d['model']}; KV budget "
+            f"{d['kv_cache_memory_bytes'] / (1 << 30):.2g} GiB; {d['workload']}; median of "
+            f"{d['repeats']} alternated rounds")
+    keys = ["full_layer_blocks", "window_blocks", "most_running", "preemptions",
+            "output_tok_s"]
+    rows = [[name.replace("_", " ")] + [med[name][k] for k in keys]
+            for name in ("one_pool", "window_pool")]
+    rows.append(["window pool / one pool", f"{ratio['full_layer_blocks']:.2f}x", "", "", "",
+                 f"{ratio['output_tok_s']:.2f}x"])
+    real = [[name, r["one_pool_bytes"] / (1 << 20), r["window_pool_bytes"] / (1 << 20),
+             f"{r['ratio']:.2f}x"] for name, r in d["analytical_bf16_32k"].items()]
+    return (head + "\n\n"
+            + _table(["", "full layers' blocks", "sliding pool's blocks", "most running",
+                      "preemptions", "output tok/s"], rows)
+            + "\n\n" + _table(["a 32k-token request, bf16 (the released widths)",
+                                "one pool, MiB", "with the sliding pool, MiB", "smaller by"], real))
+
+
 def _vision_prefill(d: dict) -> str:
     env, v, t = d["environment"], d["model"]["vision_config"], d["model"]["text_config"]
     head = (f"{env.get('cpu')} ({env.get('cpus')} cores), float32, "
@@ -346,7 +366,7 @@ RENDERERS = {"compare_cpu": _compare_cpu, "mla_step": _mla_step, "quantization":
              "kernels": _kernels, "bench_defaults": _bench_defaults, "lora": _lora,
              "rl_weights": _rl_weights, "embeddings": _embeddings,
              "vision_prefill": _vision_prefill, "vision_serve": _vision_serve,
-             "cpu_kernels_avx2": _cpu_kernels_avx2}
+             "cpu_kernels_avx2": _cpu_kernels_avx2, "window_kv": _window_kv}
 
 
 def render(name: str) -> str:
