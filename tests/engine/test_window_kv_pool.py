@@ -127,3 +127,15 @@ def test_one_pool_when_disabled_and_more_blocks_for_the_same_memory(gpt_oss):
     assert held <= budget and held == sum(per_layer(c) for c in _core(two).runner.kv_caches)
     _check(two, prompts[:2], refs)
     two.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.slow),
+                                     pytest.param("reference", marks=pytest.mark.slow)])
+def test_every_attention_backend_reads_the_sliding_pool(gpt_oss, backend):
+    """The xla path, the Pallas kernel (interpret mode here) and the jnp reference give HF's
+    tokens with the sliding layers on their own pool (the C++ kernel: the tests above)."""
+    path, prompts, refs = gpt_oss
+    llm = _llm(path, backend=backend)
+    assert _core(llm).scheduler.kv.window is not None
+    _check(llm, prompts[:2], refs)
+    llm.shutdown()
