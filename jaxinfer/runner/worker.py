@@ -175,9 +175,11 @@ class Worker:
             pools = multihost_utils.broadcast_one_to_all(
                 np.array([num_blocks, self.window_kv_blocks], np.int64))
             num_blocks, self.window_kv_blocks = int(pools[0]), int(pools[1])
-        if num_blocks * self.block_size > np.iinfo(np.int32).max:  # slot ids are int32
-            raise ValueError(f"num_kv_blocks={num_blocks} x block_size={self.block_size} KV "
-                             f"slots exceed the int32 slot ids ({np.iinfo(np.int32).max})")
+        for name, n in (("num_kv_blocks", num_blocks),
+                        ("the sliding layers' pool", self.window_kv_blocks)):
+            if n * self.block_size > np.iinfo(np.int32).max:  # slot ids are int32
+                raise ValueError(f"{name}={n} x block_size={self.block_size} KV slots "
+                                 f"exceed the int32 slot ids ({np.iinfo(np.int32).max})")
         self.num_kv_blocks = num_blocks
         t1 = time.perf_counter()
         self.runner = self._make_runner()

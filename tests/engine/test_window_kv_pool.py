@@ -139,3 +139,19 @@ def test_every_attention_backend_reads_the_sliding_pool(gpt_oss, backend):
     assert _core(llm).scheduler.kv.window is not None
     _check(llm, prompts[:2], refs)
     llm.shutdown()
+
+
+def test_sleep_and_wake_up_bring_back_both_pools(gpt_oss):
+    """Sleep level 1 frees both pools' caches; waking brings them back at their sizes and
+    the prompts give HF's tokens again (the prefix cache forgotten in both pools)."""
+    path, prompts, refs = gpt_oss
+    llm = _llm(path, enable_sleep_mode=True)
+    core = _core(llm)
+    _check(llm, prompts[:1], refs)
+    shapes = [(k.shape, v.shape) for k, v in core.runner.kv_caches]
+    llm.sleep(1)
+    assert not core.scheduler.kv.window.pool.cached_block_hash_to_block
+    assert llm.wake_up()
+    assert [(k.shape, v.shape) for k, v in core.runner.kv_caches] == shapes
+    _check(llm, prompts[:2], refs)
+    llm.shutdown()
