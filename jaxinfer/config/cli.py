@@ -67,8 +67,12 @@ FLAGS: dict[str, dict] = {
     "enable_sequence_parallelism": dict(help="tensor parallelism: the residual stream split "
                                              "by tokens between the tensor-parallel regions"),
     "num_kv_blocks": dict(type=int, aliases=("--num-gpu-blocks-override",),
-                          help="KV cache size in blocks (default: from the memory budget)"),
+                          help="KV cache size in blocks (default: from the memory budget; "
+                               "a model with sliding and full layers: the full layers' pool)"),
     "kv_cache_memory_bytes": dict(type=int, help="KV cache budget in bytes"),
+    "disable_hybrid_kv_cache_manager": dict(
+        help="one KV pool for every layer; by default a model with sliding and full layers "
+             "keeps its sliding layers' KV in a pool that frees out-of-window blocks"),
     "compilation_cache_dir": dict(type=str, help="persistent compile cache (default: "
                                                  "<cache>/xla; '' turns it off)"),
     "warmup": dict(help="compile the start-up buckets before serving (--no-warmup: compile "
