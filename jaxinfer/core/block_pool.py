@@ -10,6 +10,11 @@ from __future__ import annotations
 from typing import Iterable
 
 
+def cdiv(a: int, b: int) -> int:
+    """Blocks of b tokens that a tokens take."""
+    return -(-a // b)
+
+
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "is_null")
 

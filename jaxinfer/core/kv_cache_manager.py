@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxinfer.core.block_pool import BlockPool, KVCacheBlock
+from jaxinfer.core.block_pool import BlockPool, KVCacheBlock, cdiv
 from jaxinfer.core.kv_cache_utils import none_hash, update_block_hashes
 from jaxinfer.core.window_blocks import WindowBlocks
 from jaxinfer.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -124,13 +120,13 @@ class KVCacheManager:
         num_required = -(-num_tokens_need_slot // self.block_size)
         hits = new_computed_blocks or []
         num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        # (the sliding pool's out-of-window blocks went back when the step began:
+        # free_out_of_window, called by the scheduler for every running request)
         window, window_hits = self.window, []
-        if window is not None:
-            window.free_out_of_window(request.request_id, request.num_computed_tokens)
-            if hits:
-                window_hits = window.hit_blocks(request.block_hashes, len(hits))
-                if window_hits is None:
-                    raise RuntimeError("a prefix hit whose sliding-window blocks are gone")
+        if window is not None and hits:
+            window_hits = window.hit_blocks(request.block_hashes, len(hits))
+            if window_hits is None:
+                raise RuntimeError("a prefix hit whose sliding-window blocks are gone")
         if full_sequence_must_fit:
             full = self.blocks_needed(request.num_tokens)
             if (max(full - len(req_blocks) - len(hits), 0)

@@ -20,11 +20,7 @@ keeps `margin` more tokens than the window needs.
 
 from __future__ import annotations
 
-from jaxinfer.core.block_pool import BlockPool, KVCacheBlock
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from jaxinfer.core.block_pool import BlockPool, KVCacheBlock, cdiv
 
 
 def window_pool_blocks(window: int, block_size: int, max_num_seqs: int,

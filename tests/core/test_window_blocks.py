@@ -20,6 +20,9 @@ def _held(kv, rid):
 
 
 def _advance(kv, req, n):
+    """One step of one request, as the scheduler takes it: out-of-window blocks back, then
+    the new tokens' slots."""
+    kv.free_out_of_window([req])
     assert kv.allocate_slots(req, n) is not None
     req.num_computed_tokens += n
 
@@ -35,7 +38,7 @@ def test_blocks_before_the_window_are_freed_and_their_places_kept():
     _advance(kv, req, 24)  # computed 16: tokens 11.. are read, blocks 0 and 1 go
     assert _held(kv, "a") == (10, 8, 10)
     free = kv.window.pool.get_num_free_blocks()
-    kv.window.free_out_of_window("a", req.num_computed_tokens)  # computed 40: 35.. read
+    kv.free_out_of_window([req])  # computed 40: 35.. read
     assert _held(kv, "a") == (10, 2, 10) and kv.window.pool.get_num_free_blocks() == free + 6
     # The runner heard of every block once, in list order (freed ones keep their ids there).
     ids = kv.pop_new_window_block_ids("a")
