@@ -88,8 +88,9 @@ FLAGS: dict[str, dict] = {
     "layers_per_program": dict(help="layerwise: decoder layers per compiled program"),
     "enable_multiprocessing": dict(type=bool, help="the engine core in its own process "
                                    "(default: JAXINFER_ENABLE_MULTIPROCESSING, else on)"),
-    "async_scheduling": dict(help="dispatch step N+1 before reading step N's tokens "
-                                  "(host/device overlap)"),
+    "async_scheduling": dict(type=bool, help="dispatch step N+1 before reading step N's "
+                             "tokens (host/device overlap; default: on, off with speculative "
+                             "decoding, pipeline parallelism or a pooling runner)"),
     "structured_outputs_config": dict(help='structured outputs, as JSON: {"backend": "auto" '
                                       '| "guidance" | "xgrammar", "disable_any_whitespace": '
                                       'bool, "disable_additional_properties": bool, '

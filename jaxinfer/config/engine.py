@@ -164,7 +164,10 @@ class EngineConfig:
     enable_multiprocessing: bool | None = None
     # Overlap the host's scheduling with the device's step: step N+1 is dispatched before step
     # N's sampled ids are read back (they are patched into N+1's inputs on the device).
-    async_scheduling: bool = False
+    # None (vLLM's default): on unless the engine has something it cannot be combined with
+    # (speculative decoding, pipeline parallelism) or pools (as vLLM: no gain there);
+    # True refuses those combinations by name.
+    async_scheduling: bool | None = None
     # Structured outputs (JSON schema, regex, choice, grammar): a StructuredOutputsConfig or a
     # dict of its fields, e.g. {"backend": "xgrammar"}.
     structured_outputs_config: StructuredOutputsConfig | dict | None = None
@@ -489,6 +492,9 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         if dcfg.max_position_embeddings < max_model_len:
             raise ValueError(f"speculative_config.model has max_position_embeddings="
                              f"{dcfg.max_position_embeddings} < max_model_len={max_model_len}")
+    if config.async_scheduling is None:
+        config = dataclasses.replace(config, async_scheduling=default_async_scheduling(
+            config, runner))
     if config.warmup_buckets not in WARMUP_BUCKETS:
         raise ValueError(f"warmup_buckets={config.warmup_buckets!r} is not supported "
                          f"(supported: {', '.join(WARMUP_BUCKETS)})")
@@ -507,6 +513,18 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
                           default_sampling=generation_defaults(config.generation_config,
                                                                model_dir),
                           eos_token_ids=eos, runner=runner, pooler=pooler)
+
+
+def default_async_scheduling(config: EngineConfig, runner: str) -> bool:
+    """async_scheduling=None resolved as vLLM resolves it: on, but off (with a log line)
+    where the engine has something async scheduling does not combine with."""
+    for reason, bad in (("a pooling runner", runner == "pooling"),
+                        ("speculative decoding", config.speculative_config is not None),
+                        ("pipeline parallelism", config.pipeline_parallel_size > 1)):
+        if bad:
+            logger.info("async scheduling off by default with %s", reason)
+            return False
+    return True
 
 
 def _resolve_runner(config: EngineConfig, model_dir: str, mcfg: ModelConfig):

@@ -72,7 +72,7 @@ def _check(llm, prompts, refs):
 
 
 @pytest.mark.parametrize("kw", [
-    {},
+    pytest.param({"async_scheduling": False}, id="sync"),
     pytest.param({"async_scheduling": True}, id="async"),
     pytest.param({"speculative_config": {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
