@@ -431,6 +431,10 @@ class EngineCore:
     def leak_report(self) -> list[str]:
         """What is still held although no request is live (empty when all is well)."""
         s, kv = self.scheduler, self.scheduler.kv
+        if self._in_flight and not (s.requests or s.running or len(s.waiting)):
+            # (async scheduling: a step dispatched before its requests finished stays in
+            # flight until the loop's next turn; it has no live request to give a token to)
+            self._collect_in_flight()
         problems = []
         if s.delayed_free:
             problems.append(f"blocks held for KV transfers: {sorted(s.delayed_free)}")
