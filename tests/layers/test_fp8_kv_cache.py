@@ -142,3 +142,23 @@ def test_fp8_cache_kernel_lowers_for_cuda():
         lowered = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.1)).trace(
             *args).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_float_caches_on_cpu_take_the_kernel_write(dtype, monkeypatch):
+    """float32 / bf16 caches on CPU are written by the C++ call too (one op a layer instead of
+    XLA's four): the program holds it and no scatter, and the caches equal the scatter's
+    (k, v given in float32: cast to the caches' type first)."""
+    kc, vc, k, v, slots = _write_case(dtype)
+    md = AttentionMetadata(slot_mapping=slots, block_tables=None, seq_lens=None,
+                           query_start_loc=None, num_seqs=None, num_decodes=None)
+    text = jax.jit(lambda *a: write_kv(*a, md)).lower(kc, vc, k, v).as_text()
+    assert cpu_kernels.KV_WRITE_TARGET in text and "scatter" not in text
+    got = write_kv(kc, vc, k, v, md)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    want = write_kv(kc, vc, k, v, md)
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)),
+                                      np.asarray(w.astype(jnp.float32)))
