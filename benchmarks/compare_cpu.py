@@ -12,6 +12,8 @@ own subprocess, every workload in turn after an untimed warm-up of it; --repeats
              after the warm-up, the background thread left to fuse the buckets used: the
              steady state of a server, docs/startup.md)
   jaxinfer-layerwise  the same with background compilation off: layer-wise programs only
+  jaxinfer-sync  the same with async_scheduling=False (what None gives on CPUs since
+             2026-11-28; a run of that day had async scheduling on by default)
   jaxinfer-whole  the same with step_compilation="whole" (one program per step; not a default
              on CPU, where layer-wise steps start in seconds: docs/startup.md)
   hf         HF transformers static batch (benchmarks/baselines/hf_transformers.py)
@@ -90,6 +92,8 @@ def run_engine(engine: str, args) -> dict:
         kwargs = dict(warmup_buckets="all")  # steady state: no compile inside the timing
         if engine == "jaxinfer-whole":  # whole-step programs (the GPU default; slow start-up)
             kwargs["step_compilation"] = "whole"
+        if engine == "jaxinfer-sync":  # (async scheduling off)
+            kwargs["async_scheduling"] = False
         # ("jaxinfer-layerwise": JAXINFER_BACKGROUND_COMPILE=0, set by the parent: layer-wise
         # programs never fused)
         threading = {"xla_cpu_threads": "default (one per core)", "cores": NCPU,
@@ -120,8 +124,8 @@ def run_engine(engine: str, args) -> dict:
         warm, first, main = ([{"prompt_token_ids": p} for p in _prompts(n, i, vocab, seed)]
                              for seed in (100 * w + 1, 100 * w + 2, 100 * w))
         timed(4, warm)  # warm-up: every shape of this workload
-        if engine == "jaxinfer":  # the steady state: the buckets used fused (idle engine)
-            wait_settled(llm)
+        if engine in ("jaxinfer", "jaxinfer-sync"):  # the steady state: the buckets used
+            wait_settled(llm)  # fused (idle engine)
         ttft, _ = timed(1, first)
         elapsed, n_out = timed(o, main)
         results[_name((n, i, o))] = r = {"elapsed_s": elapsed, "output_tokens": n_out,
@@ -236,7 +240,7 @@ def _cpu_name() -> str:
 
 
 def _run_peer(engine: str, args, workloads, record, dummy: bool) -> None:
-    if engine in ("jaxinfer", "jaxinfer-layerwise", "jaxinfer-whole", "vllm"):
+    if engine in ("jaxinfer", "jaxinfer-layerwise", "jaxinfer-whole", "jaxinfer-sync", "vllm"):
         if engine == "vllm" and not args.vllm_python:
             print("vllm: skipped (no --vllm-python)")
             return

@@ -362,7 +362,23 @@ def _cpu_kernels_avx2(d: dict) -> str:
                       "XLA's dot, every run and flag variant"], rows))
 
 
-RENDERERS = {"compare_cpu": _compare_cpu, "mla_step": _mla_step, "quantization": _quantization, "startup": _startup,
+def _before_after(d: dict) -> str:
+    """Measurements taken on one machine before and after a change, runs alternated: the
+    median of each side, after / before, and every run."""
+    import statistics
+
+    rows = []
+    for r in d["rows"]:
+        b, a = statistics.median(r["before"]), statistics.median(r["after"])
+        rows.append([r["measure"], f"{b:.4g} {r['unit']}", f"{a:.4g} {r['unit']}",
+                     f"{a / b:.3f}", r["before"], r["after"]])
+    return (f"{d['note']}\n\n" + _table(
+        ["measure", f"before ({d['before_rev']})", f"after ({d['after_rev']})",
+         "after / before", "before runs", "after runs"], rows))
+
+
+RENDERERS = {"compare_cpu": _compare_cpu, "before_after": _before_after,
+             "mla_step": _mla_step, "quantization": _quantization, "startup": _startup,
              "kernels": _kernels, "bench_defaults": _bench_defaults, "lora": _lora,
              "rl_weights": _rl_weights, "embeddings": _embeddings,
              "vision_prefill": _vision_prefill, "vision_serve": _vision_serve,

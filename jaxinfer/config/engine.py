@@ -164,9 +164,10 @@ class EngineConfig:
     enable_multiprocessing: bool | None = None
     # Overlap the host's scheduling with the device's step: step N+1 is dispatched before step
     # N's sampled ids are read back (they are patched into N+1's inputs on the device).
-    # None (vLLM's default): on unless the engine has something it cannot be combined with
-    # (speculative decoding, pipeline parallelism) or pools (as vLLM: no gain there);
-    # True refuses those combinations by name.
+    # None (vLLM's default): on GPUs, unless the engine has something it cannot be combined
+    # with (speculative decoding, pipeline parallelism) or pools; off on CPUs, as vLLM's CPU
+    # build sets it (the host's work shares the cores with the step: no gain measured on 2
+    # cores). True is honoured on CPUs too, and refused by name with those combinations.
     async_scheduling: bool | None = None
     # Structured outputs (JSON schema, regex, choice, grammar): a StructuredOutputsConfig or a
     # dict of its fields, e.g. {"backend": "xgrammar"}.
@@ -492,9 +493,8 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         if dcfg.max_position_embeddings < max_model_len:
             raise ValueError(f"speculative_config.model has max_position_embeddings="
                              f"{dcfg.max_position_embeddings} < max_model_len={max_model_len}")
-    if config.async_scheduling is None:
-        config = dataclasses.replace(config, async_scheduling=default_async_scheduling(
-            config, runner))
+    if config.async_scheduling is None and not async_scheduling_combines(config, runner):
+        config = dataclasses.replace(config, async_scheduling=False)
     if config.warmup_buckets not in WARMUP_BUCKETS:
         raise ValueError(f"warmup_buckets={config.warmup_buckets!r} is not supported "
                          f"(supported: {', '.join(WARMUP_BUCKETS)})")
@@ -515,9 +515,10 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
                           eos_token_ids=eos, runner=runner, pooler=pooler)
 
 
-def default_async_scheduling(config: EngineConfig, runner: str) -> bool:
-    """async_scheduling=None resolved as vLLM resolves it: on, but off (with a log line)
-    where the engine has something async scheduling does not combine with."""
+def async_scheduling_combines(config: EngineConfig, runner: str) -> bool:
+    """Whether async_scheduling=None may turn on (vLLM's rule): not with what it does not
+    combine with, nor for pooling (logged). Left None, the engine core decides by platform
+    (async_scheduling_on)."""
     for reason, bad in (("a pooling runner", runner == "pooling"),
                         ("speculative decoding", config.speculative_config is not None),
                         ("pipeline parallelism", config.pipeline_parallel_size > 1)):
@@ -525,6 +526,13 @@ def default_async_scheduling(config: EngineConfig, runner: str) -> bool:
             logger.info("async scheduling off by default with %s", reason)
             return False
     return True
+
+
+def async_scheduling_on(value: bool | None, platform: str) -> bool:
+    """A resolved config's async_scheduling on the devices' platform: None is on for GPUs and
+    off for CPUs (vLLM's CPU platform turns it off: no gain where the host's work shares the
+    cores with the step)."""
+    return value if value is not None else platform != "cpu"
 
 
 def _resolve_runner(config: EngineConfig, model_dir: str, mcfg: ModelConfig):

@@ -24,6 +24,7 @@ import traceback
 from collections import deque
 
 from jaxinfer.config import ResolvedConfig
+from jaxinfer.config.engine import async_scheduling_on
 from jaxinfer.core.kv_cache_manager import KVCacheManager
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.engine.messages import EngineCoreOutputs, EngineCoreRequest
@@ -94,7 +95,9 @@ class EngineCore:
         pp = rc.parallel.pipeline_parallel_size
         # Step batches in flight at most: 1 (sync), 2 (async scheduling), P (pipeline
         # parallelism; the scheduler then puts no request into two batches in flight).
-        self.max_in_flight = pp if pp > 1 else (2 if cfg.async_scheduling else 1)
+        self.async_scheduling = async_scheduling_on(cfg.async_scheduling,
+                                                    self.worker.devices[0].platform)
+        self.max_in_flight = pp if pp > 1 else (2 if self.async_scheduling else 1)
         self.scheduler.pipeline_depth = pp
         if cfg.enable_lora:
             self.scheduler.max_loras = cfg.max_loras
@@ -105,7 +108,6 @@ class EngineCore:
             self.runner.set_kv_connector(kv_worker)
         self.kv_connector = kv_worker
         self.speculative = spec is not None
-        self.async_scheduling = cfg.async_scheduling
         t0 = time.perf_counter()
         if cfg.warmup:
             self.runner.warmup(buckets=cfg.warmup_buckets)
