@@ -77,32 +77,28 @@ def quantize_kv(x, scale, dtype):
 def write_kv(k_cache, v_cache, k, v, md: AttentionMetadata, kv_scales=None):
     """Scatter this step's k, v [T, Hkv, D] into the caches at md.slot_mapping (fp8 caches:
     k / k_scale and v / v_scale, saturated)."""
-    if is_fp8(k_cache.dtype):
+    fp8 = is_fp8(k_cache.dtype)
+    if fp8:
         ks, vs = kv_scales if kv_scales is not None else (1.0, 1.0)
         k, v = quantize_kv(k, ks, k_cache.dtype), quantize_kv(v, vs, v_cache.dtype)
-        if jax.default_backend() == "cpu":
-            from jaxinfer.layers import cpu_kernels
+    if jax.default_backend() == "cpu":
+        from jaxinfer.layers import cpu_kernels
 
-            if cpu_kernels.available():
-                # XLA:CPU has no fp8 scatter: it would widen the whole cache to float and back
-                # around it, and a bitcast of the cache to bytes is a copy there too.
-                return cpu_kernels.write_kv_cpu(k_cache, v_cache, k, v, md.slot_mapping)
-        # The scatter on the caches' bytes (XLA:CPU without the C++ kernels: slow but right).
+        if cpu_kernels.available():
+            # One call copying the step's rows in place, whatever the caches' type. XLA:CPU
+            # has no fp8 scatter (it would widen the whole cache to float and back around
+            # it); a float scatter lowers to a dynamic slice and a dynamic-update-slice per
+            # cache, four small ops a layer that cost more to launch than their rows to move
+            # (~1 ms of a batch-1 step's trace on a 2-core VM; the end-to-end gain was within
+            # that VM's noise).
+            return cpu_kernels.write_kv_cpu(k_cache, v_cache, k.astype(k_cache.dtype),
+                                            v.astype(v_cache.dtype), md.slot_mapping)
+    if fp8:  # the scatter on the caches' bytes (a bitcast of an fp8 cache is a copy on CPU)
         u8 = jnp.uint8
         bits = jax.lax.bitcast_convert_type
         kc, vc = write_kv_reference(bits(k_cache, u8), bits(v_cache, u8), bits(k, u8),
                                     bits(v, u8), md.slot_mapping)
         return bits(kc, k_cache.dtype), bits(vc, v_cache.dtype)
-    if jax.default_backend() == "cpu":
-        from jaxinfer.layers import cpu_kernels
-
-        if cpu_kernels.available():
-            # One call writing the step's rows in place. XLA's scatter lowers to a dynamic
-            # slice and a dynamic-update-slice per cache: four small ops a layer, each costing
-            # more to launch than its few rows cost to move (~1 ms of a batch-1 step's trace
-            # on a 2-core VM; the end-to-end gain was within that VM's noise).
-            return cpu_kernels.write_kv_cpu(k_cache, v_cache, k.astype(k_cache.dtype),
-                                            v.astype(v_cache.dtype), md.slot_mapping)
     return write_kv_reference(k_cache, v_cache, k, v, md.slot_mapping)
 
 
