@@ -257,8 +257,7 @@ class EngineConfig:
 
             parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # (ValueError naming it)
         if self.pipeline_parallel_size > 1:
-            for name, bad in (("async_scheduling", self.async_scheduling),
-                              ("speculative_config", self.speculative_config is not None),
+            for name, bad in (("speculative_config", self.speculative_config is not None),
                               ("kv_transfer_config", self.kv_transfer_config is not None)):
                 if bad:
                     raise ValueError(f"pipeline_parallel_size > 1 cannot be combined with "
@@ -271,9 +270,9 @@ class EngineConfig:
         object.__setattr__(self, "kv_transfer_config", kvt)
         spec = _sub_config(self.speculative_config, SpeculativeConfig, "speculative_config")
         object.__setattr__(self, "speculative_config", spec)
-        if spec is not None and self.async_scheduling:
-            raise ValueError("speculative_config cannot be combined with async_scheduling yet: "
-                             "the drafts of a step depend on the tokens it accepts")
+        if self.async_scheduling:
+            for name, why in async_scheduling_conflicts(self):
+                raise ValueError(f"async_scheduling cannot be combined with {name} yet: {why}")
         soc = _sub_config(self.structured_outputs_config, StructuredOutputsConfig,
                           "structured_outputs_config")
         object.__setattr__(self, "structured_outputs_config", soc or StructuredOutputsConfig())
@@ -515,17 +514,29 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
                           eos_token_ids=eos, runner=runner, pooler=pooler)
 
 
+def async_scheduling_conflicts(config: EngineConfig) -> list[tuple[str, str]]:
+    """(option, why) for each option of `config` that async scheduling does not combine with:
+    async_scheduling=True is refused with them, None stays off."""
+    out = []
+    if config.speculative_config is not None:
+        out.append(("speculative_config", "the drafts of a step depend on the tokens it "
+                                          "accepts"))
+    if config.pipeline_parallel_size > 1:
+        out.append(("pipeline_parallel_size > 1", "the pipeline keeps its own queue of "
+                                                  "pipeline_parallel_size batches in flight"))
+    return out
+
+
 def async_scheduling_combines(config: EngineConfig, runner: str) -> bool:
     """Whether async_scheduling=None may turn on (vLLM's rule): not with what it does not
     combine with, nor for pooling (logged). Left None, the engine core decides by platform
     (async_scheduling_on)."""
-    for reason, bad in (("a pooling runner", runner == "pooling"),
-                        ("speculative decoding", config.speculative_config is not None),
-                        ("pipeline parallelism", config.pipeline_parallel_size > 1)):
-        if bad:
-            logger.info("async scheduling off by default with %s", reason)
-            return False
-    return True
+    reasons = [name for name, _ in async_scheduling_conflicts(config)]
+    if runner == "pooling":
+        reasons.append("a pooling runner")
+    if reasons:
+        logger.info("async scheduling off by default with %s", ", ".join(reasons))
+    return not reasons
 
 
 def async_scheduling_on(value: bool | None, platform: str) -> bool:
