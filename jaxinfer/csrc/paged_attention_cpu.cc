@@ -21,6 +21,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cpu_common.h"
@@ -46,6 +47,8 @@ constexpr float kMaskValue = -1e30f;
 constexpr int64_t kRB = 6;  // query rows per register block (blocked P.V)
 constexpr int64_t kBlockedMinRows = 8;  // items with fewer rows take per-row dots
 constexpr int64_t kAheadKeys = 8;  // how far ahead decode items prefetch their keys
+// Split decode items (few sequences): each covers at least this many keys of its sequence.
+constexpr int64_t kMinSplitKeys = 64;
 
 inline float bf16_to_float(uint16_t x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -153,6 +156,8 @@ struct Problem {
   int64_t T, Hq, Hkv, D, NB, BS, R, MB, group, window;
   float scale;
   const float* sinks;  // [Hq] attention sinks (gpt-oss), or nullptr
+  float* parts = nullptr;  // split decode items' partial results, part_stride floats each
+  int64_t part_stride = 0;
 };
 
 // 1 / a row's softmax denominator: its running sum l over the keys, plus e^(sink - m) for an
@@ -165,6 +170,9 @@ inline float inv_denominator(const Problem& p, int64_t q_head, float m, float l)
 struct Item {
   int32_t seq, head, tile;  // (a decode item: every KV head; `head` is 0)
   bool decode;  // run_decode_item (all heads, f32 q, f32 / fp8 KV, D % 16 == 0), else run_item
+  // A split decode item: only keys [k0, k1) of its tile's span, its running max, sum and
+  // unnormalized output left in p.parts slot `part` for combine_parts (-1: not split).
+  int32_t part = -1, k0 = 0, k1 = 0;
 };
 
 // An item's query tokens [start + r0, start + r1) of its sequence, the sequence's context
@@ -567,7 +575,9 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
   constexpr int64_t kLine = 64 / sizeof(KV);  // cache entries per 64-byte line
   const int64_t D = p.D, G = p.group, BS = p.BS, Hq = p.Hq, row_len = p.Hkv * D;
   const Span sp = span_of(p, it);
-  const int64_t start = sp.start, ctx = sp.ctx, r0 = sp.r0, r1 = sp.r1, lo = sp.lo, hi = sp.hi;
+  const int64_t start = sp.start, ctx = sp.ctx, r0 = sp.r0, r1 = sp.r1;
+  const int64_t lo = it.part < 0 ? sp.lo : std::max<int64_t>(sp.lo, it.k0);
+  const int64_t hi = it.part < 0 ? sp.hi : std::min<int64_t>(sp.hi, it.k1);
   const int64_t nr = (r1 - r0) * Hq;  // rows (query token, query head), token-major
   // scratch: q [nr, D] | acc [nr, D] | m, l [nr] | probabilities [nr, BS]
   scratch.resize(static_cast<size_t>(2 * nr * D + 2 * nr + nr * BS));
@@ -719,6 +729,13 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
       }
     }
   }
+  if (it.part >= 0) {  // (combine_parts finishes the rows)
+    float* part = p.parts + it.part * p.part_stride;
+    std::copy(m, m + nr, part);
+    std::copy(l, l + nr, part + nr);
+    std::copy(acc, acc + nr * D, part + 2 * nr);
+    return true;
+  }
   for (int64_t row = 0; row < nr; ++row) {
     const float inv = inv_denominator(p, row % Hq, m[row], l[row]);
     for (int64_t d = 0; d < D; ++d)
@@ -727,8 +744,34 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
   return true;
 }
 
+// The output rows of a tile whose keys were split over the n items from `first` on: each
+// part's sums rescaled to the largest running max, added, then normalized as one item would
+// (a part that saw no visible key has max kMaskValue and weighs 0).
+void combine_parts(const Problem& p, const Item* first, int64_t n) {
+  const Span sp = span_of(p, *first);
+  const int64_t D = p.D, Hq = p.Hq, nr = (sp.r1 - sp.r0) * Hq;
+  const int64_t q0 = (sp.start + sp.r0) * Hq * D;
+  float out[512];  // (one row; D <= 512, checked by the caller)
+  for (int64_t row = 0; row < nr; ++row) {
+    float mx = kMaskValue;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p.parts[first[i].part * p.part_stride + row]);
+    float l = 0.0f;
+    std::fill(out, out + D, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* part = p.parts + first[i].part * p.part_stride;
+      const float w = std::exp(part[row] - mx);
+      l += part[nr + row] * w;
+      const float* a = part + 2 * nr + row * D;
+      for (int64_t d = 0; d < D; ++d) out[d] += a[d] * w;
+    }
+    const float inv = inv_denominator(p, row % Hq, mx, l);
+    for (int64_t d = 0; d < D; ++d) store(p.out, q0 + row * D + d, out[d] * inv, p.q_kind);
+  }
+}
+
 struct Shared {
   Problem problem;
+  std::vector<float> parts;  // (problem.parts' storage)
   std::vector<Item> items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -824,20 +867,54 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   // Items: per sequence, tile and KV head; but a sequence whose tiles are a few decode rows
   // gets one item per tile taking all KV heads (run_decode_item: each page read as one
   // contiguous run instead of head-strided pieces; decode is bound by these bytes), where there
-  // are tiles enough to share out.
+  // are tiles enough to share out. Where there are not (a batch of one to seven sequences),
+  // such a tile's keys are split, page-aligned, into items of kMinSplitKeys or more, enough
+  // for every thread, and combine_parts adds them up: a lone sequence's attention then reads
+  // its pages on every core, in contiguous runs (per KV head, 3 items of SmolLM2 on 2 cores
+  // left one core idle half the time, each reading head-strided pieces).
   int64_t tiles = 0;
   for (int64_t s = 0; s < ns; ++s) tiles += (p.qsl[s + 1] - p.qsl[s] + kTile - 1) / kTile;
-  const bool decode_ok = tiles >= 8 &&
-                         (p.kv_kind == Kind::kF32 || p.kv_kind == Kind::kBF16 ||
-                          p.kv_kind == Kind::kF8E4M3 || p.kv_kind == Kind::kF8E5M2) &&
-                         p.D % 16 == 0;
+  const bool kinds_ok = (p.kv_kind == Kind::kF32 || p.kv_kind == Kind::kBF16 ||
+                         p.kv_kind == Kind::kF8E4M3 || p.kv_kind == Kind::kF8E5M2) &&
+                        p.D % 16 == 0;
+  const bool decode_ok = tiles >= 8 && kinds_ok;
+  const bool split_ok = tiles < 8 && kinds_ok && p.D <= 512;
+  const int64_t workers = 1 + jaxinfer_cpu::helper_count(pool.num_threads(), 1 << 20);
+  int64_t parts = 0, max_rows = 0;
+  std::vector<std::pair<int64_t, int64_t>> splits;  // (first item, items) per split tile
   for (int64_t s = 0; s < ns; ++s) {
     const int64_t q_len = p.qsl[s + 1] - p.qsl[s];
-    const bool decode = decode_ok && std::min(q_len, kTile) * p.group < kBlockedMinRows;
+    const bool small = std::min(q_len, kTile) * p.group < kBlockedMinRows;
+    if (split_ok && small && q_len > 0) {
+      Item it{static_cast<int32_t>(s), 0, 0, true};
+      const Span sp = span_of(p, it);
+      const int64_t keys = sp.hi - sp.lo;
+      const int64_t n = std::min<int64_t>(keys / kMinSplitKeys,
+                                          std::max<int64_t>(1, 4 * workers / tiles));
+      if (n >= 2) {
+        const int64_t chunk = ((keys + n - 1) / n + p.BS - 1) / p.BS * p.BS;
+        const int64_t base = static_cast<int64_t>(sh->items.size());
+        for (int64_t k0 = sp.lo / p.BS * p.BS; k0 < sp.hi; k0 += chunk) {
+          it.part = static_cast<int32_t>(parts++);
+          it.k0 = static_cast<int32_t>(k0);
+          it.k1 = static_cast<int32_t>(std::min<int64_t>(sp.hi, k0 + chunk));
+          sh->items.push_back(it);
+        }
+        splits.push_back({base, static_cast<int64_t>(sh->items.size()) - base});
+        max_rows = std::max(max_rows, q_len);
+        continue;
+      }
+    }
+    const bool decode = decode_ok && small;
     const int32_t step = decode ? static_cast<int32_t>(p.Hkv) : 1;
     for (int32_t h = 0; h < p.Hkv; h += step)
       for (int64_t t = 0; t * kTile < q_len; ++t)
         sh->items.push_back({static_cast<int32_t>(s), h, static_cast<int32_t>(t), decode});
+  }
+  if (parts) {
+    p.part_stride = max_rows * p.Hq * (p.D + 2);
+    sh->parts.resize(static_cast<size_t>(parts * p.part_stride));
+    p.parts = sh->parts.data();
   }
   // Padding rows are zero.
   const int64_t row_bytes = p.Hq * p.D * (p.q_kind == Kind::kF32 ? 4 : 2);
@@ -850,6 +927,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   while (sh->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
   if (sh->bad_block.load())
     return ffi::Error::InvalidArgument("paged_attention_cpu: block id out of range");
+  for (const auto& [first, count] : splits) combine_parts(p, &sh->items[first], count);
   return ffi::Error::Success();
 }
 

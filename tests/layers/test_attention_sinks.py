@@ -109,7 +109,8 @@ def test_cpu_backend(window, bs):
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ kernel could not be built here")
 def test_cpu_backend_per_head_items():
-    """Fewer than 8 tiles: decode rows take the per-head items, not the all-heads ones."""
+    """Fewer than 8 tiles, and too many of them to split a row's keys: decode rows take the
+    per-head items, not the all-heads ones."""
     rng = np.random.default_rng(5)
     args, n = make_case(rng, [1, 1, 5, 40], [30, 200, 3, 17], hq=6, hkv=3, d=64, bs=16,
                         dtype=jnp.float32)
@@ -117,6 +118,20 @@ def test_cpu_backend_per_head_items():
     out = jax.jit(lambda *a: cpu_kernels.ragged_paged_attention_cpu(
         *a, sm_scale=SCALE, sinks=sinks))(*args)
     np.testing.assert_allclose(np.asarray(out)[:n], _reference(args, sinks, None)[:n],
+                               atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ kernel could not be built here")
+@pytest.mark.parametrize("window", [None, 1, 24])
+def test_cpu_backend_split_keys(window):
+    """One or two decode sequences: their keys split over items; the sinks join the
+    denominator once, when the parts are combined."""
+    rng = np.random.default_rng(21)
+    args, n = make_case(rng, [1, 2], [300, 140], hq=6, hkv=3, d=64, bs=16, dtype=jnp.float32)
+    sinks = sinks_for(6, 5)
+    out = jax.jit(lambda *a: cpu_kernels.ragged_paged_attention_cpu(
+        *a, sm_scale=SCALE, sliding_window=window, sinks=sinks))(*args)
+    np.testing.assert_allclose(np.asarray(out)[:n], _reference(args, sinks, window)[:n],
                                atol=2e-5, rtol=2e-5)
 
 

@@ -141,6 +141,53 @@ def test_decode_items_refuse_a_bad_block_id_on_a_later_page():
         np.asarray(run((q, k, v, lens, tables, qsl, ns)))
 
 
+@pytest.mark.parametrize("q_lens,ctx", [([1], [127]), ([1], [128]), ([1], [255]),
+                                         ([1], [1000]), ([1], [4095]),
+                                         ([1, 2, 1], [300, 150, 20]), ([2, 1, 37], [64, 700, 9])])
+@pytest.mark.parametrize("hq,hkv,bs", [(9, 3, 16), (8, 1, 128), (4, 4, 16)])
+def test_few_sequences_split_their_keys_and_match(q_lens, ctx, hq, hkv, bs):
+    """Fewer than 8 tiles: a decode row's keys are split, page-aligned, over several items
+    (every KV head each) whose partial sums are combined; a short context or a prefill beside
+    it keeps one item per KV head. Same answer as the reference, and run to run."""
+    rng = np.random.default_rng(sum(ctx) + hq * 10 + bs)
+    args, n = make_case(rng, q_lens, ctx, hq=hq, hkv=hkv, d=64, bs=bs, dtype=jnp.float32)
+    check(args, n, tol=2e-5)
+    np.testing.assert_array_equal(np.asarray(run(args)), np.asarray(run(args)))
+
+
+@pytest.mark.parametrize("sliding_window", [1, 7, 40, 300])
+def test_split_keys_with_sliding_window(sliding_window):
+    """A window makes some parts see no key at all (their max stays the mask value and they
+    weigh nothing in the combination)."""
+    rng = np.random.default_rng(200 + sliding_window)
+    args, n = make_case(rng, [1, 2], [900, 333], hq=6, hkv=2, d=64, bs=16, dtype=jnp.float32)
+    check(args, n, tol=2e-5, sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
+def test_split_keys_over_a_bf16_cache(q_dtype):
+    rng = np.random.default_rng(8)
+    args, n = make_case(rng, [1], [700], hq=9, hkv=3, d=64, bs=16, dtype=jnp.bfloat16)
+    args = (args[0].astype(q_dtype),) + tuple(args[1:])
+    ref = ragged_paged_attention_reference(args[0].astype(jnp.float32),
+                                           *(a.astype(jnp.float32) for a in args[1:3]),
+                                           *args[3:], sm_scale=0.125)
+    out = run(args)
+    assert out.dtype == q_dtype
+    tol = 1e-2 if q_dtype == jnp.bfloat16 else 2e-5
+    np.testing.assert_allclose(np.asarray(out, np.float32)[:n], np.asarray(ref)[:n],
+                               atol=tol, rtol=tol)
+
+
+def test_split_keys_refuse_a_bad_block_id_in_a_later_part():
+    rng = np.random.default_rng(10)
+    (q, k, v, lens, tables, qsl, ns), _ = make_case(rng, [1], [600], hq=6, hkv=2, d=64, bs=16,
+                                                    dtype=jnp.float32)
+    tables = tables.at[0, 30].set(10_000)
+    with pytest.raises(Exception, match="block id out of range"):
+        np.asarray(run((q, k, v, lens, tables, qsl, ns)))
+
+
 @pytest.mark.parametrize("field", ["block_id", "kv_len", "query_start_loc", "num_seqs"])
 def test_out_of_range_metadata_is_an_error_not_a_crash(field):
     """Indices come from the device: a bad one fails the call with a message instead of

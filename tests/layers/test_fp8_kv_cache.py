@@ -43,7 +43,9 @@ BACKENDS = ["reference", "xla", "pallas"] + (["cpu"] if cpu_kernels.available() 
 CASES = {"mixed": ([1, 20, 1, 9], [40, 0, 16, 3]),
          # 10 decode rows: the cpu kernel's decode items (every KV head per page, fp8 widened
          # 16 at a time)
-         "decodes": ([1] * 10, [5, 40, 16, 3, 70, 1, 33, 16, 17, 50])}
+         "decodes": ([1] * 10, [5, 40, 16, 3, 70, 1, 33, 16, 17, 50]),
+         # two long decodes: the cpu kernel splits their keys over items
+         "few-long-decodes": ([1, 2], [300, 150])}
 
 
 @pytest.mark.parametrize("case", list(CASES))
