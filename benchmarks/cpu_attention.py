@@ -24,6 +24,11 @@ CASES = {
     "decode-32@256": ("decode", 32, 256),
     "decode-32@192": ("decode", 32, 192),
     "decode-8@1024": ("decode", 8, 1024),
+    # batch 1 (one sequence: its keys split over the threads) and a few sequences
+    "decode-1@256": ("decode", 1, 256),
+    "decode-1@1024": ("decode", 1, 1024),
+    "decode-1@4096": ("decode", 1, 4096),
+    "decode-4@1024": ("decode", 4, 1024),
     "prefill-2x1024": ("prefill", 2, 1024),
     "prefill-32x128": ("prefill", 32, 128),
 }
