@@ -40,6 +40,16 @@ def measure(kind: str, rows: list[int], iters: int) -> dict[int, float]:
 
         def mm(x, w, n):
             return ck.matmul(x, w, n)
+    elif kind == "packed-bf16":  # a bf16 model's panels; its rows are bf16 values
+        import ml_dtypes
+
+        if not ck.available():
+            raise SystemExit("the C++ kernels could not be built")
+        params = [[jnp.asarray(ck.pack(w.astype(ml_dtypes.bfloat16))) for w in layer]
+                  for layer in ws]
+
+        def mm(x, w, n):
+            return ck.matmul(x, w, n)
     elif kind == "packed-int8":  # per-channel int8 weights, as quantization="int8" packs them
         if not ck.available():
             raise SystemExit("the C++ kernels could not be built")
@@ -89,7 +99,8 @@ def main():
                     help="an XLA_FLAGS value for a row of XLA's dot (repeatable; default: "
                          "none, oneDNN and XNNPACK dot fusion)")
     ap.add_argument("--variants", default="xla,packed,packed-int8",
-                    help="which of xla (one row per --xla-flags), packed, packed-int8")
+                    help="which of xla (one row per --xla-flags), packed, packed-bf16, "
+                         "packed-int8")
     ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
@@ -101,14 +112,15 @@ def main():
                                "--xla_cpu_experimental_xnn_fusion_type=dot"]
     flops = {m: 2 * m * LAYERS * sum(k * n for k, n in SHAPES) for m in rows}
     chosen = args.variants.split(",")
-    unknown = sorted(set(chosen) - {"xla", "packed", "packed-int8"})
+    kinds = {"packed": "packed kernel", "packed-bf16": "packed bf16",
+             "packed-int8": "packed int8"}
+    unknown = sorted(set(chosen) - {"xla", *kinds})
     if unknown:
-        ap.error(f"--variants: unknown {', '.join(unknown)} (choose from xla, packed, "
-                 "packed-int8)")
+        ap.error(f"--variants: unknown {', '.join(unknown)} (choose from xla, "
+                 f"{', '.join(kinds)})")
     variants = ([("xla dot", "xla", f) for f in flags] if "xla" in chosen else []) + [
-        (name, kind, "") for name, kind in [("packed kernel", "packed"),
-                                             ("packed int8", "packed-int8")] if kind in chosen]
-    weight_bytes = {"xla": 4, "packed": 4, "packed-int8": 1}
+        (name, kind, "") for kind, name in kinds.items() if kind in chosen]
+    weight_bytes = {"xla": 4, "packed": 4, "packed-bf16": 2, "packed-int8": 1}
     results = []
     for name, kind, flag in variants:
         env = dict(os.environ, XLA_FLAGS=flag)

@@ -1,7 +1,8 @@
 """Device time of one engine step, per attention backend: shows whether cost follows the work.
 
 Builds synthetic steps with the production builder (decode rows, prefill chunks, mixed) on the
-default SmolLM2 (fp32) and times the compiled step (median of --iters after one warm call).
+default SmolLM2 (fp32, or --dtype bfloat16) and times the compiled step (median of --iters
+after one warm call).
 The issue's case: 2048 tokens of 64 sequences (32-token prefill chunks) at max_model_len 1024.
 Usage:
     PYTHONPATH=. python benchmarks/step_cost.py [--backends xla,reference] [--output-json F]
@@ -72,6 +73,7 @@ def main():
                     help="tokens per KV block (default: the engine's, 128 on CPU)")
     ap.add_argument("--quantization", default=None, help="int8, fp8 or gguf weights")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
 
@@ -85,7 +87,7 @@ def main():
     bs = resolve_block_size(args.block_size, jax.devices())
     rows = []
     for backend in args.backends.split(","):
-        llm = LLM(None, dtype="float32", max_model_len=args.max_model_len, max_num_seqs=64,
+        llm = LLM(None, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=64,
                   max_num_batched_tokens=2048, attention_backend=backend, warmup=False,
                   num_kv_blocks=64 * -(-args.max_model_len // bs) + 2, block_size=bs,
                   step_compilation=args.step_compilation,
@@ -97,14 +99,15 @@ def main():
             seqs = CASES[name]
             s = time_case(runner, seqs, args.iters)
             work = sum(q * (c + (q + 1) / 2) for q, c in seqs)  # query x key pairs
-            rows.append({"backend": backend, "step_compilation": args.step_compilation,
+            rows.append({"backend": backend, "dtype": args.dtype,
+                         "step_compilation": args.step_compilation,
                          "layers_per_program": args.layers_per_program, "block_size": bs,
                          "quantization": args.quantization,
                          "kv_cache_dtype": args.kv_cache_dtype, "case": name, "tokens": sum(q for q, _ in seqs),
                          "seqs": len(seqs), "attention_pairs": work, "step_s": s})
             print(f"{backend:>9} {name:>24}: {s * 1e3:9.1f} ms", flush=True)
         del llm
-    result = {"benchmark": "step_cost", "model": "SmolLM2-135M-Instruct", "dtype": "float32",
+    result = {"benchmark": "step_cost", "model": "SmolLM2-135M-Instruct", "dtype": args.dtype,
               "max_model_len": args.max_model_len, "rows": rows,
               "environment": {"jax": jax.__version__, "platform": jax.default_backend(),
                               "python": platform.python_version()}}

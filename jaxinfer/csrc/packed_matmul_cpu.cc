@@ -6,7 +6,9 @@
 // thread works too and waits only for panels already claimed).
 //
 // bfloat16 models keep their weights bf16 in the same panels (half the bytes to stream); each
-// widens exactly to float32 as it is loaded, so x, the sums and y stay float32.
+// widens exactly to float32 as it is loaded, so x, the sums and y stay float32. Where the CPU
+// multiplies bf16 pairs (AMX tiles; vdpbf16ps without AMX), products of several rows round
+// the rows to bf16 instead (a bf16 model's rows are bf16 values) and keep float32 sums.
 //
 // Quantized weights (int8, fp8 e4m3) use the same panels, one byte per weight, with float32
 // scales per output column and group of input rows (and for GGUF's asymmetric blocks an
@@ -497,6 +499,114 @@ inline void pair_pass(int mr, int pf_kind, const float* x, const float* pa, cons
 #undef JAXINFER_PASS
 }
 
+#if (defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)) || \
+    (defined(__AVX512BF16__) && defined(__AVX512BW__))
+#define JAXINFER_BF16_PAIRS 1  // bf16 panel pairs multiplied as bf16 pairs (AMX or vdpbf16ps)
+// x [M, K] float -> [M, Kp] bf16 rows (Kp >= K, the caller zero-pads), rounded to nearest even.
+inline void x_to_bf16(const float* x, uint16_t* out, int64_t M, int64_t K, int64_t Kp) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    uint16_t* o = out + m * Kp;
+    int64_t k = 0;
+#if defined(__AVX512BF16__)
+    for (; k + 32 <= K; k += 32)
+      _mm512_storeu_si512(o + k, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                     _mm512_loadu_ps(xr + k + 16), _mm512_loadu_ps(xr + k))));
+#endif
+    for (; k < K; ++k) {
+      uint32_t bits;
+      std::memcpy(&bits, xr + k, 4);
+      o[k] = (bits & 0x7FFFFFFFu) > 0x7F800000u  // NaN stays a (quiet) NaN
+                 ? static_cast<uint16_t>((bits >> 16) | 0x40u)
+                 : static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+    }
+  }
+}
+
+// Panels a, b (bf16 [K, 32] each, K even) -> buf [Kp / 2][64][2] (k pairs past K zero).
+inline void interleave_pair(const uint16_t* a, const uint16_t* b, uint16_t* buf, int64_t K,
+                            int64_t Kp) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
+                                      8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t k2 = 0; k2 < K / 2; ++k2) {
+    for (int half = 0; half < 2; ++half) {  // columns 0-31 from a, 32-63 from b
+      const uint16_t* src = (half == 0 ? a : b) + 2 * k2 * kNR;
+      const __m512i r0 = _mm512_loadu_si512(src), r1 = _mm512_loadu_si512(src + kNR);
+      uint16_t* d = buf + (k2 * 64 + half * 32) * 2;
+      _mm512_storeu_si512(d, _mm512_permutex2var_epi16(r0, lo, r1));
+      _mm512_storeu_si512(d + 32, _mm512_permutex2var_epi16(r0, hi, r1));
+    }
+  }
+  std::memset(buf + (K / 2) * 128, 0, (Kp - K) / 2 * 128 * sizeof(uint16_t));
+}
+
+#endif
+
+#if !(defined(__AMX_TILE__) && defined(__AMX_BF16__)) && defined(JAXINFER_BF16_PAIRS)
+// bf16 panels from kDotRows rows on CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and later,
+// Intel Cooper Lake): vdpbf16ps multiplies 16 columns by a k pair per instruction, 32
+// products where an FMA does 16, at an FMA's rate on Zen 4 (one 512-bit instruction a cycle
+// either way). The pair of panels is interleaved by k pairs (as for AMX: [K / 2][64][2]) and
+// the rows converted to bf16 once per product ([M][K]); each product of two bf16 values is
+// exact in float32 and the sums stay float32, so a bf16 model's rows (bf16 values already)
+// get what float32 FMAs on the widened weights give them, up to the order of the adds.
+constexpr bool kBf16Dot = true;
+constexpr int64_t kDotRows = 6;
+
+// Rows [m0, m0 + MR) of xb (bf16 [M, K]) x the interleaved pair -> y's columns col0 .. +63.
+template <int MR>
+inline void dot_pair_block(const uint16_t* xb, const uint16_t* buf, float* y, int64_t m0,
+                           int64_t K, int64_t N, int64_t col0) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  const uint16_t* xr = xb + m0 * K;
+  for (int64_t k2 = 0; k2 < K / 2; ++k2) {
+    const uint16_t* b = buf + k2 * 128;
+    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b));
+    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 32));
+    const __m512bh b2 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 64));
+    const __m512bh b3 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 96));
+    for (int i = 0; i < MR; ++i) {
+      uint32_t two;  // x[m, 2 k2] (low half) and x[m, 2 k2 + 1]
+      std::memcpy(&two, xr + i * K + 2 * k2, 4);
+      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(two)));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], a, b2);
+      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], a, b3);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    float* yr = y + (m0 + i) * N + col0;
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(yr + 16 * j, acc[i][j]);
+  }
+}
+
+// All M rows x the interleaved pair, in ceil(M / 6) passes of up to 6 rows (shared evenly).
+inline void dot_pair(const uint16_t* xb, const uint16_t* buf, float* y, int64_t M, int64_t K,
+                     int64_t N, int64_t col0) {
+  const int64_t passes = (M + 5) / 6;
+  int64_t m0 = 0;
+  for (int64_t pass = 0; pass < passes; ++pass) {
+    const int64_t mr = (M * (pass + 1)) / passes - m0;
+    switch (mr) {
+      case 1: dot_pair_block<1>(xb, buf, y, m0, K, N, col0); break;
+      case 2: dot_pair_block<2>(xb, buf, y, m0, K, N, col0); break;
+      case 3: dot_pair_block<3>(xb, buf, y, m0, K, N, col0); break;
+      case 4: dot_pair_block<4>(xb, buf, y, m0, K, N, col0); break;
+      case 5: dot_pair_block<5>(xb, buf, y, m0, K, N, col0); break;
+      default: dot_pair_block<6>(xb, buf, y, m0, K, N, col0); break;
+    }
+    m0 += mr;
+  }
+}
+#else
+constexpr bool kBf16Dot = false;
+constexpr int64_t kDotRows = 0;
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
 // bf16 panels from kAmxRows rows on CPUs with AMX: the tile unit multiplies a 16 x 32 block of
 // bf16 rows by a 32 x 16 block of weights (as 16 k pairs x 16 columns x 2) into 16 x 16 float32
@@ -521,43 +631,6 @@ struct TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-
-// x [M, K] float -> [Mp, Kp] bf16 (Mp, Kp: M, K rounded up to 16, 32), rounded to nearest even.
-inline void x_to_bf16(const float* x, uint16_t* out, int64_t M, int64_t K, int64_t Kp) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * K;
-    uint16_t* o = out + m * Kp;
-    int64_t k = 0;
-#if defined(__AVX512BF16__)
-    for (; k + 32 <= K; k += 32)
-      _mm512_storeu_si512(o + k, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
-                                     _mm512_loadu_ps(xr + k + 16), _mm512_loadu_ps(xr + k))));
-#endif
-    for (; k < K; ++k) {
-      uint32_t bits;
-      std::memcpy(&bits, xr + k, 4);
-      o[k] = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-    }
-  }
-}
-
-// Panels a, b (bf16 [K, 32] each, K even) -> buf [Kp / 2][64][2] (k pairs past K zero).
-inline void interleave_pair(const uint16_t* a, const uint16_t* b, uint16_t* buf, int64_t K,
-                            int64_t Kp) {
-  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
-                                      8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  for (int64_t k2 = 0; k2 < K / 2; ++k2) {
-    for (int half = 0; half < 2; ++half) {  // columns 0-31 from a, 32-63 from b
-      const uint16_t* src = (half == 0 ? a : b) + 2 * k2 * kNR;
-      const __m512i r0 = _mm512_loadu_si512(src), r1 = _mm512_loadu_si512(src + kNR);
-      uint16_t* d = buf + (k2 * 64 + half * 32) * 2;
-      _mm512_storeu_si512(d, _mm512_permutex2var_epi16(r0, lo, r1));
-      _mm512_storeu_si512(d + 32, _mm512_permutex2var_epi16(r0, hi, r1));
-    }
-  }
-  std::memset(buf + (K / 2) * 128, 0, (Kp - K) / 2 * 128 * sizeof(uint16_t));
-}
 
 // All rows x the interleaved pair (columns col0 .. col0 + 63 of y): 32 rows x 32 columns per
 // pass of four accumulator tiles (0-3), two row tiles (4, 5) and two weight tiles (6, 7).
@@ -607,11 +680,12 @@ struct Shared {
   const W* w;
   Groups groups;  // quantized weights' scales (else scale == nullptr)
   std::vector<float> xsum;  // (groups.xsum's storage)
-  std::vector<uint16_t> xbf;  // (bf16 panels with AMX: x as bf16 [Mp, Kp])
+  std::vector<uint16_t> xbf;  // (bf16 panel pairs with AMX or vdpbf16ps: x as bf16 [Mp, Kp])
   int64_t Kp = 0;
   float* y;
   int64_t M, K, N, panels, per_task;
   int64_t workers = 1;  // the caller and its helpers
+  bool pairs = false;  // full float / bf16 panels multiplied in pairs (from kPairRows rows)
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
@@ -625,7 +699,7 @@ void work(Shared<W>& sh) {
   // other. (Fixed chunks of a twelfth of the panels left the last one alone for up to a
   // chunk: ~8% of a one-row product's time on average, which is bandwidth-bound.)
   constexpr bool kFloatPanels = std::is_same_v<W, float> || std::is_same_v<W, Bf16>;
-  const bool ahead = kFloatPanels && sh.M >= kPairRows;
+  const bool ahead = sh.pairs;
   int64_t size = sh.per_task;  // (the chunk claim() returned last)
   auto claim = [&] {
     if (ahead) return sh.next.fetch_add(sh.per_task, std::memory_order_relaxed);
@@ -659,7 +733,7 @@ void work(Shared<W>& sh) {
     const int64_t last = std::min(sh.panels, first + (ahead ? sh.per_task : size));
     int64_t p = first;
     if constexpr (kFloatPanels) {
-      if (sh.M >= kPairRows) {  // pairs of full panels
+      if (sh.pairs) {  // pairs of full panels
         const int64_t panel = sh.K * kNR;
         const int64_t lines = 2 * panel * sizeof(W) / 64;  // a pair's cache lines
         // ceil(M / 6) passes of 4 to 6 rows, the rows shared out evenly (a pass of 6 and a
@@ -685,6 +759,23 @@ void work(Shared<W>& sh) {
               }
               amx_pair(sh.xbf.data(), ibuf.data(), sh.y, sh.M, sh.Kp, sh.N, p * kNR,
                        scratch.data());
+              continue;
+            }
+#endif
+          }
+          if constexpr (std::is_same_v<W, Bf16> && kBf16Dot) {
+#if defined(JAXINFER_BF16_PAIRS)
+            if (!sh.xbf.empty()) {
+              thread_local std::vector<uint16_t> ibuf;
+              ibuf.resize(static_cast<size_t>(sh.K * 64));
+              const uint16_t* src = reinterpret_cast<const uint16_t*>(sh.w + p * panel);
+              interleave_pair(src, src + panel, ibuf.data(), sh.K, sh.K);
+              if (q < sh.panels) {  // the next pair into L2 while this one is multiplied
+                const char* nx = reinterpret_cast<const char*>(sh.w + q * panel);
+                const int64_t n_lines = std::min(lines, (sh.panels - q) * panel * 2 / 64);
+                for (int64_t l = 0; l < n_lines; ++l) jaxinfer_cpu::prefetch_l2(nx + 64 * l);
+              }
+              dot_pair(sh.xbf.data(), ibuf.data(), sh.y, sh.M, sh.K, sh.N, p * kNR);
               continue;
             }
 #endif
@@ -766,11 +857,22 @@ ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const
     }
   }
 #endif
+#if defined(JAXINFER_BF16_PAIRS)
+  if constexpr (std::is_same_v<W, Bf16> && kBf16Dot) {
+    if (sh->M >= kDotRows && sh->K % 2 == 0) {  // (vdpbf16ps pairs from fewer rows)
+      sh->Kp = sh->K;
+      sh->xbf.resize(static_cast<size_t>(sh->M * sh->K));
+      x_to_bf16(x, sh->xbf.data(), sh->M, sh->K, sh->K);
+      sh->pairs = true;
+    }
+  }
+#endif
+  if constexpr (std::is_same_v<W, float> || std::is_same_v<W, Bf16>)
+    if (sh->M >= kPairRows) sh->pairs = true;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // A few chunks per thread: balance without much contention on the counter.
   sh->per_task = std::max<int64_t>(1, sh->panels / (4 * (threads + 1)));
-  if ((std::is_same_v<W, float> || std::is_same_v<W, Bf16>) &&
-      sh->M >= kPairRows)  // (whole pairs of panels per chunk)
+  if (sh->pairs)  // (whole pairs of panels per chunk)
     sh->per_task = std::max<int64_t>(2, sh->per_task + sh->per_task % 2);
   const int64_t chunks = (sh->panels + sh->per_task - 1) / sh->per_task;
   const int64_t helpers = jaxinfer_cpu::helper_count(threads, chunks);
