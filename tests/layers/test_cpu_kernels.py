@@ -250,7 +250,7 @@ def test_bf16_panels_match_float_products_of_the_bf16_weights(m, k, n):
     """bfloat16 panels (a bf16 model's weights, half the bytes): the product of a bf16
     model's rows (bf16 values) equals float64 x @ w, from one row (widened as streamed) to
     12+ rows (pairs of panels widened; from 16 rows on CPUs with AMX, tile products of the
-    bf16 values; from 4 rows and an even K on CPUs with AVX512-BF16 but no AMX, vdpbf16ps
+    bf16 values; from 6 rows and an even K on CPUs with AVX512-BF16 but no AMX, vdpbf16ps
     products of k pairs; both exact for such rows); a bf16 x comes back bf16. Grouped (MoE)
     panels too."""
     import ml_dtypes
