@@ -584,13 +584,65 @@ inline void dot_pair_block(const uint16_t* xb, const uint16_t* buf, float* y, in
   }
 }
 
-// All M rows x the interleaved pair, in ceil(M / 6) passes of up to 6 rows (shared evenly).
-inline void dot_pair(const uint16_t* xb, const uint16_t* buf, float* y, int64_t M, int64_t K,
-                     int64_t N, int64_t col0) {
-  const int64_t passes = (M + 5) / 6;
-  int64_t m0 = 0;
+// The first pass over a pair: rows [0, kDotFirstRows) x panels a, b (bf16 [K, 32] each, read
+// from memory, fetched kPrefetchAhead bytes ahead), interleaving them into buf as it goes
+// (for the passes after it) while their products run: the memory streams under the
+// products instead of before them.
+constexpr int kDotFirstRows = 4;
+
+inline void dot_pair_first(const uint16_t* xb, const uint16_t* a, const uint16_t* b,
+                           uint16_t* buf, float* y, int64_t K, int64_t N, int64_t col0) {
+  constexpr int MR = kDotFirstRows;
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
+                                      8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k2 = 0; k2 < K / 2; ++k2) {
+    const uint16_t* sa = a + 2 * k2 * kNR;
+    const uint16_t* sb = b + 2 * k2 * kNR;
+    for (int l = 0; l < 2; ++l) {  // (two k rows of a panel: 128 bytes)
+      jaxinfer_cpu::prefetch(reinterpret_cast<const char*>(sa) + kPrefetchAhead + 64 * l);
+      jaxinfer_cpu::prefetch(reinterpret_cast<const char*>(sb) + kPrefetchAhead + 64 * l);
+    }
+    __m512i r0 = _mm512_loadu_si512(sa), r1 = _mm512_loadu_si512(sa + kNR);
+    const __m512i w0 = _mm512_permutex2var_epi16(r0, lo, r1);
+    const __m512i w1 = _mm512_permutex2var_epi16(r0, hi, r1);
+    r0 = _mm512_loadu_si512(sb);
+    r1 = _mm512_loadu_si512(sb + kNR);
+    const __m512i w2 = _mm512_permutex2var_epi16(r0, lo, r1);
+    const __m512i w3 = _mm512_permutex2var_epi16(r0, hi, r1);
+    uint16_t* d = buf + k2 * 128;
+    _mm512_storeu_si512(d, w0);
+    _mm512_storeu_si512(d + 32, w1);
+    _mm512_storeu_si512(d + 64, w2);
+    _mm512_storeu_si512(d + 96, w3);
+    for (int i = 0; i < MR; ++i) {
+      uint32_t two;
+      std::memcpy(&two, xb + i * K + 2 * k2, 4);
+      const __m512bh x2 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(two)));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x2, reinterpret_cast<__m512bh>(w0));
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x2, reinterpret_cast<__m512bh>(w1));
+      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], x2, reinterpret_cast<__m512bh>(w2));
+      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], x2, reinterpret_cast<__m512bh>(w3));
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    float* yr = y + i * N + col0;
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(yr + 16 * j, acc[i][j]);
+  }
+}
+
+// All M rows (M >= kDotFirstRows) x panels a, b: the first pass interleaves them into buf,
+// the other rows follow in passes of up to 6 (shared evenly).
+inline void dot_pair(const uint16_t* xb, const uint16_t* a, const uint16_t* b, uint16_t* buf,
+                     float* y, int64_t M, int64_t K, int64_t N, int64_t col0) {
+  dot_pair_first(xb, a, b, buf, y, K, N, col0);
+  const int64_t rest = M - kDotFirstRows, passes = (rest + 5) / 6;
+  int64_t m0 = kDotFirstRows;
   for (int64_t pass = 0; pass < passes; ++pass) {
-    const int64_t mr = (M * (pass + 1)) / passes - m0;
+    const int64_t mr = kDotFirstRows + (rest * (pass + 1)) / passes - m0;
     switch (mr) {
       case 1: dot_pair_block<1>(xb, buf, y, m0, K, N, col0); break;
       case 2: dot_pair_block<2>(xb, buf, y, m0, K, N, col0); break;
@@ -769,13 +821,8 @@ void work(Shared<W>& sh) {
               thread_local std::vector<uint16_t> ibuf;
               ibuf.resize(static_cast<size_t>(sh.K * 64));
               const uint16_t* src = reinterpret_cast<const uint16_t*>(sh.w + p * panel);
-              interleave_pair(src, src + panel, ibuf.data(), sh.K, sh.K);
-              if (q < sh.panels) {  // the next pair into L2 while this one is multiplied
-                const char* nx = reinterpret_cast<const char*>(sh.w + q * panel);
-                const int64_t n_lines = std::min(lines, (sh.panels - q) * panel * 2 / 64);
-                for (int64_t l = 0; l < n_lines; ++l) jaxinfer_cpu::prefetch_l2(nx + 64 * l);
-              }
-              dot_pair(sh.xbf.data(), ibuf.data(), sh.y, sh.M, sh.K, sh.N, p * kNR);
+              dot_pair(sh.xbf.data(), src, src + panel, ibuf.data(), sh.y, sh.M, sh.K, sh.N,
+                       p * kNR);
               continue;
             }
 #endif
