@@ -737,7 +737,7 @@ struct Shared {
   float* y;
   int64_t M, K, N, panels, per_task;
   int64_t workers = 1;  // the caller and its helpers
-  bool pairs = false;  // full float / bf16 panels multiplied in pairs (from kPairRows rows)
+  bool pairs = false;  // full panels in pairs (from kPairRows rows; vdpbf16ps: kDotRows)
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
