@@ -523,19 +523,27 @@ inline void x_to_bf16(const float* x, uint16_t* out, int64_t M, int64_t K, int64
   }
 }
 
+// Two k rows r0, r1 of a panel (32 bf16 columns each) -> their k pairs, columns 0-15 (lo)
+// and 16-31 (hi): [column][2] each.
+inline void k_pairs(__m512i r0, __m512i r1, __m512i& lo, __m512i& hi) {
+  const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                         32, 0);
+  lo = _mm512_permutex2var_epi16(r0, first, r1);
+  hi = _mm512_permutex2var_epi16(r0, _mm512_add_epi16(first, _mm512_set1_epi16(16)), r1);
+}
+
 // Panels a, b (bf16 [K, 32] each, K even) -> buf [Kp / 2][64][2] (k pairs past K zero).
 inline void interleave_pair(const uint16_t* a, const uint16_t* b, uint16_t* buf, int64_t K,
                             int64_t Kp) {
-  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
-                                      8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int64_t k2 = 0; k2 < K / 2; ++k2) {
     for (int half = 0; half < 2; ++half) {  // columns 0-31 from a, 32-63 from b
       const uint16_t* src = (half == 0 ? a : b) + 2 * k2 * kNR;
-      const __m512i r0 = _mm512_loadu_si512(src), r1 = _mm512_loadu_si512(src + kNR);
+      __m512i lo, hi;
+      k_pairs(_mm512_loadu_si512(src), _mm512_loadu_si512(src + kNR), lo, hi);
       uint16_t* d = buf + (k2 * 64 + half * 32) * 2;
-      _mm512_storeu_si512(d, _mm512_permutex2var_epi16(r0, lo, r1));
-      _mm512_storeu_si512(d + 32, _mm512_permutex2var_epi16(r0, hi, r1));
+      _mm512_storeu_si512(d, lo);
+      _mm512_storeu_si512(d + 32, hi);
     }
   }
   std::memset(buf + (K / 2) * 128, 0, (Kp - K) / 2 * 128 * sizeof(uint16_t));
@@ -554,6 +562,21 @@ inline void interleave_pair(const uint16_t* a, const uint16_t* b, uint16_t* buf,
 constexpr bool kBf16Dot = true;
 constexpr int64_t kDotRows = 6;
 
+// acc[i] += x row i's k pair k2 . the pair's 64 columns (w0..w3: 16 columns x 2 each).
+template <int MR>
+inline void dot_rows(__m512 (&acc)[MR][4], const uint16_t* xr, int64_t K, int64_t k2,
+                     __m512i w0, __m512i w1, __m512i w2, __m512i w3) {
+  for (int i = 0; i < MR; ++i) {
+    uint32_t two;  // x[m, 2 k2] (low half) and x[m, 2 k2 + 1]
+    std::memcpy(&two, xr + i * K + 2 * k2, 4);
+    const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(two)));
+    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, reinterpret_cast<__m512bh>(w0));
+    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, reinterpret_cast<__m512bh>(w1));
+    acc[i][2] = _mm512_dpbf16_ps(acc[i][2], a, reinterpret_cast<__m512bh>(w2));
+    acc[i][3] = _mm512_dpbf16_ps(acc[i][3], a, reinterpret_cast<__m512bh>(w3));
+  }
+}
+
 // Rows [m0, m0 + MR) of xb (bf16 [M, K]) x the interleaved pair -> y's columns col0 .. +63.
 template <int MR>
 inline void dot_pair_block(const uint16_t* xb, const uint16_t* buf, float* y, int64_t m0,
@@ -564,19 +587,8 @@ inline void dot_pair_block(const uint16_t* xb, const uint16_t* buf, float* y, in
   const uint16_t* xr = xb + m0 * K;
   for (int64_t k2 = 0; k2 < K / 2; ++k2) {
     const uint16_t* b = buf + k2 * 128;
-    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b));
-    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 32));
-    const __m512bh b2 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 64));
-    const __m512bh b3 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 96));
-    for (int i = 0; i < MR; ++i) {
-      uint32_t two;  // x[m, 2 k2] (low half) and x[m, 2 k2 + 1]
-      std::memcpy(&two, xr + i * K + 2 * k2, 4);
-      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(two)));
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
-      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], a, b2);
-      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], a, b3);
-    }
+    dot_rows<MR>(acc, xr, K, k2, _mm512_loadu_si512(b), _mm512_loadu_si512(b + 32),
+                 _mm512_loadu_si512(b + 64), _mm512_loadu_si512(b + 96));
   }
   for (int i = 0; i < MR; ++i) {
     float* yr = y + (m0 + i) * N + col0;
@@ -593,9 +605,6 @@ constexpr int kDotFirstRows = 4;
 inline void dot_pair_first(const uint16_t* xb, const uint16_t* a, const uint16_t* b,
                            uint16_t* buf, float* y, int64_t K, int64_t N, int64_t col0) {
   constexpr int MR = kDotFirstRows;
-  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
-                                      8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -606,27 +615,15 @@ inline void dot_pair_first(const uint16_t* xb, const uint16_t* a, const uint16_t
       jaxinfer_cpu::prefetch(reinterpret_cast<const char*>(sa) + kPrefetchAhead + 64 * l);
       jaxinfer_cpu::prefetch(reinterpret_cast<const char*>(sb) + kPrefetchAhead + 64 * l);
     }
-    __m512i r0 = _mm512_loadu_si512(sa), r1 = _mm512_loadu_si512(sa + kNR);
-    const __m512i w0 = _mm512_permutex2var_epi16(r0, lo, r1);
-    const __m512i w1 = _mm512_permutex2var_epi16(r0, hi, r1);
-    r0 = _mm512_loadu_si512(sb);
-    r1 = _mm512_loadu_si512(sb + kNR);
-    const __m512i w2 = _mm512_permutex2var_epi16(r0, lo, r1);
-    const __m512i w3 = _mm512_permutex2var_epi16(r0, hi, r1);
+    __m512i w0, w1, w2, w3;
+    k_pairs(_mm512_loadu_si512(sa), _mm512_loadu_si512(sa + kNR), w0, w1);
+    k_pairs(_mm512_loadu_si512(sb), _mm512_loadu_si512(sb + kNR), w2, w3);
     uint16_t* d = buf + k2 * 128;
     _mm512_storeu_si512(d, w0);
     _mm512_storeu_si512(d + 32, w1);
     _mm512_storeu_si512(d + 64, w2);
     _mm512_storeu_si512(d + 96, w3);
-    for (int i = 0; i < MR; ++i) {
-      uint32_t two;
-      std::memcpy(&two, xb + i * K + 2 * k2, 4);
-      const __m512bh x2 = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(two)));
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x2, reinterpret_cast<__m512bh>(w0));
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x2, reinterpret_cast<__m512bh>(w1));
-      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], x2, reinterpret_cast<__m512bh>(w2));
-      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], x2, reinterpret_cast<__m512bh>(w3));
-    }
+    dot_rows<MR>(acc, xb, K, k2, w0, w1, w2, w3);
   }
   for (int i = 0; i < MR; ++i) {
     float* yr = y + i * N + col0;
