@@ -21,6 +21,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -47,6 +48,7 @@ constexpr float kMaskValue = -1e30f;
 constexpr int64_t kRB = 6;  // query rows per register block (blocked P.V)
 constexpr int64_t kBlockedMinRows = 8;  // items with fewer rows take per-row dots
 constexpr int64_t kAheadKeys = 8;  // how far ahead decode items prefetch their keys
+constexpr int64_t kPvKeys = 16;  // keys per register-held P.V block of a decode item
 // Split decode items (few sequences): each covers at least this many keys of its sequence.
 constexpr int64_t kMinSplitKeys = 64;
 
@@ -169,7 +171,7 @@ inline float inv_denominator(const Problem& p, int64_t q_head, float m, float l)
 
 struct Item {
   int32_t seq, head, tile;  // (a decode item: every KV head; `head` is 0)
-  bool decode;  // run_decode_item (all heads, f32 q, f32 / fp8 KV, D % 16 == 0), else run_item
+  bool decode;  // run_decode_item (all heads, f32 / bf16 / fp8 KV, D % 16 == 0), else run_item
   // A split decode item: only keys [k0, k1) of its tile's span, its running max, sum and
   // unnormalized output left in p.parts slot `part` for combine_parts (-1: not split).
   int32_t part = -1, k0 = 0, k1 = 0;
@@ -591,6 +593,139 @@ inline v16 kv16(const BF16* p) { return jaxinfer_cpu::bf16_to_float16x(&p->b); }
 inline v16 kv16(const E4M3* p) { return jaxinfer_cpu::e4m3_to_float16x(&p->b); }
 inline v16 kv16(const E5M2* p) { return jaxinfer_cpu::e5m2_to_float16x(&p->b); }
 
+#if !defined(JAXINFER_V16_PAIR)
+// P.V of R rows (row r: probabilities pr[r][0..n), output acc[r][0..16 C)) over n keys' V
+// rows (v, stride apart; 16 C values each): the outputs stay in registers over the keys and
+// each V row is loaded (widened) once for all R rows.
+template <int R, int C, typename KV>
+inline void pv_regs(const float* const* pr, float* const* acc, const KV* v, int64_t stride,
+                    int64_t n) {
+  v16 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = load16(acc[r] + 16 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    v16 x[C];
+    for (int c = 0; c < C; ++c) x[c] = kv16(v + t * stride + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const float e = pr[r][t];
+      for (int c = 0; c < C; ++c) a[r][c] += e * x[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store16(acc[r] + 16 * c, a[r][c]);
+}
+
+// pv_regs over all D values (D % 16 == 0), 64 at a time, for R <= kRB rows.
+template <int R, typename KV>
+inline void pv_rows_d(const float* const* pr, float* const* acc, const KV* v, int64_t stride,
+                      int64_t n, int64_t D) {
+  float* a[R];
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    for (int r = 0; r < R; ++r) a[r] = acc[r] + d;
+    pv_regs<R, 4>(pr, a, v + d, stride, n);
+  }
+  for (; d < D; d += 16) {
+    for (int r = 0; r < R; ++r) a[r] = acc[r] + d;
+    pv_regs<R, 1>(pr, a, v + d, stride, n);
+  }
+}
+
+template <typename KV>
+inline void pv_rows(int nrows, const float* const* pr, float* const* acc, const KV* v,
+                    int64_t stride, int64_t n, int64_t D) {
+  static_assert(kRB == 6, "pv_rows dispatches 1..6 rows");
+  switch (nrows) {
+    case 1: pv_rows_d<1>(pr, acc, v, stride, n, D); break;
+    case 2: pv_rows_d<2>(pr, acc, v, stride, n, D); break;
+    case 3: pv_rows_d<3>(pr, acc, v, stride, n, D); break;
+    case 4: pv_rows_d<4>(pr, acc, v, stride, n, D); break;
+    case 5: pv_rows_d<5>(pr, acc, v, stride, n, D); break;
+    default: pv_rows_d<6>(pr, acc, v, stride, n, D); break;
+  }
+}
+
+// P.V over one page's n keys (V rows from vb, Hkv * D apart; probabilities s [nr, BS]; outputs
+// acc [nr, D]), kPvKeys keys at a time: per KV head, its rows in blocks of up to kRB
+// (token-major, the group's query heads), each block's outputs held in registers over the
+// keys and each V row widened once per block (key by key, every row's output went through
+// memory per key and a V row was widened once per query head). prefetch(t) fetches key t.
+template <typename KV, typename Prefetch>
+inline void pv_page(const Problem& p, int64_t nr, const float* s, float* acc, const KV* vb,
+                    int64_t n, Prefetch prefetch) {
+  const int64_t D = p.D, G = p.group, BS = p.BS, Hq = p.Hq, row_len = p.Hkv * D;
+  for (int64_t j = 0; j < n; j += kPvKeys) {
+    const int64_t nk = std::min(kPvKeys, n - j);
+    for (int64_t t = 0; t < nk; ++t) prefetch(j + t + kAheadKeys);
+    for (int64_t h = 0; h < p.Hkv; ++h) {
+      const float* pr[kRB];
+      float* ar[kRB];
+      int nb = 0;
+      for (int64_t row0 = 0; row0 < nr; row0 += Hq)
+        for (int64_t qh = h * G; qh < (h + 1) * G; ++qh) {
+          pr[nb] = s + (row0 + qh) * BS + j;
+          ar[nb] = acc + (row0 + qh) * D;
+          if (++nb == kRB) {
+            pv_rows(nb, pr, ar, vb + j * row_len + h * D, row_len, nk, D);
+            nb = 0;
+          }
+        }
+      if (nb > 0) pv_rows(nb, pr, ar, vb + j * row_len + h * D, row_len, nk, D);
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define JAXINFER_ATTN_BF16_DOT 1
+// bf16 queries against a bf16 cache (a bf16 model's decode) on vdpbf16ps: a key's score is
+// the dot product of the two bf16 rows as they are (32 exact products per instruction,
+// float32 sums), with no widening of K. The 16 (unscaled) scores of keys k, k + stride, ...
+// D = 32 ND: the query's ND vectors stay in registers and each key's row is read through
+// one pointer stepping by the stride (with a loop over D inside, GCC kept 16 row pointers
+// and the query on the stack, reloading them for every instruction).
+template <int ND>
+inline v16 dot_scores16(const uint16_t* q, const uint16_t* k, int64_t stride) {
+  __m512bh qv[ND];
+  for (int i = 0; i < ND; ++i) qv[i] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + 32 * i));
+  v16 part[16];
+  for (int t = 0; t < 16; ++t, k += stride) {
+    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0],
+                                reinterpret_cast<__m512bh>(_mm512_loadu_si512(k)));
+    for (int i = 1; i < ND; ++i)
+      a = _mm512_dpbf16_ps(a, qv[i], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + 32 * i)));
+    part[kBitReversed[t]] = reinterpret_cast<v16>(a);
+  }
+  return sum16(part);
+}
+
+template <typename KV>
+inline v16 dot_scores16(const uint16_t* q, const KV* k, int64_t stride, int64_t D) {
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
+  switch (D) {
+    case 32: return dot_scores16<1>(q, kb, stride);
+    case 64: return dot_scores16<2>(q, kb, stride);
+    case 128: return dot_scores16<4>(q, kb, stride);
+    default: {  // (other multiples of 32, up to 512: the runtime loop)
+      v16 out;
+      for (int t = 0; t < 16; ++t) out[t] = 0.0f;
+      for (int64_t d = 0; d < D; d += 32) out += dot_scores16<1>(q + d, kb + d, stride);
+      return out;
+    }
+  }
+}
+
+template <typename KV>
+inline float dot_score(const uint16_t* q, const KV* k, int64_t D) {
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32)
+    acc = _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + d)),
+                           reinterpret_cast<__m512bh>(_mm512_loadu_si512(kb + d)));
+  return hsum(reinterpret_cast<v16>(acc));
+}
+#endif
+
 template <typename KV>
 bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
   constexpr int64_t kLine = 64 / sizeof(KV);  // cache entries per 64-byte line
@@ -609,6 +744,12 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
   float* s = l + nr;
   const int64_t q0 = (start + r0) * Hq * D;  // (q and out: float32, bf16 or f16)
   for (int64_t i = 0; i < nr * D; ++i) qf[i] = load(p.q, q0 + i, p.q_kind) * p.scale;
+#if defined(JAXINFER_ATTN_BF16_DOT)
+  // bf16 q and cache: scores from the rows as stored (dot_scores16), scaled after.
+  const uint16_t* qb = std::is_same<KV, BF16>::value && p.q_kind == Kind::kBF16 && D % 32 == 0
+                           ? static_cast<const uint16_t*>(p.q) + q0
+                           : nullptr;
+#endif
   std::fill(acc, acc + nr * D, 0.0f);
   std::fill(m, m + nr, kMaskValue);
   std::fill(l, l + nr, 0.0f);
@@ -681,6 +822,12 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
       for (int64_t qh = 0; qh < Hq; ++qh) {
         const KV* kh = kr + (qh / G) * D;  // (once per 16 keys)
         for (int64_t row = qh; row < nr; row += Hq) {
+#if defined(JAXINFER_ATTN_BF16_DOT)
+          if (qb != nullptr) {
+            store16(s + row * BS + j, dot_scores16(qb + row * D, kh, row_len, D) * p.scale);
+            continue;
+          }
+#endif
           const float* qr = qf + row * D;
           v16 part[16];
           const v16 q0 = load16(qr);
@@ -701,6 +848,12 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
       for (int64_t qh = 0; qh < Hq; ++qh) {
         const KV* kh = kr + (qh / G) * D;
         for (int64_t row = qh; row < nr; row += Hq) {
+#if defined(JAXINFER_ATTN_BF16_DOT)
+          if (qb != nullptr) {
+            s[row * BS + j] = dot_score(qb + row * D, kh, D) * p.scale;
+            continue;
+          }
+#endif
           const float* qr = qf + row * D;
           v16 part = load16(qr) * kv16(kh);
           for (int64_t d = 16; d < D; d += 16) part += load16(qr + d) * kv16(kh + d);
@@ -734,19 +887,27 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
       l[row] = l[row] * corr + sum;
       m[row] = mx;
     }
-    // P.V, key by key.
-    for (int64_t j = 0; j < n; ++j) {
-      prefetch_key(vb, next_v, j + kAheadKeys, n);
-      const KV* vr = vb + j * row_len;
-      for (int64_t h = 0; h < p.Hkv; ++h) {  // (no division per row: this loop is hot)
-        const KV* vh = vr + h * D;
-        for (int64_t qh = h * G; qh < (h + 1) * G; ++qh)
-          for (int64_t row = qh; row < nr; row += Hq) {
-            const float e = s[row * BS + j];
-            float* ar = acc + row * D;
-            for (int64_t d = 0; d < D; d += 16)
-              store16(ar + d, load16(ar + d) + e * kv16(vh + d));
-          }
+    // P.V of a bf16 / fp8 cache in register blocks (pv_page); a float32 cache keeps the
+    // key-by-key loop (blocked, its decode ran ~7% slower from DRAM on the AMD Zen 4 VM).
+#if !defined(JAXINFER_V16_PAIR)
+    if constexpr (!std::is_same<KV, float>::value) {
+      pv_page(p, nr, s, acc, vb, n, [&](int64_t t) { prefetch_key(vb, next_v, t, n); });
+    } else
+#endif
+    {  // P.V, key by key.
+      for (int64_t j = 0; j < n; ++j) {
+        prefetch_key(vb, next_v, j + kAheadKeys, n);
+        const KV* vr = vb + j * row_len;
+        for (int64_t h = 0; h < p.Hkv; ++h) {  // (no division per row: this loop is hot)
+          const KV* vh = vr + h * D;
+          for (int64_t qh = h * G; qh < (h + 1) * G; ++qh)
+            for (int64_t row = qh; row < nr; row += Hq) {
+              const float e = s[row * BS + j];
+              float* ar = acc + row * D;
+              for (int64_t d = 0; d < D; d += 16)
+                store16(ar + d, load16(ar + d) + e * kv16(vh + d));
+            }
+        }
       }
     }
   }

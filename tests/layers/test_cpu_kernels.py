@@ -121,6 +121,27 @@ def test_decode_items_read_a_bf16_cache(q_dtype):
                                rtol=1e-2 if q_dtype == jnp.bfloat16 else 2e-5)
 
 
+@pytest.mark.parametrize("d", [32, 48, 64, 80, 96, 128])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (14, 2), (4, 4)])
+@pytest.mark.parametrize("q_lens,ctx", [([1] * 10 + [2, 2], [0, 1, 15, 16, 17, 200, 31, 129,
+                                                             300, 64, 5, 140]),
+                                         ([1, 2], [700, 333])])
+def test_bf16_decode_rows_match_over_head_dims_and_groups(d, hq, hkv, q_lens, ctx):
+    """bf16 q and cache, all-heads and split decode items: scores on bf16 dot products where
+    D is a multiple of 32 (as 32, 64 or 128 values, or in 32-value pieces), widened K
+    elsewhere; P.V in register blocks of up to 6 rows (a group of 7 query heads: 6 + 1) and 64
+    or 16 values. Checked against the float32 answer over the same bf16
+    values at the precision of the bf16 output."""
+    rng = np.random.default_rng(d * 100 + hq)
+    args, n = make_case(rng, q_lens, ctx, hq=hq, hkv=hkv, d=d, bs=16, dtype=jnp.bfloat16)
+    ref = ragged_paged_attention_reference(*(a.astype(jnp.float32) for a in args[:3]),
+                                           *args[3:], sm_scale=0.125)
+    ref = np.asarray(jnp.asarray(ref).astype(jnp.bfloat16), np.float32)[:n]
+    out = np.asarray(run(args), np.float32)[:n]
+    # at most one bf16 rounding step apart (8 bits), with a floor for values near 0
+    np.testing.assert_allclose(out, ref, atol=4e-3, rtol=8e-3)
+
+
 @pytest.mark.parametrize("sliding_window", [1, 7, 40])
 def test_decode_items_with_sliding_window(sliding_window):
     rng = np.random.default_rng(100 + sliding_window)
