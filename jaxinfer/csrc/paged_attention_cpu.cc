@@ -47,7 +47,8 @@ constexpr int64_t kTile = 16;  // query tokens per work item
 constexpr float kMaskValue = -1e30f;
 constexpr int64_t kRB = 6;  // query rows per register block (blocked P.V)
 constexpr int64_t kBlockedMinRows = 8;  // items with fewer rows take per-row dots
-constexpr int64_t kAheadKeys = 8;  // how far ahead decode items prefetch their keys
+constexpr int64_t kAheadKeys = 8;  // how far ahead decode items prefetch their keys into L1
+constexpr int64_t kFarKeys = 24;  // and into L2 (16 and 32 were slower)
 constexpr int64_t kPvKeys = 16;  // keys per register-held P.V block of a decode item
 // Split decode items (few sequences): each covers at least this many keys of its sequence.
 constexpr int64_t kMinSplitKeys = 64;
@@ -778,12 +779,22 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
       }
     }
     // Key t of this page (or, past its end, of the next) into L1: every line of its row.
+    auto key_row = [&](const KV* here, const KV* next, int64_t t, int64_t n_here) -> const KV* {
+      return t < n_here ? here + t * row_len
+                        : (next != nullptr && t - n_here < BS ? next + (t - n_here) * row_len
+                                                             : nullptr);
+    };
+    // Key t into L1 (every line of its row), and key t + kFarKeys - kAheadKeys into L2: with
+    // L1 prefetches alone, each in flight holds one of the core's few L1 miss buffers, and
+    // 8 keys ahead was too short a lead for DRAM (bf16 decode-32@256 read 13.5 GB/s; with
+    // the L2 prefetches 19, float32 18 -> 21: benchmarks/cpu_attention.py, AMD Zen 4 VM).
     auto prefetch_key = [&](const KV* here, const KV* next, int64_t t, int64_t n_here) {
-      const KV* r = t < n_here ? here + t * row_len
-                               : (next != nullptr && t - n_here < BS ? next + (t - n_here) * row_len
-                                                                    : nullptr);
+      const KV* r = key_row(here, next, t, n_here);
       if (r != nullptr)
         for (int64_t b = 0; b < row_len; b += kLine) jaxinfer_cpu::prefetch(r + b);
+      const KV* f = key_row(here, next, t + kFarKeys - kAheadKeys, n_here);
+      if (f != nullptr)
+        for (int64_t b = 0; b < row_len; b += kLine) jaxinfer_cpu::prefetch_l2(f + b);
     };
     // Scores, 16 keys at a time: per row, 16 partial dot products reduced together into
     // the 16 scores (sum16), not each summed across its lanes on its own.
