@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxinfer.runner.host_malloc import release_freed_memory
 from jaxinfer.runner.step_state import abstract
 
 logger = logging.getLogger(__name__)
@@ -291,6 +292,8 @@ class WeightManager:
             draft_params=abstract(state.draft_params), draft_kv=abstract(state.draft_kv))
         for x in weights + kv:
             x.delete()
+        if getattr(self.worker, "malloc_keep", False):  # (the heap's freed pages back to the
+            release_freed_memory()  # system: host_malloc's thresholds would keep them)
         self._deleted = weights
         self.asleep, self.sleeping_tags = level, {"weights", "kv_cache"}
         after = live_device_bytes()

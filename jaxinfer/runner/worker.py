@@ -19,6 +19,7 @@ from jaxinfer.core.window_blocks import window_pool_blocks
 from jaxinfer.logits_processors import load_processor
 from jaxinfer.runner.buckets import BucketTable
 from jaxinfer.runner.compile_cache import CompileCacheCounter, enable_compilation_cache
+from jaxinfer.runner.host_malloc import keep_freed_memory
 from jaxinfer.runner.kv_cache import kv_cache_bytes_per_block, sliding_layers
 from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.runner.step_program import make_step_program
@@ -195,6 +196,9 @@ class Worker:
                     num_blocks, self.block_size,
                     self.memory["kv_cache_bytes_per_device"] / 2**20,
                     np.dtype(self.kv_dtype).name)
+        # Steps' freed buffers kept in malloc's heap for the next step (after the weights are
+        # loaded, so that loading's temporaries still go back to the system).
+        self.malloc_keep = self.devices[0].platform == "cpu" and keep_freed_memory()
 
     # -- the weights of a live engine: updates, sleep, wake-up (runner/weights.py) -------------
     @property
