@@ -232,7 +232,10 @@ class LlamaForCausalLM(nnx.Module):
         return self.model.norm(x), new_caches
 
     def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return self.rope_tables(self.config, positions)
+        """The step's rotary tables, computed once: behind the barrier, XLA:CPU fused the
+        cos / sin into every layer's rotary fusion (30 times over: 1.4% of a decode step of
+        32 sequences of SmolLM2 in libm's sincosf, none with it)."""
+        return jax.lax.optimization_barrier(self.rope_tables(self.config, positions))
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, H] -> float32 logits [N, V]."""
