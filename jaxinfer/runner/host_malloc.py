@@ -3,7 +3,7 @@
 Each CPU step allocates its buffers afresh (XLA's temporaries and outputs, the kernels'
 scratch). glibc serves large requests with mmap and gives them back on free (and trims the
 heap's top past 128 KB), so every step page-faulted its buffers in again: ~4300 faults a
-step, 13% of the process's CPU time in a bf16 decode step of 32 sequences. With malloc's
+decode step of 32 sequences; keeping them saved 6-20% of the process's CPU time. With malloc's
 mmap and trim thresholds raised to 256 MB after the weights are loaded, freed buffers stay
 in the heap and the next step reuses them (benchmarks/results/cpu_malloc_keep_ab_amd.json).
 This is what vLLM's CPU backend asks of its users by preloading tcmalloc.

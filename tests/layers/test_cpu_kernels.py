@@ -130,8 +130,8 @@ def test_bf16_decode_rows_match_over_head_dims_and_groups(d, hq, hkv, q_lens, ct
     """bf16 q and cache, all-heads and split decode items: scores on bf16 dot products where
     D is a multiple of 32 (as 32, 64 or 128 values, or in 32-value pieces), widened K
     elsewhere; P.V in register blocks of up to 6 rows (a group of 7 query heads: 6 + 1) and 64
-    or 16 values. Checked against the float32 answer over the same bf16
-    values at the precision of the bf16 output."""
+    or 16 values. Checked against the float32 answer over the same bf16 values at the
+    precision of the bf16 output."""
     rng = np.random.default_rng(d * 100 + hq)
     args, n = make_case(rng, q_lens, ctx, hq=hq, hkv=hkv, d=d, bs=16, dtype=jnp.bfloat16)
     ref = ragged_paged_attention_reference(*(a.astype(jnp.float32) for a in args[:3]),
