@@ -744,13 +744,14 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
   float* l = m + nr;
   float* s = l + nr;
   const int64_t q0 = (start + r0) * Hq * D;  // (q and out: float32, bf16 or f16)
-  for (int64_t i = 0; i < nr * D; ++i) qf[i] = load(p.q, q0 + i, p.q_kind) * p.scale;
 #if defined(JAXINFER_ATTN_BF16_DOT)
-  // bf16 q and cache: scores from the rows as stored (dot_scores16), scaled after.
+  // bf16 q and cache: scores from the rows as stored (dot_scores16), scaled after; qf unused.
   const uint16_t* qb = std::is_same<KV, BF16>::value && p.q_kind == Kind::kBF16 && D % 32 == 0
                            ? static_cast<const uint16_t*>(p.q) + q0
                            : nullptr;
+  if (qb == nullptr)
 #endif
+    for (int64_t i = 0; i < nr * D; ++i) qf[i] = load(p.q, q0 + i, p.q_kind) * p.scale;
   std::fill(acc, acc + nr * D, 0.0f);
   std::fill(m, m + nr, kMaskValue);
   std::fill(l, l + nr, 0.0f);
@@ -778,7 +779,7 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
         next_v = vc + nb * BS * row_len;
       }
     }
-    // Key t of this page (or, past its end, of the next) into L1: every line of its row.
+    // Key t's row: of this page, or past its end of the next (nullptr past that).
     auto key_row = [&](const KV* here, const KV* next, int64_t t, int64_t n_here) -> const KV* {
       return t < n_here ? here + t * row_len
                         : (next != nullptr && t - n_here < BS ? next + (t - n_here) * row_len
