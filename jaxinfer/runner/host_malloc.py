@@ -27,13 +27,14 @@ _M_TRIM_THRESHOLD = -1  # (glibc's malloc.h)
 _M_MMAP_THRESHOLD = -3
 
 
-def keep_freed_memory(env=None) -> bool:
-    """Raise glibc malloc's mmap and trim thresholds to KEEP_BYTES; whether it did."""
+def keep_freed_memory(env=None, *, cpu: bool = True) -> bool:
+    """Raise glibc malloc's mmap and trim thresholds to KEEP_BYTES on a CPU engine; whether it
+    did. The switch is checked on every engine, so a bad value is refused on GPUs too."""
     env = os.environ if env is None else env
     value = env.get("JAXINFER_CPU_MALLOC_KEEP", "1").strip()
     if value not in ("0", "1"):
         raise ValueError(f"JAXINFER_CPU_MALLOC_KEEP={value!r}: use 0 or 1")
-    if value == "0" or platform.system() != "Linux":
+    if not cpu or value == "0" or platform.system() != "Linux":
         return False
     if ("MALLOC_MMAP_THRESHOLD_" in env or "MALLOC_TRIM_THRESHOLD_" in env
             or "glibc.malloc" in env.get("GLIBC_TUNABLES", "")):

@@ -198,7 +198,7 @@ class Worker:
                     np.dtype(self.kv_dtype).name)
         # Steps' freed buffers kept in malloc's heap for the next step (after the weights are
         # loaded, so that loading's temporaries still go back to the system).
-        self.malloc_keep = self.devices[0].platform == "cpu" and keep_freed_memory()
+        self.malloc_keep = keep_freed_memory(cpu=self.devices[0].platform == "cpu")
 
     # -- the weights of a live engine: updates, sleep, wake-up (runner/weights.py) -------------
     @property

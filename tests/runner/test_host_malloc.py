@@ -50,6 +50,9 @@ def test_a_freed_step_buffer_is_reused_without_page_faults():
 def test_the_switch_takes_0_or_1_and_a_users_own_settings_stand():
     with pytest.raises(ValueError, match="JAXINFER_CPU_MALLOC_KEEP='yes'"):
         host_malloc.keep_freed_memory({"JAXINFER_CPU_MALLOC_KEEP": "yes"})
+    with pytest.raises(ValueError, match="JAXINFER_CPU_MALLOC_KEEP='2'"):  # (GPU engines too)
+        host_malloc.keep_freed_memory({"JAXINFER_CPU_MALLOC_KEEP": "2"}, cpu=False)
+    assert host_malloc.keep_freed_memory({}, cpu=False) is False
     assert host_malloc.keep_freed_memory({"JAXINFER_CPU_MALLOC_KEEP": "0"}) is False
     for env in ({"MALLOC_MMAP_THRESHOLD_": "65536"},
                 {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}):
