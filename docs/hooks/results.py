@@ -370,8 +370,10 @@ def _before_after(d: dict) -> str:
     rows = []
     for r in d["rows"]:
         b, a = statistics.median(r["before"]), statistics.median(r["after"])
+        # (step_pair.py: the median of each round's ratio, its two turns side by side)
+        ratio = r.get("paired_after_over_before", a / b)
         rows.append([r["measure"], f"{b:.4g} {r['unit']}", f"{a:.4g} {r['unit']}",
-                     f"{a / b:.3f}", r["before"], r["after"]])
+                     f"{ratio:.3f}", r["before"], r["after"]])
     return (f"{d['note']}\n\n" + _table(
         ["measure", f"before ({d['before_rev']})", f"after ({d['after_rev']})",
          "after / before", "before runs", "after runs"], rows))

@@ -39,6 +39,10 @@ MATMUL_TARGET = "jaxinfer_packed_matmul_cpu"
 GROUPED_MATMUL_TARGET = "jaxinfer_grouped_matmul_cpu"
 QUANT_MATMUL_TARGET = "jaxinfer_quant_matmul_cpu"
 GROUPED_QUANT_MATMUL_TARGET = "jaxinfer_grouped_quant_matmul_cpu"
+GATED_MATMUL_TARGET = "jaxinfer_gated_matmul_cpu"
+GATED_QUANT_MATMUL_TARGET = "jaxinfer_gated_quant_matmul_cpu"
+# The gated MLP activations the gated matmuls apply (act(gate) * up), by config name.
+GATED_ACTS = {"silu": 1, "gelu_pytorch_tanh": 2}
 KV_WRITE_TARGET = "jaxinfer_kv_write_cpu"
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 _SOURCES = [os.path.join(_CSRC, f) for f in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc")]
@@ -136,6 +140,8 @@ def available() -> bool:
                                (GROUPED_MATMUL_TARGET, "JaxinferGroupedMatmulCpu"),
                                (QUANT_MATMUL_TARGET, "JaxinferQuantMatmulCpu"),
                                (GROUPED_QUANT_MATMUL_TARGET, "JaxinferGroupedQuantMatmulCpu"),
+                               (GATED_MATMUL_TARGET, "JaxinferGatedMatmulCpu"),
+                               (GATED_QUANT_MATMUL_TARGET, "JaxinferGatedQuantMatmulCpu"),
                                (KV_WRITE_TARGET, "JaxinferKvWriteCpu")):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
@@ -187,15 +193,15 @@ def pack(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(k, panels, PANEL).transpose(1, 0, 2))
 
 
-def matmul(x, w_packed, out_features: int, scale=None, offset=None):
+def matmul(x, w_packed, out_features: int, scale=None, offset=None, out_dtype=None):
     """x [..., K] @ the packed weight [P, K, 32] (float32 or bfloat16) -> [..., out_features]
     in x's dtype (the kernel computes in float32). Quantized (int8 / fp8 e4m3 panels): scale
     float32 [P, K / G, 32] (packed as the weight: `pack` of the [K / G, N] scales), one per
     output column and group of G input rows, and optionally an offset of the same shape
-    (w = q * scale + offset)."""
+    (w = q * scale + offset). out_dtype: the result's (default x's)."""
     if not available():
         raise RuntimeError("packed weights need the C++ kernels, which could not be built here")
-    lead, dtype = x.shape[:-1], x.dtype
+    lead, dtype = x.shape[:-1], x.dtype if out_dtype is None else out_dtype
     x2 = x.reshape(-1, x.shape[-1]).astype(np.float32)  # (a bf16 model's rows: exact)
     out = jax.ShapeDtypeStruct((x2.shape[0], out_features), np.float32)
     if scale is None:
@@ -205,6 +211,30 @@ def matmul(x, w_packed, out_features: int, scale=None, offset=None):
         offset = jax.numpy.zeros((0,), np.float32)
     call = jax.ffi.ffi_call(QUANT_MATMUL_TARGET, out, vmap_method="sequential")
     return call(x2, w_packed, scale, offset).reshape(*lead, out_features).astype(dtype)
+
+
+def gated_matmul(x, w_packed, out_features: int, act: str, scale=None, offset=None):
+    """A gated MLP's down projection from the gate-up product: x [..., 2K] (gate, then up)
+    -> (act(gate) * up) @ the packed weight [P, K, 32] -> [..., out_features] in x's dtype;
+    the activation is computed in float32 inside the kernel, the rows never leave it.
+    act: a GATED_ACTS name; scale / offset as in `matmul`."""
+    if not available():
+        raise RuntimeError("packed weights need the C++ kernels, which could not be built here")
+    if act not in GATED_ACTS:
+        raise ValueError(f"gated_matmul: act {act!r} is not one of {sorted(GATED_ACTS)}")
+    lead, dtype = x.shape[:-1], x.dtype
+    x2 = x.reshape(-1, x.shape[-1]).astype(np.float32)
+    out = jax.ShapeDtypeStruct((x2.shape[0], out_features), np.float32)
+    code = np.int64(GATED_ACTS[act])
+    if scale is None:
+        call = jax.ffi.ffi_call(GATED_MATMUL_TARGET, out, vmap_method="sequential")
+        y = call(x2, w_packed, act=code)
+    else:
+        if offset is None:
+            offset = jax.numpy.zeros((0,), np.float32)
+        call = jax.ffi.ffi_call(GATED_QUANT_MATMUL_TARGET, out, vmap_method="sequential")
+        y = call(x2, w_packed, scale, offset, act=code)
+    return y.reshape(*lead, out_features).astype(dtype)
 
 
 def grouped_matmul(x, w_packed, group_sizes, out_features: int, scale=None):

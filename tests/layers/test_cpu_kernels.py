@@ -297,6 +297,53 @@ def test_bf16_panels_match_float_products_of_the_bf16_weights(m, k, n):
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-4)
 
 
+def _gated_ref(x, act):
+    """act(gate) * up of rows [M, 2K] (gate, then up), in float64."""
+    x = x.astype(np.float64)
+    g, u = np.split(x, 2, axis=1)
+    if act == "silu":
+        return g / (1 + np.exp(-g)) * u
+    return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) * u
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("m,k,n", [(1, 1536, 576), (5, 96, 70), (16, 64, 33), (0, 32, 32),
+                                   (200, 512, 64)])
+def test_gated_matmul_multiplies_the_activated_rows(act, wdtype, m, k, n):
+    """A gated MLP's down projection from the gate-up product: (act(gate) * up) @ W, the
+    activation made inside the kernel (one row; a few; zero rows; 200 x 512 gated values,
+    shared out over the pool in row chunks), float32 and bf16 panels; both activations
+    over the range where they bend (|gate| up to ~9)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(m + k + n + len(act))
+    x = (3 * rng.standard_normal((m, 2 * k))).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.dtype(ml_dtypes.bfloat16) if wdtype == "bfloat16"
+                                          else np.float32)
+    gated = _gated_ref(x, act)
+    want = gated @ w.astype(np.float64)
+    got = jax.jit(lambda x, wp: cpu_kernels.gated_matmul(x, wp, n, act))(x, cpu_kernels.pack(w))
+    assert got.shape == (m, n) and got.dtype == np.float32
+    got = np.asarray(got)
+    scale = max(1.0, float(np.abs(want).max())) if m else 1.0
+    if wdtype == "bfloat16" and not np.allclose(got, want, rtol=1e-4, atol=1e-5 * scale):
+        # bf16 panels multiply several rows as bf16 values (vdpbf16ps / AMX, where the CPU
+        # has them): the gated rows rounded to bf16, exactly multiplied
+        rounded = gated.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+        want = rounded @ w.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_gated_matmul_refuses_an_unknown_activation_and_odd_rows():
+    wp = jnp.asarray(cpu_kernels.pack(np.ones((16, 32), np.float32)))
+    with pytest.raises(ValueError, match="relu"):
+        cpu_kernels.gated_matmul(jnp.ones((1, 32), jnp.float32), wp, 32, "relu")
+    with pytest.raises(Exception, match="gated matmul"):  # 33 values: no gate / up halves
+        np.asarray(jax.jit(lambda x: cpu_kernels.gated_matmul(x, wp, 32, "silu"))(
+            jnp.ones((1, 33), jnp.float32)))
+
+
 def test_packed_matmul_refuses_mismatched_shapes():
     x = jnp.ones((2, 16), jnp.float32)
     wp = jnp.asarray(cpu_kernels.pack(np.ones((16, 64), np.float32)))  # 2 panels
@@ -315,6 +362,8 @@ def test_packed_model_matches_unpacked():
     plain, _, _ = load_model(path, dtype="float32", attention_backend="xla")
     assert packed.model.layers[0].mlp.down_proj.weight[...].ndim == 3
     assert plain.model.layers[0].mlp.down_proj.weight[...].ndim == 2
+    # packed: silu(gate) * up made inside the down projection's kernel; plain: by XLA
+    assert packed.model.layers[3].mlp.gated and not plain.model.layers[3].mlp.gated
     x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 576)), jnp.float32)
     ids = jnp.asarray([0, 31, 32, 49151, 7], jnp.int32)
     # the tied table is held once, as the packed head; lookups read it: the same rows

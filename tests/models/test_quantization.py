@@ -108,6 +108,30 @@ def test_cpu_kernel_4bit_codes(lo, group, m):
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ kernels could not be built")
+@pytest.mark.parametrize("kind", ["int8", "4bit"])
+@pytest.mark.parametrize("m", [1, 13])
+def test_cpu_kernel_gated_quantized(kind, m):
+    """A quantized down projection from the gate-up product: (silu(gate) * up) @ (q * s + o),
+    the activation made in the kernel (int8 codes with per-group scales and offsets; 4-bit
+    codes two to a byte)."""
+    rng = np.random.default_rng(m + len(kind))
+    k, n, group = 96, 45, 32
+    q = rng.integers(0, 16, (k, n)).astype(np.int8)
+    s = rng.uniform(0.001, 0.02, (k // group, n)).astype(np.float32)
+    o = rng.uniform(-0.1, 0.1, (k // group, n)).astype(np.float32)
+    x = (3 * rng.standard_normal((m, 2 * k))).astype(np.float32)
+    g, u = np.split(x.astype(np.float64), 2, axis=1)
+    ref = (g / (1 + np.exp(-g)) * u) @ dequantize(q, s, group, o)
+    if kind == "4bit":
+        codes, o2 = to_nibbles(q, s, o)
+        w, off = pack_nibbles(cpu_kernels.pack(codes)), cpu_kernels.pack(o2)
+    else:
+        w, off = cpu_kernels.pack(q), cpu_kernels.pack(o)
+    got = cpu_kernels.gated_matmul(x, w, n, "silu", cpu_kernels.pack(s), off)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-4)
+
+
 def test_to_nibbles_only_for_4bit_codes():
     s, o = np.ones((2, 3), np.float32), np.zeros((2, 3), np.float32)
     q = np.zeros((32, 3), np.int8)
