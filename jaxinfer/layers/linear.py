@@ -238,8 +238,8 @@ class GatedMLP(nnx.Module):
 
     With packed weights (the cpu backend) and no LoRA, act(gate) * up is made inside the down
     projection's kernel from the gate-up product, kept float32 (`gated`): no XLA fusion
-    between the two kernels (XLA split that one over its thread pool; decode steps ran
-    1-10% faster without it, results/cpu_gated_mlp_ab_zen5.json)."""
+    between the two kernels (XLA split that one over its thread pool; bf16 and Q4 decode
+    steps ran 2-5% faster without it, results/cpu_gated_mlp_ab_zen5.json)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs,
                  packed: bool = False, act: str = "silu", quant=(None, None), lora=None):
