@@ -1052,8 +1052,9 @@ void gate_all(ffi::ThreadPool& pool, const float* x, float* out, int64_t M, int6
 }
 
 // x [M, 2K] -> (the gated rows [M, K] in `rows`, their dimensions in `dims`), or an error.
+// (rows: not zeroed first, every value is written)
 ffi::Error gated_input(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, int64_t act,
-                       std::vector<float>& rows, int64_t dims[2]) {
+                       std::unique_ptr<float[]>& rows, int64_t dims[2]) {
   auto xd = x.dimensions();
   if (act != kActSilu && act != kActGeluTanh)
     return ffi::Error::InvalidArgument("gated matmul: act must be 1 (silu) or 2 (gelu_tanh)");
@@ -1061,22 +1062,22 @@ ffi::Error gated_input(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, in
     return ffi::Error::InvalidArgument("gated matmul: x must be [M, 2K]");
   dims[0] = xd[0];
   dims[1] = xd[1] / 2;
-  rows.resize(static_cast<size_t>(dims[0] * dims[1]));
-  gate_all(pool, x.typed_data(), rows.data(), dims[0], dims[1], act);
+  rows.reset(new float[static_cast<size_t>(std::max<int64_t>(1, dims[0] * dims[1]))]);
+  gate_all(pool, x.typed_data(), rows.get(), dims[0], dims[1], act);
   return ffi::Error::Success();
 }
 
 ffi::Error GatedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                            ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t act) {
-  std::vector<float> rows;
+  std::unique_ptr<float[]> rows;
   int64_t dims[2];
   if (auto e = gated_input(pool, x, act, rows, dims); e.failure()) return e;
   const ffi::Span<const int64_t> xd(dims, 2);
   if (w.element_type() == ffi::DataType::F32)
-    return PackedMatmul(pool, rows.data(), static_cast<const float*>(w.untyped_data()),
+    return PackedMatmul(pool, rows.get(), static_cast<const float*>(w.untyped_data()),
                         Groups{}, y->typed_data(), xd, w.dimensions(), y->dimensions());
   if (w.element_type() == ffi::DataType::BF16)
-    return PackedMatmul(pool, rows.data(), static_cast<const Bf16*>(w.untyped_data()),
+    return PackedMatmul(pool, rows.get(), static_cast<const Bf16*>(w.untyped_data()),
                         Groups{}, y->typed_data(), xd, w.dimensions(), y->dimensions());
   return ffi::Error::InvalidArgument("gated_matmul_cpu: weights must be float32 or bfloat16");
 }
@@ -1085,11 +1086,10 @@ ffi::Error GatedQuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                 ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
                                 ffi::Buffer<ffi::F32> offset,
                                 ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t act) {
-  std::vector<float> rows;
+  std::unique_ptr<float[]> rows;
   int64_t dims[2];
   if (auto e = gated_input(pool, x, act, rows, dims); e.failure()) return e;
-  return QuantMatmul(pool, rows.data(), ffi::Span<const int64_t>(dims, 2), w, scale, offset,
-                     y);
+  return QuantMatmul(pool, rows.get(), ffi::Span<const int64_t>(dims, 2), w, scale, offset, y);
 }
 
 // Grouped (mixture-of-experts) form: rows of x sorted by expert, group_sizes[e] rows for
