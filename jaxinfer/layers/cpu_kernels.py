@@ -41,11 +41,13 @@ QUANT_MATMUL_TARGET = "jaxinfer_quant_matmul_cpu"
 GROUPED_QUANT_MATMUL_TARGET = "jaxinfer_grouped_quant_matmul_cpu"
 GATED_MATMUL_TARGET = "jaxinfer_gated_matmul_cpu"
 GATED_QUANT_MATMUL_TARGET = "jaxinfer_gated_quant_matmul_cpu"
+RMS_NORM_TARGET = "jaxinfer_rms_norm_cpu"
 # The gated MLP activations the gated matmuls apply (act(gate) * up), by config name.
 GATED_ACTS = {"silu": 1, "gelu_pytorch_tanh": 2}
 KV_WRITE_TARGET = "jaxinfer_kv_write_cpu"
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
-_SOURCES = [os.path.join(_CSRC, f) for f in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc")]
+_SOURCES = [os.path.join(_CSRC, f) for f in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc",
+                                              "rms_norm_cpu.cc")]
 _HEADERS = [os.path.join(_CSRC, "cpu_common.h")]
 PANEL = 32  # packed weights: column panels of this many outputs (kNR in the kernel)
 # -ffast-math lets GCC call glibc's vector exp (libmvec); the kernels use no infinities or NaNs
@@ -142,6 +144,7 @@ def available() -> bool:
                                (GROUPED_QUANT_MATMUL_TARGET, "JaxinferGroupedQuantMatmulCpu"),
                                (GATED_MATMUL_TARGET, "JaxinferGatedMatmulCpu"),
                                (GATED_QUANT_MATMUL_TARGET, "JaxinferGatedQuantMatmulCpu"),
+                               (RMS_NORM_TARGET, "JaxinferRmsNormCpu"),
                                (KV_WRITE_TARGET, "JaxinferKvWriteCpu")):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
@@ -235,6 +238,23 @@ def gated_matmul(x, w_packed, out_features: int, act: str, scale=None, offset=No
         call = jax.ffi.ffi_call(GATED_QUANT_MATMUL_TARGET, out, vmap_method="sequential")
         y = call(x2, w_packed, scale, offset, act=code)
     return y.reshape(*lead, out_features).astype(dtype)
+
+
+def rms_norm(x, weight, eps: float, *, residual=None, unit_offset: bool = False):
+    """RMSNorm of rows x [..., H] (float32 or bfloat16) with weight [H], as layers/norms.py
+    computes it (float32 inside, each result rounded to x's dtype where it does); with a
+    residual of x's shape, (x + residual in x's dtype, the norm of that sum)."""
+    if not available():
+        raise RuntimeError("rms_norm needs the C++ kernels, which could not be built here")
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    r2 = jax.numpy.zeros((0,), x.dtype) if residual is None else residual.reshape(-1, h)
+    out = (jax.ShapeDtypeStruct(x2.shape if residual is not None else (0,), x.dtype),
+           jax.ShapeDtypeStruct(x2.shape, x.dtype))
+    call = jax.ffi.ffi_call(RMS_NORM_TARGET, out, vmap_method="sequential")
+    s, y = call(x2, r2, weight.astype(x.dtype), eps=np.float32(eps),
+                unit_offset=np.int64(bool(unit_offset)))
+    return y.reshape(x.shape) if residual is None else (s.reshape(x.shape), y.reshape(x.shape))
 
 
 def grouped_matmul(x, w_packed, group_sizes, out_features: int, scale=None):

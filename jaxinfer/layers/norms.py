@@ -11,13 +11,32 @@ from jaxinfer.layers.params import param
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype, unit_offset: bool = False):
+    """kernel: computed by the C++ kernel (cpu_kernels.rms_norm; the cpu backend's packed
+    models on one device set it), one call per norm instead of XLA's several fusions."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, unit_offset: bool = False,
+                 kernel: bool = False):
         self.weight = param(jnp.zeros((dim,), dtype) if unit_offset
                             else jnp.ones((dim,), dtype), axes=(None,))  # [dim]
         self.eps = eps
         self.unit_offset = unit_offset
+        self.kernel = kernel
+
+    def add_norm(self, x: jax.Array, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(x + residual, its norm): a pre-norm block's residual add and the next norm."""
+        if self.kernel:
+            from jaxinfer.layers.cpu_kernels import rms_norm
+
+            return rms_norm(x, self.weight[...], self.eps, residual=residual,
+                            unit_offset=self.unit_offset)
+        s = x + residual
+        return s, self(s)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.kernel:
+            from jaxinfer.layers.cpu_kernels import rms_norm
+
+            return rms_norm(x, self.weight[...], self.eps, unit_offset=self.unit_offset)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         if self.unit_offset:

@@ -136,6 +136,9 @@ class LlamaDecoderLayer(nnx.Module):
         self.ffn_name, ffn = self.make_ffn(cfg, layer_idx, dtype=dtype, rngs=rngs, mesh=mesh,
                                            packed=packed)
         setattr(self, self.ffn_name, ffn)
+        # packed weights (the cpu backend, one device): the norms by the C++ kernel, the
+        # residual add before the second one with it
+        self.input_layernorm.kernel = self.post_attention_layernorm.kernel = packed
 
     @staticmethod
     def norm(cfg: ModelConfig, dtype) -> RMSNorm:
@@ -154,8 +157,11 @@ class LlamaDecoderLayer(nnx.Module):
         x = sp(x)
         h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, md)
         ffn = getattr(self, self.ffn_name)
-        x = sp(x + sp(h))
-        h = self.post_attention_layernorm(x)
+        if self.post_attention_layernorm.kernel:  # (one device: no sequence sharding)
+            x, h = self.post_attention_layernorm.add_norm(x, h)
+        else:
+            x = sp(x + sp(h))
+            h = self.post_attention_layernorm(x)
         x = sp(x + sp(ffn(h) if md.lora_slots is None else ffn(h, md.lora_slots)))
         return x, kv_cache
 
@@ -172,6 +178,7 @@ class LlamaModel(nnx.Module):
                       mesh=mesh, layer_idx=i, packed=packed)
             for i in range(cfg.num_hidden_layers))
         self.norm = layer_cls.norm(cfg, dtype)
+        self.norm.kernel = packed
 
 
 class LlamaForCausalLM(nnx.Module):

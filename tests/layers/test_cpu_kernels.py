@@ -344,6 +344,32 @@ def test_gated_matmul_refuses_an_unknown_activation_and_odd_rows():
             jnp.ones((1, 33), jnp.float32)))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("t,h", [(1, 576), (7, 64), (0, 32), (300, 576)])
+def test_rms_norm_kernel_matches_the_module(dtype, unit_offset, t, h):
+    """The C++ RMSNorm (one row; a few; none; 300 x 576 values, shared out over the pool)
+    = layers/norms.py's XLA form, plain and Gemma's (1 + w), float32 and bf16 (rounded where
+    the module rounds: to 1 bf16 step, the sums of squares being added in another order);
+    with a residual, the sum comes back exactly as x + r in the rows' dtype."""
+    from jaxinfer.layers.norms import RMSNorm
+
+    rng = np.random.default_rng(t + h + unit_offset)
+    dt = jnp.dtype(dtype)
+    norm = RMSNorm(h, 1e-5, dtype=dt, unit_offset=unit_offset)
+    norm.weight[...] = jnp.asarray(rng.uniform(-1.5, 1.5, h), dt)
+    x = jnp.asarray(4 * rng.standard_normal((t, h)), dt)
+    r = jnp.asarray(rng.standard_normal((t, h)), dt)
+    want, (want_s, want_n) = norm(x), norm.add_norm(x, r)
+    norm.kernel = True
+    got, (got_s, got_n) = jax.jit(lambda x, r: (norm(x), norm.add_norm(x, r)))(x, r)
+    assert got.dtype == dt and got_s.dtype == dt and got_n.shape == (t, h)
+    np.testing.assert_array_equal(np.asarray(got_s, np.float32), np.asarray(want_s, np.float32))
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=2 ** -7, atol=1e-6)
+    for a, b in ((got, want), (got_n, want_n)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
+
+
 def test_packed_matmul_refuses_mismatched_shapes():
     x = jnp.ones((2, 16), jnp.float32)
     wp = jnp.asarray(cpu_kernels.pack(np.ones((16, 64), np.float32)))  # 2 panels
@@ -364,6 +390,9 @@ def test_packed_model_matches_unpacked():
     assert plain.model.layers[0].mlp.down_proj.weight[...].ndim == 2
     # packed: silu(gate) * up made inside the down projection's kernel; plain: by XLA
     assert packed.model.layers[3].mlp.gated and not plain.model.layers[3].mlp.gated
+    # packed: the norms by the C++ kernel; plain: by XLA
+    assert packed.model.layers[3].post_attention_layernorm.kernel and packed.model.norm.kernel
+    assert not plain.model.layers[3].input_layernorm.kernel
     x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 576)), jnp.float32)
     ids = jnp.asarray([0, 31, 32, 49151, 7], jnp.int32)
     # the tied table is held once, as the packed head; lookups read it: the same rows
@@ -371,6 +400,8 @@ def test_packed_model_matches_unpacked():
     np.testing.assert_array_equal(np.asarray(packed.model.embed_tokens(ids)),
                                   np.asarray(plain.model.embed_tokens(ids)))
     for fn in (lambda m: m.model.layers[3].mlp(x),
+               lambda m: m.model.layers[3].post_attention_layernorm.add_norm(x, 2 * x),
+               lambda m: m.model.norm(x),
                lambda m: m.model.layers[3].self_attn.qkv_proj(x),
                lambda m: m.compute_logits(x)):  # the tied LM head, packed from the table
         for a, b in zip(jax.tree.leaves(fn(packed)), jax.tree.leaves(fn(plain))):
