@@ -9,8 +9,12 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <thread>
+#include <utility>
 
 namespace jaxinfer_cpu {
 
@@ -287,6 +291,33 @@ inline int64_t usable_cpus() {
 // lost ~15% to it).
 inline int64_t helper_count(int64_t pool_threads, int64_t items) {
   return std::max<int64_t>(0, std::min({pool_threads, usable_cpus() - 1, items - 1}));
+}
+
+// fn(c) for every chunk c in [0, chunks), the calling thread and helper tasks from `pool`
+// (XLA's ffi::ThreadPool) claiming chunks in turn; returns once every chunk is done. A helper
+// that starts after the others took every chunk calls nothing.
+template <typename Pool, typename F>
+void run_chunks(Pool& pool, int64_t chunks, F fn) {
+  struct Claims {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto claims = std::make_shared<Claims>();
+  auto run = [claims, chunks, &fn] {
+    for (int64_t c; (c = claims->next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      fn(c);
+      claims->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers =
+      helper_count(std::max<int64_t>(1, static_cast<int64_t>(pool.num_threads())), chunks);
+  // (a helper keeps the claims alive; it touches fn only for a chunk it claimed, and every
+  // claimed chunk is done before this returns)
+  for (int64_t i = 0; i < helpers; ++i) {
+    auto task = run;
+    pool.Schedule(std::move(task));
+  }
+  run();
+  while (claims->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
 }
 
 }  // namespace jaxinfer_cpu

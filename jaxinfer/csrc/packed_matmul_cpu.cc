@@ -1028,27 +1028,10 @@ void gate_all(ffi::ThreadPool& pool, const float* x, float* out, int64_t M, int6
     gate_rows(x, out, 0, M, K, act);
     return;
   }
-  struct Gate {
-    const float* x;
-    float* out;
-    int64_t M, K, act, rows;
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto g = std::make_shared<Gate>();
-  g->x = x; g->out = out; g->M = M; g->K = K; g->act = act;
-  g->rows = std::max<int64_t>(1, kGateSerialValues / (4 * K));
-  const int64_t chunks = (M + g->rows - 1) / g->rows;
-  auto run = [](Gate& s, int64_t chunks) {
-    for (int64_t c; (c = s.next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      gate_rows(s.x, s.out, c * s.rows, std::min(s.M, (c + 1) * s.rows), s.K, s.act);
-      s.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers =
-      jaxinfer_cpu::helper_count(std::max<int64_t>(1, pool.num_threads()), chunks);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([g, chunks, run] { run(*g, chunks); });
-  run(*g, chunks);
-  while (g->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  const int64_t rows = std::max<int64_t>(1, kGateSerialValues / (4 * K));
+  jaxinfer_cpu::run_chunks(pool, (M + rows - 1) / rows, [&](int64_t c) {
+    gate_rows(x, out, c * rows, std::min(M, (c + 1) * rows), K, act);
+  });
 }
 
 // x [M, 2K] -> (the gated rows [M, K] in `rows`, their dimensions in `dims`), or an error.

@@ -7,12 +7,9 @@
 // which XLA split the reduction over its thread pool: a hop between threads per norm.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -114,43 +111,27 @@ ffi::Error RmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer r,
   if (residual && (r.element_type() != type || r.element_count() != x.element_count() ||
                    s->element_type() != type || s->element_count() != x.element_count()))
     return ffi::Error::InvalidArgument("rms_norm_cpu: residual and sum must be shaped as x");
-  auto a = std::make_shared<Rows>();
-  a->x = x.untyped_data();
-  a->r = residual ? r.untyped_data() : nullptr;
-  a->w = w.untyped_data();
-  a->s = s->untyped_data();
-  a->y = y->untyped_data();
-  a->T = xd[0];
-  a->H = xd[1];
-  a->eps = eps;
-  a->bf16 = type == ffi::DataType::BF16;
-  a->unit_offset = unit_offset != 0;
-  if (a->T == 0 || a->H == 0) return ffi::Error::Success();
-  if (a->T * a->H <= kSerialValues) {
-    norm_range(*a, 0, a->T);
+  Rows a;
+  a.x = x.untyped_data();
+  a.r = residual ? r.untyped_data() : nullptr;
+  a.w = w.untyped_data();
+  a.s = s->untyped_data();
+  a.y = y->untyped_data();
+  a.T = xd[0];
+  a.H = xd[1];
+  a.eps = eps;
+  a.bf16 = type == ffi::DataType::BF16;
+  a.unit_offset = unit_offset != 0;
+  if (a.T == 0 || a.H == 0) return ffi::Error::Success();
+  if (a.T * a.H <= kSerialValues) {
+    norm_range(a, 0, a.T);
     return ffi::Error::Success();
   }
   // many rows: chunks of rows claimed by the calling thread and helpers from the pool
-  struct Work {
-    std::shared_ptr<Rows> a;
-    int64_t rows, chunks;
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto wk = std::make_shared<Work>();
-  wk->a = a;
-  wk->rows = std::max<int64_t>(1, kSerialValues / (4 * a->H));
-  wk->chunks = (a->T + wk->rows - 1) / wk->rows;
-  auto run = [](Work& k) {
-    for (int64_t c; (c = k.next.fetch_add(1, std::memory_order_relaxed)) < k.chunks;) {
-      norm_range(*k.a, c * k.rows, std::min(k.a->T, (c + 1) * k.rows));
-      k.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers =
-      jaxinfer_cpu::helper_count(std::max<int64_t>(1, pool.num_threads()), wk->chunks);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([wk, run] { run(*wk); });
-  run(*wk);
-  while (wk->done.load(std::memory_order_acquire) < wk->chunks) std::this_thread::yield();
+  const int64_t rows = std::max<int64_t>(1, kSerialValues / (4 * a.H));
+  jaxinfer_cpu::run_chunks(pool, (a.T + rows - 1) / rows, [&](int64_t c) {
+    norm_range(a, c * rows, std::min(a.T, (c + 1) * rows));
+  });
   return ffi::Error::Success();
 }
 
