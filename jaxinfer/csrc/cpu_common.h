@@ -272,6 +272,21 @@ inline void prefetch(const void* p) {
 // for use in loops with other work (an asm memory operand there made GCC store every
 // accumulator to the stack before it, since it might read them).
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+inline float bf16_to_float(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even (NaN kept a NaN)
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
 // CPUs this process may run on (its affinity mask), at least 1.
 inline int64_t usable_cpus() {
   static const int64_t n = [] {

@@ -53,20 +53,8 @@ constexpr int64_t kPvKeys = 16;  // keys per register-held P.V block of a decode
 // Split decode items (few sequences): each covers at least this many keys of its sequence.
 constexpr int64_t kMinSplitKeys = 64;
 
-inline float bf16_to_float(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even (NaN kept a NaN)
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using jaxinfer_cpu::bf16_to_float;
+using jaxinfer_cpu::float_to_bf16;
 
 inline float half_to_float(uint16_t h) {
   uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;

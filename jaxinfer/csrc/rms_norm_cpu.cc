@@ -22,19 +22,6 @@ namespace {
 
 constexpr int64_t kSerialValues = 1 << 16;  // fewer values: the calling thread alone
 
-inline float bf16_value(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t bf16_round(float f) {  // to nearest even (the rows are finite)
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 struct Rows {
   const void* x;
   const void* r;  // nullptr: no residual
@@ -50,10 +37,10 @@ template <bool Bf16>
 void norm_rows(const Rows& a, int64_t t0, int64_t t1, float* buf) {
   using E = std::conditional_t<Bf16, uint16_t, float>;
   auto value = [](E e) -> float {
-    if constexpr (Bf16) return bf16_value(e); else return e;
+    if constexpr (Bf16) return jaxinfer_cpu::bf16_to_float(e); else return e;
   };
   auto store = [](float f) -> E {
-    if constexpr (Bf16) return bf16_round(f); else return f;
+    if constexpr (Bf16) return jaxinfer_cpu::float_to_bf16(f); else return f;
   };
   const int64_t H = a.H;
   const E* w = static_cast<const E*>(a.w);
@@ -106,7 +93,8 @@ ffi::Error RmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer r,
     return ffi::Error::InvalidArgument("rms_norm_cpu: rows must be float32 or bfloat16");
   if (xd.size() != 2 || w.element_type() != type || w.element_count() != xd[1] ||
       y->element_type() != type || y->element_count() != x.element_count())
-    return ffi::Error::InvalidArgument("rms_norm_cpu: x [T, H], weight [H], y [T, H], one dtype");
+    return ffi::Error::InvalidArgument(
+        "rms_norm_cpu: x [T, H], weight [H], y [T, H], one dtype");
   const bool residual = r.element_count() != 0;
   if (residual && (r.element_type() != type || r.element_count() != x.element_count() ||
                    s->element_type() != type || s->element_count() != x.element_count()))
