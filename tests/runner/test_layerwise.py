@@ -86,7 +86,8 @@ def _hlo_size(step) -> int:
 def test_compile_cost_does_not_grow_with_depth(tmp_path, smollm2_dir):
     """What XLA compiles for a bucket (instructions over its executables) is the same for 3
     and 9 layers layer-wise (runs of 3: one executable run 1 or 3 times); whole, it grows
-    with the layers."""
+    with the layers (~80 instructions a layer with the cpu backend's kernels, on a fixed
+    part of ~2200: the sampler and the rest of the step)."""
     sizes = {}
     for layers in (3, 9):
         path = tmp_path / f"l{layers}"
@@ -101,7 +102,7 @@ def test_compile_cost_does_not_grow_with_depth(tmp_path, smollm2_dir):
                 assert len(runner.program.lm.kinds) == 1
             llm.shutdown()
     assert sizes["layerwise", 3] == sizes["layerwise", 9]
-    assert sizes["whole", 9] > sizes["whole", 3] * 1.3
+    assert sizes["whole", 9] - sizes["whole", 3] >= 6 * 40  # (6 more layers)
 
 
 def test_layer_runs():
