@@ -996,7 +996,6 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 // 2-core VM); without it bf16 and Q4 decode steps ran 2-5% faster, float32 ones within 2%
 // (results/cpu_gated_mlp_ab_zen5.json).
 constexpr int64_t kActSilu = 1, kActGeluTanh = 2;
-constexpr int64_t kGateSerialValues = 1 << 16;  // fewer outputs: the calling thread alone
 
 void gate_rows(const float* x, float* out, int64_t m0, int64_t m1, int64_t K, int64_t act) {
   for (int64_t m = m0; m < m1; ++m) {
@@ -1020,18 +1019,11 @@ void gate_rows(const float* x, float* out, int64_t m0, int64_t m1, int64_t K, in
   }
 }
 
-// act(gate) * up of all M rows into out: by the calling thread where the rows are few,
-// else in row chunks claimed by it and helpers from the pool.
+// act(gate) * up of all M rows into out (many rows shared out over the pool).
 void gate_all(ffi::ThreadPool& pool, const float* x, float* out, int64_t M, int64_t K,
               int64_t act) {
-  if (M * K <= kGateSerialValues) {
-    gate_rows(x, out, 0, M, K, act);
-    return;
-  }
-  const int64_t rows = std::max<int64_t>(1, kGateSerialValues / (4 * K));
-  jaxinfer_cpu::run_chunks(pool, (M + rows - 1) / rows, [&](int64_t c) {
-    gate_rows(x, out, c * rows, std::min(M, (c + 1) * rows), K, act);
-  });
+  jaxinfer_cpu::run_rows(pool, M, K,
+                         [&](int64_t m0, int64_t m1) { gate_rows(x, out, m0, m1, K, act); });
 }
 
 // x [M, 2K] -> (the gated rows [M, K] in `rows`, their dimensions in `dims`), or an error.

@@ -20,8 +20,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kSerialValues = 1 << 16;  // fewer values: the calling thread alone
-
 struct Rows {
   const void* x;
   const void* r;  // nullptr: no residual
@@ -111,15 +109,7 @@ ffi::Error RmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer r,
   a.bf16 = type == ffi::DataType::BF16;
   a.unit_offset = unit_offset != 0;
   if (a.T == 0 || a.H == 0) return ffi::Error::Success();
-  if (a.T * a.H <= kSerialValues) {
-    norm_range(a, 0, a.T);
-    return ffi::Error::Success();
-  }
-  // many rows: chunks of rows claimed by the calling thread and helpers from the pool
-  const int64_t rows = std::max<int64_t>(1, kSerialValues / (4 * a.H));
-  jaxinfer_cpu::run_chunks(pool, (a.T + rows - 1) / rows, [&](int64_t c) {
-    norm_range(a, c * rows, std::min(a.T, (c + 1) * rows));
-  });
+  jaxinfer_cpu::run_rows(pool, a.T, a.H, [&](int64_t t0, int64_t t1) { norm_range(a, t0, t1); });
   return ffi::Error::Success();
 }
 
