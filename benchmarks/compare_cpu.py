@@ -14,6 +14,7 @@ own subprocess, every workload in turn after an untimed warm-up of it; --repeats
   jaxinfer-layerwise  the same with background compilation off: layer-wise programs only
   jaxinfer-sync  the same with async_scheduling=False (what None gives on CPUs since
              2026-11-28; a run of that day had async scheduling on by default)
+  jaxinfer-async  the same with async_scheduling=True
   jaxinfer-whole  the same with step_compilation="whole" (one program per step; not a default
              on CPU, where layer-wise steps start in seconds: docs/startup.md)
   hf         HF transformers static batch (benchmarks/baselines/hf_transformers.py)
@@ -29,8 +30,8 @@ pool over every core); the JSON records each peer's threading.
 Metrics: output tok/s = N*OUT / wall time of the whole batch (prefill included); batch TTFT =
 wall time until every request has its first token (a max_tokens=1 run of a batch of the same
 shape; llama.cpp: its prompt-processing time); warm-up, TTFT and timed runs use different
-random prompts, so no run is helped by the prefix cache; decode ms/token = (wall - TTFT) / (OUT - 1) (batch 1:
-the time per generated token). Prints a table per workload with ratios to jaxinfer, writes JSON.
+random prompts, so no run is helped by the prefix cache; decode ms/token = (wall - TTFT) /
+(OUT - 1) (batch 1: the time per generated token). Prints a table per workload with ratios to jaxinfer, writes JSON.
 Setting up the peers is manual (see benchmarks/README.md). Usage:
   PYTHONPATH=. .venv/bin/python benchmarks/compare_cpu.py [--vllm-python P] [--llama-cpp-bin D]
       [--workloads 32x128x128,8x1024x128,1x128x128] [--repeats 3] [--model DIR]
@@ -92,8 +93,8 @@ def run_engine(engine: str, args) -> dict:
         kwargs = dict(warmup_buckets="all")  # steady state: no compile inside the timing
         if engine == "jaxinfer-whole":  # whole-step programs (the GPU default; slow start-up)
             kwargs["step_compilation"] = "whole"
-        if engine == "jaxinfer-sync":  # (async scheduling off)
-            kwargs["async_scheduling"] = False
+        if engine in ("jaxinfer-sync", "jaxinfer-async"):  # (async scheduling off / on)
+            kwargs["async_scheduling"] = engine == "jaxinfer-async"
         # ("jaxinfer-layerwise": JAXINFER_BACKGROUND_COMPILE=0, set by the parent: layer-wise
         # programs never fused)
         threading = {"xla_cpu_threads": "default (one per core)", "cores": NCPU,
@@ -124,8 +125,8 @@ def run_engine(engine: str, args) -> dict:
         warm, first, main = ([{"prompt_token_ids": p} for p in _prompts(n, i, vocab, seed)]
                              for seed in (100 * w + 1, 100 * w + 2, 100 * w))
         timed(4, warm)  # warm-up: every shape of this workload
-        if engine in ("jaxinfer", "jaxinfer-sync"):  # the steady state: the buckets used
-            wait_settled(llm)  # fused (idle engine)
+        if engine in ("jaxinfer", "jaxinfer-sync", "jaxinfer-async"):  # the steady state:
+            wait_settled(llm)  # the buckets used fused (idle engine)
         ttft, _ = timed(1, first)
         elapsed, n_out = timed(o, main)
         results[_name((n, i, o))] = r = {"elapsed_s": elapsed, "output_tokens": n_out,
@@ -240,7 +241,8 @@ def _cpu_name() -> str:
 
 
 def _run_peer(engine: str, args, workloads, record, dummy: bool) -> None:
-    if engine in ("jaxinfer", "jaxinfer-layerwise", "jaxinfer-whole", "jaxinfer-sync", "vllm"):
+    if engine in ("jaxinfer", "jaxinfer-layerwise", "jaxinfer-whole", "jaxinfer-sync",
+                  "jaxinfer-async", "vllm"):
         if engine == "vllm" and not args.vllm_python:
             print("vllm: skipped (no --vllm-python)")
             return
