@@ -41,6 +41,7 @@ from jaxinfer.runner.spec_step import InStepDrafter
 from jaxinfer.runner.step_fn import merge_mm_embeds, step_input_ids, step_tail
 from jaxinfer.runner.step_inputs import StepBatch, StepFeatures
 from jaxinfer.runner.step_state import StepState, place_replicated, single_stage_state
+from jaxinfer.runner.transfer import PackedBatch, device_batch, step_input
 
 
 def layer_runs(num_layers: int, group: int, cuts=()) -> list[tuple[int, int]]:
@@ -163,11 +164,14 @@ def _tail(shell_graphdef, drafter, shell_state, draft_params, draft_kv, sampler,
                      draft_kv=draft_kv, max_model_len=max_model_len)
 
 
-def _fused(shell_graphdef, drafter, runs, mesh, aux_layers, weights, carry, batch: StepBatch, *,
+def _fused(shell_graphdef, drafter, runs, mesh, aux_layers, packed, weights, carry, batch, *,
            features: StepFeatures, max_model_len: int):
     """A whole step over the layer-wise layout: the head, every run of layers and the tail
     in one program (what LayerwiseStep dispatches one by one), reading the same weights
-    (shell state, per-layer leaves) and donating the same carry. runs: ((a, b), kind) each."""
+    (shell state, per-layer leaves) and donating the same carry. runs: ((a, b), kind) each.
+    packed: a PackedBatch of the bucket's layout (then `batch` is its buffer) or None."""
+    if packed is not None:
+        batch = packed.unpacked(batch)
     (shell_state, layer_leaves), draft_params = weights
     kv, draft_kv, sampler = carry
     ids, x, cos, sin = _head(shell_graphdef, shell_state, sampler.last_sampled,
@@ -248,6 +252,7 @@ class LayerwiseProgram:
         """Lower the bucket's tail for this variant; the head and layers are lowered and
         compiled at compile() unless an earlier variant of the bucket already did."""
         lm = self.lm
+        example = device_batch(example)
         # (the weights' shapes come from `state`: the live arrays may be replaced meanwhile,
         # a weight update, or deleted, an engine asleep)
         shell, leaves = state.params
@@ -272,10 +277,31 @@ class LayerwiseProgram:
         background). `.compile()` gives fn(weights, carry, batch) -> (outputs, carry)."""
         lm = self.lm
         runs = tuple((run, lm.kinds[k]) for run, k in zip(lm.runs, lm.run_kind))
+        packed = example if isinstance(example, PackedBatch) else None
         fn = jax.jit(partial(_fused, lm.shell_graphdef, self.drafter, runs, lm.mesh,
-                             self.aux_layers, features=features,
+                             self.aux_layers, packed, features=features,
                              max_model_len=self.max_model_len), donate_argnums=(1,))
-        return fn.lower(state.weights, state.carry, example)
+        return _FusedLowered(fn.lower(state.weights, state.carry,
+                                      packed.spec() if packed is not None else example), packed)
+
+
+class _FusedLowered:
+    def __init__(self, lowered, packed: PackedBatch | None):
+        self.lowered, self.packed = lowered, packed
+
+    def compile(self) -> "_Fused":
+        return _Fused(self.lowered.compile(), self.packed)
+
+
+class _Fused:
+    """A bucket's compiled whole program over the layer-wise layout (LayerwiseStep.fused):
+    (weights, carry, placed batch) -> (outputs, carry)."""
+
+    def __init__(self, compiled, packed: PackedBatch | None):
+        self.compiled, self.packed = compiled, packed
+
+    def __call__(self, weights, carry, batch):
+        return self.compiled(weights, carry, step_input(batch, self.packed))
 
 
 class LayerwiseLowered:
@@ -305,6 +331,7 @@ class LayerwiseStep:
         if fused is not None:
             out, carry = fused(state.weights, state.carry, batch)
             return out, state.with_carry(carry)
+        batch = device_batch(batch)
         shell_state, layer_leaves = state.params
         ids, x, cos, sin = self.head(shell_state, state.sampler.last_sampled, batch.input_ids,
                                      batch.from_last_sampled, batch.token_slots,

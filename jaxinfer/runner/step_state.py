@@ -83,18 +83,19 @@ def abstract(tree):
 
 
 def place_replicated(mesh, tree):
-    """Host numpy pytree -> device arrays: on the default device, or replicated over `mesh`
-    (every process contributes its identical copy); one transfer in one process
-    (transfer.put_packed)."""
-    from jaxinfer.runner.transfer import put_packed
+    """Host numpy pytree -> what a step program takes: in one process, its leaves packed into
+    one host buffer that the program's call transfers (transfer.PackedBatch: on the default
+    device, or replicated over `mesh`); on several processes, device arrays replicated over
+    `mesh` (every process contributes its identical copy)."""
+    from jaxinfer.runner.transfer import pack_step
 
     if mesh is None:
-        return put_packed(tree)
+        return pack_step(tree)
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     sharding = NamedSharding(mesh, P())
     if jax.process_count() == 1:
-        return put_packed(tree, sharding)
+        return pack_step(tree, sharding)
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
 
 

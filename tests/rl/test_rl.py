@@ -164,6 +164,28 @@ def test_sleep_frees_the_device_and_wakes_without_recompiling(tiny, llm):
         llm.wake_up(["gpu"])
 
 
+def test_whole_step_programs_run_the_weights_the_state_holds(tiny):
+    """Whole-step programs take the weights as flat leaves, flattened again only when the
+    state holds new trees (whole_step.FlatWeights): after an update, a reload and a sleep
+    and wake-up, each step runs the weights the state holds then."""
+    base, _, weights, ref0, ref1 = tiny
+    llm = LLM(base, enable_multiprocessing=False, enable_sleep_mode=True,
+              step_compilation="whole", **OPTS)
+    try:
+        assert _run(llm).outputs[0].token_ids == ref0
+        llm.update_weights(weights)
+        assert _run(llm).outputs[0].token_ids == ref1
+        llm.reload_weights()
+        assert _run(llm).outputs[0].token_ids == ref0
+        llm.update_weights(weights)
+        llm.sleep(1)
+        llm.wake_up()
+        assert _run(llm).outputs[0].token_ids == ref1
+        assert_no_leaks(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_collective_rpc(llm):
     assert llm.collective_rpc("cache_counts")[0].keys() >= {"compile_cache_requests"}
     assert llm.collective_rpc(lambda worker: worker.block_size) == [16]

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
 from jaxinfer.runner.step_inputs import empty_step_batch
-from jaxinfer.runner.transfer import put_packed
+from jaxinfer.runner.transfer import PackedBatch, pack_step, put_packed, step_input
 
 
 def _filled(t=5, r=3):
@@ -63,3 +64,34 @@ def test_put_packed_other_dtypes_take_the_plain_path():
     got = put_packed(tree)
     assert np.array_equal(np.asarray(got["a"]), [0, 1, 2])
     assert np.asarray(got["b"]).dtype == np.float16
+
+
+def test_packed_batch_unpacks_inside_a_program_bit_for_bit():
+    """A whole step takes the packed host buffer and unpacks it inside (PackedBatch): every
+    leaf arrives as the per-array put gives it; the layer-wise path's device() too."""
+    import jax.numpy as jnp
+
+    b = _filled()
+    packed = pack_step(b)
+    assert isinstance(packed, PackedBatch) and packed.arena.dtype == np.int32
+    fn = jax.jit(lambda arena: packed.unpacked(arena))
+    inside = fn.lower(packed.spec()).compile()(step_input(packed, packed))
+    plain = jax.device_put(b)
+    assert jax.tree.structure(inside) == jax.tree.structure(plain)
+    for got, split, host in zip(jax.tree.leaves(inside), jax.tree.leaves(packed.device()),
+                                jax.tree.leaves(b)):
+        assert got.dtype == host.dtype and got.shape == host.shape
+        assert np.asarray(got).tobytes() == host.tobytes() == np.asarray(split).tobytes()
+    # The host buffers are reused step after step: a packed batch keeps what it was given.
+    arena = packed.arena.copy()
+    jax.tree.leaves(b)[0][...] += 1
+    assert np.array_equal(packed.arena, arena)
+    # A batch of another layout (another bucket) is refused by a program lowered for this one.
+    other = pack_step(empty_step_batch(1, 1, max_blocks=7, num_slots=4))
+    with pytest.raises(ValueError, match="layout"):
+        step_input(other, packed)
+    assert step_input(pack_step(b), packed).shape == packed.arena.shape
+    # Leaves of other item sizes: device arrays put the plain way (no packed buffer).
+    plain_tree = pack_step({"a": np.arange(3, dtype=np.int64)})
+    assert isinstance(plain_tree["a"], jax.Array) and step_input(plain_tree, None) is plain_tree
+    assert jnp.array_equal(plain_tree["a"], jnp.arange(3))
