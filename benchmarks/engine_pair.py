@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -85,6 +84,13 @@ def start(tree: str, options: str, args) -> subprocess.Popen:
     raise RuntimeError(f"the engine process of {tree} ({options}) ended before it was ready")
 
 
+def _cpu_name() -> str:
+    sys.path.insert(0, HERE)
+    from compare_cpu import _cpu_name as name
+
+    return name()
+
+
 def rev(tree: str) -> str:
     try:
         return subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"],
@@ -104,6 +110,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--pause", type=float, default=1.0, help="seconds between turns")
     ap.add_argument("--note", default="")
+    ap.add_argument("--machine", default=None, help="the machine, in words (default: the "
+                    "CPU's model name and count)")
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--options", default="{}", help=argparse.SUPPRESS)
@@ -144,7 +152,7 @@ def main():
              "after": ttft["B"]}]
     result = {"benchmark": "before_after", "before_rev": describe["A"],
               "after_rev": describe["B"], "note": args.note,
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+              "machine": args.machine or f"{_cpu_name()}, {os.cpu_count()} CPUs",
               "commands": ["benchmarks/engine_pair.py " + " ".join(sys.argv[1:])],
               "rows": rows}
     if args.output_json:
