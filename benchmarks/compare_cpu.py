@@ -12,9 +12,9 @@ own subprocess, every workload in turn after an untimed warm-up of it; --repeats
              after the warm-up, the background thread left to fuse the buckets used: the
              steady state of a server, docs/startup.md)
   jaxinfer-layerwise  the same with background compilation off: layer-wise programs only
-  jaxinfer-sync  the same with async_scheduling=False (what None gives on CPUs since
-             2026-11-28; a run of that day had async scheduling on by default)
-  jaxinfer-async  the same with async_scheduling=True
+  jaxinfer-sync  the same with async_scheduling=False (what None gave on CPUs from
+             2026-11-28 to 2026-11-29; None is on again since)
+  jaxinfer-async  the same with async_scheduling=True (the default's setting)
   jaxinfer-whole  the same with step_compilation="whole" (one program per step; not a default
              on CPU, where layer-wise steps start in seconds: docs/startup.md)
   hf         HF transformers static batch (benchmarks/baselines/hf_transformers.py)

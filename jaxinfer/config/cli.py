@@ -89,9 +89,8 @@ FLAGS: dict[str, dict] = {
     "enable_multiprocessing": dict(type=bool, help="the engine core in its own process "
                                    "(default: JAXINFER_ENABLE_MULTIPROCESSING, else on)"),
     "async_scheduling": dict(type=bool, help="dispatch step N+1 before reading step N's "
-                             "tokens (host/device overlap; default: on for GPUs, off for CPUs "
-                             "and with speculative decoding, pipeline parallelism or a "
-                             "pooling runner)"),
+                             "tokens (host/device overlap; default: on, off with speculative "
+                             "decoding, pipeline parallelism or a pooling runner)"),
     "structured_outputs_config": dict(help='structured outputs, as JSON: {"backend": "auto" '
                                       '| "guidance" | "xgrammar", "disable_any_whitespace": '
                                       'bool, "disable_additional_properties": bool, '

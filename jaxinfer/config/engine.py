@@ -164,10 +164,13 @@ class EngineConfig:
     enable_multiprocessing: bool | None = None
     # Overlap the host's scheduling with the device's step: step N+1 is dispatched before step
     # N's sampled ids are read back (they are patched into N+1's inputs on the device).
-    # None (vLLM's default): on GPUs, unless the engine has something it cannot be combined
-    # with (speculative decoding, pipeline parallelism) or pools; off on CPUs, as vLLM's CPU
-    # build sets it (the host's work shares the cores with the step: no gain measured on 2
-    # cores). True is honoured on CPUs too, and refused by name with those combinations.
+    # None (vLLM's default): on, unless the engine has something it cannot be combined with
+    # (speculative decoding, pipeline parallelism) or pools. On CPUs too, where vLLM's CPU
+    # build turns it off: with the step's inputs packed into one buffer, overlapping the
+    # host's ~1.4 ms of work per step (cold caches after the weights stream through) made
+    # batch-1 decode 5-6% faster and 32 x 128 decode 0.88x the time per token on a 2-core
+    # Zen 5 VM (paired runs, docs/benchmarks.md). True is refused by name with those
+    # combinations.
     async_scheduling: bool | None = None
     # Structured outputs (JSON schema, regex, choice, grammar): a StructuredOutputsConfig or a
     # dict of its fields, e.g. {"backend": "xgrammar"}.
@@ -492,8 +495,9 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         if dcfg.max_position_embeddings < max_model_len:
             raise ValueError(f"speculative_config.model has max_position_embeddings="
                              f"{dcfg.max_position_embeddings} < max_model_len={max_model_len}")
-    if config.async_scheduling is None and not async_scheduling_combines(config, runner):
-        config = dataclasses.replace(config, async_scheduling=False)
+    if config.async_scheduling is None:
+        config = dataclasses.replace(config, async_scheduling=async_scheduling_combines(
+            config, runner))
     if config.warmup_buckets not in WARMUP_BUCKETS:
         raise ValueError(f"warmup_buckets={config.warmup_buckets!r} is not supported "
                          f"(supported: {', '.join(WARMUP_BUCKETS)})")
@@ -528,22 +532,14 @@ def async_scheduling_conflicts(config: EngineConfig) -> list[tuple[str, str]]:
 
 
 def async_scheduling_combines(config: EngineConfig, runner: str) -> bool:
-    """Whether async_scheduling=None may turn on (vLLM's rule): not with what it does not
-    combine with, nor for pooling (logged). Left None, the engine core decides by platform
-    (async_scheduling_on)."""
+    """Whether async_scheduling=None turns on (vLLM's rule): not with what it does not
+    combine with, nor for pooling (logged)."""
     reasons = [name for name, _ in async_scheduling_conflicts(config)]
     if runner == "pooling":
         reasons.append("a pooling runner")
     if reasons:
         logger.info("async scheduling off by default with %s", ", ".join(reasons))
     return not reasons
-
-
-def async_scheduling_on(value: bool | None, platform: str) -> bool:
-    """A resolved config's async_scheduling on the devices' platform: None is on for GPUs and
-    off for CPUs (vLLM's CPU platform turns it off: no gain where the host's work shares the
-    cores with the step)."""
-    return value if value is not None else platform != "cpu"
 
 
 def _resolve_runner(config: EngineConfig, model_dir: str, mcfg: ModelConfig):

@@ -24,7 +24,6 @@ import traceback
 from collections import deque
 
 from jaxinfer.config import ResolvedConfig
-from jaxinfer.config.engine import async_scheduling_on
 from jaxinfer.core.kv_cache_manager import KVCacheManager
 from jaxinfer.core.scheduler import Scheduler
 from jaxinfer.engine.messages import EngineCoreOutputs, EngineCoreRequest
@@ -95,8 +94,7 @@ class EngineCore:
         pp = rc.parallel.pipeline_parallel_size
         # Step batches in flight at most: 1 (sync), 2 (async scheduling), P (pipeline
         # parallelism; the scheduler then puts no request into two batches in flight).
-        self.async_scheduling = async_scheduling_on(cfg.async_scheduling,
-                                                    self.worker.devices[0].platform)
+        self.async_scheduling = bool(cfg.async_scheduling)
         self.max_in_flight = pp if pp > 1 else (2 if self.async_scheduling else 1)
         self.scheduler.pipeline_depth = pp
         if cfg.enable_lora:

@@ -102,14 +102,15 @@ def test_fields_are_checked_against_the_vocabulary(llm):
     llm.generate(["x"], greedy(), use_tqdm=False)  # (and the engine keeps serving)
 
 
-@pytest.mark.parametrize("extra", [dict(async_scheduling=True),
+@pytest.mark.parametrize("extra", [dict(async_scheduling=False),
                                    dict(speculative_config={"method": "ngram",
                                                             "num_speculative_tokens": 3})],
-                         ids=["async-scheduling", "ngram-spec-decode"])
-def test_same_tokens_with_async_scheduling_or_drafts(tiny_dir, llm, base, extra):
-    """The bias and masks are the same in the other step loops: async scheduling (bad words
-    need the previous token: those steps wait for it) and drafts verified on the device (the
-    bias and allowed rows per verify position; bad-word requests take no drafts)."""
+                         ids=["sync-scheduling", "ngram-spec-decode"])
+def test_same_tokens_with_sync_scheduling_or_drafts(tiny_dir, llm, base, extra):
+    """The bias and masks are the same in the other step loops than the default async one
+    (where bad words need the previous token: those steps wait for it): sync scheduling, and
+    drafts verified on the device (the bias and allowed rows per verify position; bad-word
+    requests take no drafts)."""
     out = base[0]
     forced = next(t for t in range(100, 200) if t not in out)
     prompts = [PROMPTS[0]] * 4 + [PROMPTS[1]]

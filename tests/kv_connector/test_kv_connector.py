@@ -304,11 +304,11 @@ def test_kv_transfer_config_errors_name_the_field(tmp_path):
         EngineConfig(data_parallel_size=2, enable_multiprocessing=False)
 
 
-@pytest.mark.parametrize("extra", [dict(async_scheduling=True),
+@pytest.mark.parametrize("extra", [dict(async_scheduling=False),
                                    dict(speculative_config={"method": "ngram",
                                                             "num_speculative_tokens": 3})],
-                         ids=["async-scheduling", "ngram-spec-decode"])
-def test_decode_side_with_async_scheduling_or_spec_decode(tiny_dir, pd_pair, reference, extra):
+                         ids=["sync-scheduling", "ngram-spec-decode"])
+def test_decode_side_with_sync_scheduling_or_spec_decode(tiny_dir, pd_pair, reference, extra):
     p, _ = pd_pair
     d = LLM(tiny_dir, kv_transfer_config=_transfer("kv_consumer"), **OPTS, **extra)
     prompts = workload()
