@@ -29,14 +29,14 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from compare_cpu import _cpu_name, wait_settled  # noqa: E402
+from step_pair import rev, start_child  # noqa: E402
 
 
 def child(args) -> None:
     """Build the engine, warm the workload's shapes and let the background thread fuse them,
     then answer "seed" lines with {"ttft": s, "wall": s} of one turn."""
-    sys.path.insert(0, HERE)
-    from compare_cpu import wait_settled
-
     from jaxinfer import LLM, SamplingParams
 
     n, i, o = (int(x) for x in args.workload.lower().split("x"))
@@ -71,32 +71,9 @@ def child(args) -> None:
 
 
 def start(tree: str, options: str, args) -> subprocess.Popen:
-    tree = os.path.abspath(tree)
-    python = os.path.join(tree, ".venv", "bin", "python")
-    cmd = [python if os.path.exists(python) else sys.executable, os.path.abspath(__file__),
-           "--child", "--dtype", args.dtype, "--workload", args.workload, "--options", options]
-    env = dict(os.environ, PYTHONPATH=tree)
-    p = subprocess.Popen(cmd, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True)
-    for line in p.stdout:
-        if line.strip() == "READY":
-            return p
-    raise RuntimeError(f"the engine process of {tree} ({options}) ended before it was ready")
-
-
-def _cpu_name() -> str:
-    sys.path.insert(0, HERE)
-    from compare_cpu import _cpu_name as name
-
-    return name()
-
-
-def rev(tree: str) -> str:
-    try:
-        return subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return tree
+    return start_child(tree, os.path.abspath(__file__),
+                       ["--dtype", args.dtype, "--workload", args.workload, "--options", options],
+                       f"engine ({options})")
 
 
 def main():

@@ -52,20 +52,26 @@ def child(args) -> None:
         print(json.dumps({"case": case, "s": s}), flush=True)
 
 
-def start(tree: str, args) -> subprocess.Popen:
+def start_child(tree: str, script: str, child_args: list[str], what: str) -> subprocess.Popen:
+    """`script --child child_args` under `tree`'s .venv (else this Python) with `tree` on the
+    path, once it has printed READY; its stdin and stdout are the turns' pipe."""
     tree = os.path.abspath(tree)
     python = os.path.join(tree, ".venv", "bin", "python")
-    cmd = [python if os.path.exists(python) else sys.executable, os.path.abspath(__file__),
-           "--child", "--dtype", args.dtype, "--cases", args.cases]
-    if args.quantization:
-        cmd += ["--quantization", args.quantization]
+    cmd = [python if os.path.exists(python) else sys.executable, script, "--child", *child_args]
     env = dict(os.environ, PYTHONPATH=tree)
     p = subprocess.Popen(cmd, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, text=True)
     for line in p.stdout:
         if line.strip() == "READY":
             return p
-    raise RuntimeError(f"the step process of {tree} ended before it was ready")
+    raise RuntimeError(f"the {what} process of {tree} ended before it was ready")
+
+
+def start(tree: str, args) -> subprocess.Popen:
+    child_args = ["--dtype", args.dtype, "--cases", args.cases]
+    if args.quantization:
+        child_args += ["--quantization", args.quantization]
+    return start_child(tree, os.path.abspath(__file__), child_args, "step")
 
 
 def rev(tree: str) -> str:
