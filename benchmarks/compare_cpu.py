@@ -31,7 +31,8 @@ Metrics: output tok/s = N*OUT / wall time of the whole batch (prefill included);
 wall time until every request has its first token (a max_tokens=1 run of a batch of the same
 shape; llama.cpp: its prompt-processing time); warm-up, TTFT and timed runs use different
 random prompts, so no run is helped by the prefix cache; decode ms/token = (wall - TTFT) /
-(OUT - 1) (batch 1: the time per generated token). Prints a table per workload with ratios to jaxinfer, writes JSON.
+(OUT - 1) (batch 1: the time per generated token). Prints a table per workload with ratios
+to jaxinfer, writes JSON.
 Setting up the peers is manual (see benchmarks/README.md). Usage:
   PYTHONPATH=. .venv/bin/python benchmarks/compare_cpu.py [--vllm-python P] [--llama-cpp-bin D]
       [--workloads 32x128x128,8x1024x128,1x128x128] [--repeats 3] [--model DIR]
