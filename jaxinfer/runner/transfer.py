@@ -2,19 +2,16 @@
 
 A StepBatch is ~23 small numpy arrays. Putting them on the device one by one costs JAX's
 per-array transfer path each (1.1-2 ms per step on a 2-core CPU VM, as much as the rest of
-the host's step work together), so `put_packed` copies every leaf into one int32 buffer
-(each leaf at a 4-byte-aligned offset, its bytes as they are) and hands that to a small
-jitted program that splits it back into the leaves on the device (slices and bitcasts; compiled
-once per layout, ~25 ms, cached by JAX's jit). The executables see the same StepBatch of
-device arrays as before. Leaves of another item size than 4 or 1 bytes (none today) and
-multi-process meshes take the plain path.
-
-`pack_step` stops one stage earlier: the packed host buffer with its layout (a PackedBatch),
-which a whole-step program takes as its one input and unpacks inside (`unpacked`: the same
-slices and bitcasts, fused into their consumers), so the step needs neither the split's own
-program nor ~23 device arrays made and passed on (~0.2 ms of a step on a 2-core VM, where a
-batch-1 decode step takes ~8 ms). Programs that run a step as several (layer-wise ones before
-they are fused) take `device()`, the split's StepBatch.
+the host's step work together), so `pack_step` copies every leaf into one int32 buffer (each
+leaf at a 4-byte-aligned offset, its bytes as they are): a PackedBatch, the buffer with its
+layout. A whole-step program takes that buffer as its one input and unpacks it inside
+(`unpacked`: slices and bitcasts, fused into their consumers), so a step needs no program of
+its own to split it and no ~23 device arrays made and passed on (~0.2 ms of a step on a
+2-core VM, where a batch-1 decode step takes ~8 ms). Programs that run a step as several
+(layer-wise ones before they are fused) take `device()`: a small jitted program splits the
+buffer into the StepBatch's leaves on the device (compiled once per layout, ~25 ms, cached by
+JAX's jit). Leaves of another item size than 4 or 1 bytes (none today) and multi-process
+meshes take the plain path (device arrays).
 """
 
 from __future__ import annotations
@@ -142,9 +139,3 @@ def step_input(batch, packed: PackedBatch | None):
 def device_batch(batch):
     """A placed step batch as device arrays (a PackedBatch split on the device)."""
     return batch.device() if isinstance(batch, PackedBatch) else batch
-
-
-def put_packed(tree, sharding=None):
-    """Host numpy pytree -> the same pytree of device arrays, in one transfer (on the default
-    device, or replicated with `sharding`, a NamedSharding of P())."""
-    return device_batch(pack_step(tree, sharding))

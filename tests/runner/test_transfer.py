@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.runner.step_inputs import empty_step_batch
-from jaxinfer.runner.transfer import PackedBatch, pack_step, put_packed, step_input
+from jaxinfer.runner.transfer import PackedBatch, device_batch, pack_step, step_input
 
 
 def _filled(t=5, r=3):
@@ -31,6 +31,11 @@ def _filled(t=5, r=3):
             leaf[...] = rng.integers(np.iinfo(leaf.dtype).min, np.iinfo(leaf.dtype).max,
                                      leaf.shape, dtype=leaf.dtype)
     return b
+
+
+def put_packed(tree):
+    """The layer-wise path: packed on the host, split on the device."""
+    return device_batch(pack_step(tree))
 
 
 def test_put_packed_equals_per_array_put():
