@@ -40,7 +40,8 @@ FLAGS: dict[str, dict] = {
     "model": dict(type=str, help="HF model folder or .gguf file (default: embedded SmolLM2)"),
     "tokenizer": dict(type=str, help="tokenizer folder (default: the model's)"),
     "skip_tokenizer_init": dict(help="load no tokenizer: token-id prompts in, token ids out"),
-    "dtype": dict(help="weight dtype: auto (the checkpoint's), float32, bfloat16, float16"),
+    "dtype": dict(help="weight dtype: auto (the checkpoint's, but a generating model's "
+                  "float32 one runs in bfloat16, as in vLLM), float32, bfloat16, float16"),
     "max_model_len": dict(type=int, help="longest sequence, prompt + output (default: the "
                                          "model's max_position_embeddings)"),
     "max_num_batched_tokens": dict(type=int, help="token budget of one step (default: "

@@ -102,6 +102,8 @@ class EngineConfig:
     model: str | None = None  # HF folder; None = the embedded SmolLM2
     tokenizer: str | None = None  # tokenizer folder; None = the model folder
     skip_tokenizer_init: bool = False  # no tokenizer: prompts must be token ids, no output text
+    # "auto": as vLLM, the checkpoint's dtype, but a generating model's float32 checkpoint
+    # runs in bfloat16 (engine_dtype)
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 64
@@ -418,6 +420,29 @@ def _generation_eos_ids(model_dir: str) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
 
+# Families vLLM refuses to run in float16 (numerical instability), by architecture prefix.
+NO_FLOAT16 = ("Gemma2", "Gemma3", "Glm4")
+
+
+def engine_dtype(dtype: str, mcfg: ModelConfig, *, pooling: bool) -> str:
+    """The weight dtype an engine runs `dtype` in. "auto" is the checkpoint's dtype, except
+    that a generating model's float32 checkpoint (or one that declares none) runs in bfloat16,
+    as vLLM downcasts it to the platform's first dtype (bfloat16 on CPUs and GPUs alike).
+    A pooling model's float32 checkpoint stays float32: vLLM takes float16 there rather than
+    bfloat16 for the embeddings' precision, and float32 keeps more of it and runs faster on
+    CPUs than float16, which the C++ kernels do not take (32 x 128-token embeddings of SmolLM2
+    on the Zen 5 VM: 2.1 s, float16 2.8 s). A family vLLM will not run in float16 refuses it
+    (ValueError naming `dtype`)."""
+    no_f16 = mcfg.architecture.startswith(NO_FLOAT16)
+    resolved = resolve_dtype(dtype, mcfg)
+    if dtype == "auto" and resolved == "float32" and not pooling:
+        resolved = "bfloat16"
+    if resolved == "float16" and no_f16:
+        raise ValueError(f"dtype={dtype!r}: {mcfg.architecture} does not run in float16 "
+                         "(numerical instability, as in vLLM); use bfloat16 or float32")
+    return resolved
+
+
 def resolve_config(config: EngineConfig) -> ResolvedConfig:
     """Resolve the defaults of `config` (reads the model's config.json; loads no weights and
     needs no device). Raises ValueError naming the option on an impossible combination."""
@@ -447,7 +472,8 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={backend!r} is not supported "
                          f"(supported: {', '.join(ATTENTION_BACKENDS)})")
-    dtype = resolve_dtype(config.dtype, mcfg)
+    runner, pooler = _resolve_runner(config, model_dir, mcfg)
+    dtype = engine_dtype(config.dtype, mcfg, pooling=runner == "pooling")
     kv_dtype = dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
     kv_dtype = KV_CACHE_ARRAY_DTYPES.get(kv_dtype, kv_dtype)
     max_model_len = config.max_model_len or mcfg.max_position_embeddings
@@ -460,7 +486,6 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     if max_tokens < config.max_num_seqs:
         raise ValueError(f"max_num_batched_tokens={max_tokens} must be >= max_num_seqs="
                          f"{config.max_num_seqs}")
-    runner, pooler = _resolve_runner(config, model_dir, mcfg)
     prefix_caching = config.enable_prefix_caching
     if pooler is not None and pooler.pooling_type != "LAST" and prefix_caching:
         # (MEAN / CLS need every prompt token's hidden state: a prefix hit would skip some;

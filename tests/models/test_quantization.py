@@ -469,7 +469,9 @@ def test_gguf_file_served_quantized_equals_float(smollm2_dir):
     assert rc.model_config.quantization.method == "gguf"
     assert rc.model_config.quantization.in_block == 32 and rc.model_dir.endswith("-q")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    opts = dict(max_model_len=128, max_num_seqs=16, warmup=False, enable_multiprocessing=False)
+    # (float32 activations: "auto" would run both in bfloat16, whose rounding is not this test's)
+    opts = dict(max_model_len=128, max_num_seqs=16, warmup=False, enable_multiprocessing=False,
+                dtype="float32")
     runs = {}
     for name, model, extra in (("float", smollm2_dir, {}),
                                ("gguf", path, {"quantization": "gguf"})):
