@@ -5,7 +5,8 @@ Workloads (`--workloads NxINxOUT,...`; default the issue's three: 32x128x128, 8x
 all submitted at once; float32 (or --dtype bfloat16) weights of the default
 SmolLM2-135M-Instruct, or (--model
 benchmarks/configs/qwen3-0.6b: a config without weights) random ones, load_format="dummy" in
-jaxinfer and vLLM alike (HF and llama.cpp are skipped: no checkpoint). Each engine runs in its
+jaxinfer and vLLM alike, a GGUF of random weights of that shape for llama.cpp
+(benchmarks/peers/gguf_dummy.py; HF is skipped: no checkpoint). Each engine runs in its
 own subprocess, every workload in turn after an untimed warm-up of it; --repeats rounds (default
 3) run every engine once each, in turn, and the median run is reported beside every run's rate:
   jaxinfer   LLM(...).generate (this environment; every bucket compiled before timing, then,
@@ -261,17 +262,21 @@ def _run_peer(engine: str, args, workloads, record, dummy: bool) -> None:
         for w in workloads:
             record("hf", _name(w), run_hf(args, w))
     elif engine == "llama.cpp":
-        if not args.llama_cpp_bin or dummy:
-            print("llama.cpp: skipped (" + ("dummy weights: no GGUF of them" if dummy
-                                            else "no --llama-cpp-bin") + ")")
+        if not args.llama_cpp_bin:
+            print("llama.cpp: skipped (no --llama-cpp-bin)")
             return
         if not args.gguf:
-            from benchmarks.peers.gguf_f32 import rewrite_f32
-            from jaxinfer.checkpoints.default_model import find_default_gguf
-
             kind = "bf16" if args.dtype == "bfloat16" else "f32"
-            args.gguf = rewrite_f32(find_default_gguf(), os.path.join(args.tmp, f"{kind}.gguf"),
-                                    kind)
+            dst = os.path.join(args.tmp, f"{kind}.gguf")
+            if dummy:  # random weights of the config's shape, as the dummy engines hold
+                from benchmarks.peers.gguf_dummy import write_dummy
+
+                args.gguf = write_dummy(args.model, dst, kind)
+            else:
+                from benchmarks.peers.gguf_f32 import rewrite_f32
+                from jaxinfer.checkpoints.default_model import find_default_gguf
+
+                args.gguf = rewrite_f32(find_default_gguf(), dst, kind)
         for w in workloads:
             for kv_type in args.llama_kv_type.split(","):
                 record(f"llama.cpp kv={kv_type}", _name(w), run_llama_cpp(args, w, kv_type))

@@ -199,3 +199,44 @@ def test_startup_cold_then_warm(tmp_path, smollm2_dir):
     assert flags[flags.index("--load-format") + 1] == "dummy" and "--no-warmup" in flags
     served = build_parser().parse_args(["serve", *flags])
     assert (served.load_format, served.warmup, served.max_num_seqs) == ("dummy", False, 4)
+
+
+@pytest.mark.parametrize("arch,kind", [("LlamaForCausalLM", "bf16"), ("Qwen3ForCausalLM", "f32")])
+def test_dummy_gguf_for_llama_cpp_has_the_config_shapes(tmp_path, arch, kind):
+    """benchmarks/peers/gguf_dummy.py (llama.cpp's peer model for a config without weights):
+    llama.cpp's tensor names, each in the config's shape (GGUF lists dims innermost first),
+    matrices in the asked dtype and 1-D tensors float32, the "none" vocabulary of
+    vocab_size tokens; Qwen3 with its q / k norms."""
+    gguf = pytest.importorskip("gguf")
+    from benchmarks.peers.gguf_dummy import write_dummy
+
+    with open(os.path.join(ROOT, "benchmarks", "configs", "tiny-llama", "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(architectures=[arch], head_dim=48)  # (not hidden / heads: read as given)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(cfg))
+    out = write_dummy(str(tmp_path / "cfg"), str(tmp_path / "m.gguf"), kind)
+    r = gguf.GGUFReader(out)
+
+    def field(key):
+        f = r.fields[key]
+        v = f.parts[f.data[0]]
+        return bytes(v).decode() if f.types[0] == gguf.GGUFValueType.STRING else v.tolist()[0]
+
+    name = "qwen3" if arch == "Qwen3ForCausalLM" else "llama"
+    assert field("general.architecture") == name and field("tokenizer.ggml.model") == "none"
+    assert field(f"{name}.vocab_size") == 2048 and field(f"{name}.block_count") == 2
+    assert field(f"{name}.attention.key_length") == 48
+    shapes = {t.name: (tuple(int(x) for x in reversed(t.shape)), t.tensor_type)
+              for t in r.tensors}
+    mat = gguf.GGMLQuantizationType.BF16 if kind == "bf16" else gguf.GGMLQuantizationType.F32
+    f32 = gguf.GGMLQuantizationType.F32
+    assert shapes["token_embd.weight"] == ((2048, 128), mat)  # (tied: no output.weight)
+    assert shapes["blk.1.attn_q.weight"] == ((4 * 48, 128), mat)
+    assert shapes["blk.1.attn_k.weight"] == ((2 * 48, 128), mat)
+    assert shapes["blk.1.attn_output.weight"] == ((128, 4 * 48), mat)
+    assert shapes["blk.1.ffn_down.weight"] == ((128, 256), mat)
+    assert shapes["blk.1.ffn_norm.weight"] == ((128,), f32)
+    assert ("blk.1.attn_q_norm.weight" in shapes) == (name == "qwen3")
+    per_layer = 11 if name == "qwen3" else 9
+    assert len(shapes) == 2 + 2 * per_layer and "output.weight" not in shapes
