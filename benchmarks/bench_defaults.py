@@ -2,15 +2,18 @@
 defaults against `vllm bench throughput` (vLLM's CPU build) on the same workload and CPU.
 
 Both at their own defaults but for what must match: the model (the embedded SmolLM2 unless
---model), float32 weights, random prompts of --input-len tokens, --output-len tokens each,
-EOS ignored, their default sampling (temperature 1.0), every core (vLLM as its CPU docs say:
-VLLM_CPU_OMP_THREADS_BIND=0-(N-1), VLLM_CPU_NUM_OF_RESERVED_CPU=0; VLLM_CPU_KVCACHE_SPACE=1 and
---gpu-memory-utilization 0.5 to fit a 24 GiB machine). Each run is a fresh process (start-up
+--model), the dtype (default: neither is given one, and both run the float32 checkpoint in
+bfloat16, vLLM's `auto` and ours since 2026-11-29; --dtype float32 gives both that), random
+prompts of --input-len tokens, --output-len tokens each, EOS ignored, their default sampling
+(temperature 1.0), every core (vLLM as its CPU docs say: VLLM_CPU_OMP_THREADS_BIND=0-(N-1),
+VLLM_CPU_NUM_OF_RESERVED_CPU=0; VLLM_CPU_KVCACHE_SPACE=1 and --gpu-memory-utilization 0.5 to
+fit a 24 GiB machine). Each run is a fresh process (start-up
 not timed: both commands time generation only); engines alternate, --repeats rounds, medians.
 jaxinfer's JSON says how its timed steps ran (padded up, layer-wise, compiled meanwhile).
 Usage:
   PYTHONPATH=. .venv/bin/python benchmarks/bench_defaults.py --vllm-python P \\
-      [--num-prompts 32 --input-len 128 --output-len 128] [--repeats 3] [--output-json F]
+      [--num-prompts 32 --input-len 128 --output-len 128] [--repeats 3] [--dtype auto]
+      [--output-json F]
 """
 
 from __future__ import annotations
@@ -38,18 +41,19 @@ _VLLM_BENCH = ("import sys\n"
 
 def run(engine: str, args, out: str) -> dict:
     work = ["--num-prompts", str(args.num_prompts), "--output-json", out]
+    dtype = [] if args.dtype == "auto" else ["--dtype", args.dtype]
     if engine == "vllm":
         # `vllm bench throughput`, called through its module: the `vllm` command asks for the
         # version of a distribution named vllm, which the CPU build (vllm-cpu) is not.
         cmd = [args.vllm_python, "-c", _VLLM_BENCH, "--model", args.model, "--dataset-name", "random",
                "--random-input-len", str(args.input_len), "--random-output-len",
-               str(args.output_len), "--random-range-ratio", "0", "--dtype", "float32",
+               str(args.output_len), "--random-range-ratio", "0", *dtype,
                "--gpu-memory-utilization", "0.5", *work]
         env = dict(os.environ, **VLLM_THREAD_ENV)
     else:
         cmd = [os.path.join(ROOT, ".venv", "bin", "jaxinfer"), "bench", "throughput",
                "--model", args.model, "--dataset", "random", "--input-len",
-               str(args.input_len), "--output-len", str(args.output_len), "--dtype", "float32",
+               str(args.input_len), "--output-len", str(args.output_len), *dtype,
                "--no-tqdm", *work, *engine.split()[1:]]
         env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -76,6 +80,8 @@ def main():
     ap.add_argument("--engines", default="jaxinfer,vllm",
                     help="jaxinfer (optionally with flags: 'jaxinfer --warmup-buckets all'), vllm")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="given to both (auto: none given, each engine's default)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     args.model = os.path.abspath(args.model or ensure_default_model())
@@ -90,13 +96,13 @@ def main():
                   f"{row.get('steps', '')}", flush=True)
     medians = {e: statistics.median(r["output_tok_s"] for r in rs) for e, rs in runs.items()}
     base = medians.get(engines[0])
-    print(f"\n{args.num_prompts} x {args.input_len}/{args.output_len}, float32, "
+    print(f"\n{args.num_prompts} x {args.input_len}/{args.output_len}, dtype {args.dtype}, "
           f"{_cpu_name()}: median output tok/s of {args.repeats}")
     for e, m in medians.items():
         print(f"  {e:<36} {m:8.1f}   {engines[0]} / it: {base / m:.2f}x")
     result = {"benchmark": "bench_defaults", "model": os.path.basename(args.model),
               "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
-                           "output_len": args.output_len}, "dtype": "float32",
+                           "output_len": args.output_len}, "dtype": args.dtype,
               "median_output_tok_s": medians, "runs": runs,
               "ratio_to_first": {e: base / m for e, m in medians.items()},
               "command": " ".join(sys.argv), "cpu": _cpu_name(), "cpus": os.cpu_count()}
