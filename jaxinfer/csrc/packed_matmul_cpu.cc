@@ -928,17 +928,74 @@ ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const
   return ffi::Error::Success();
 }
 
+// The products run in float32, but x and y may each be float32 or bfloat16: a bf16 model's
+// rows widen exactly here, and its results round to nearest even here, as XLA's converts
+// around the call did. Each of those converts was a fusion of its own, run as a separate
+// thunk, so a batch-1 step of SmolLM2 paid ~150 of them.
+struct FloatIO {
+  const float* x = nullptr;  // [M, K]: x's data, or xbuf
+  float* y = nullptr;        // [M, N]: y's data, or ybuf (rounded into y by `finish`)
+  std::vector<float> xbuf, ybuf;
+};
+
+ffi::Error float_io(ffi::ThreadPool& pool, const ffi::AnyBuffer& x,
+                    ffi::Result<ffi::AnyBuffer>& y, FloatIO& io, const char* who) {
+  auto xd = x.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument(std::string(who) + ": x and y must be 2-D");
+  if (x.element_type() == ffi::DataType::F32) {
+    io.x = static_cast<const float*>(x.untyped_data());
+  } else if (x.element_type() == ffi::DataType::BF16) {
+    const int64_t K = xd[1];
+    const uint16_t* src = static_cast<const uint16_t*>(x.untyped_data());
+    io.xbuf.resize(static_cast<size_t>(std::max<int64_t>(1, xd[0] * K)));
+    float* dst = io.xbuf.data();
+    jaxinfer_cpu::run_rows(pool, xd[0], K, [&](int64_t m0, int64_t m1) {
+#pragma omp simd
+      for (int64_t i = m0 * K; i < m1 * K; ++i) dst[i] = jaxinfer_cpu::bf16_to_float(src[i]);
+    });
+    io.x = dst;
+  } else {
+    return ffi::Error::InvalidArgument(std::string(who) + ": x must be float32 or bfloat16");
+  }
+  if (y->element_type() == ffi::DataType::F32) {
+    io.y = static_cast<float*>(y->untyped_data());
+  } else if (y->element_type() == ffi::DataType::BF16) {
+    io.ybuf.resize(static_cast<size_t>(std::max<int64_t>(1, yd[0] * yd[1])));
+    io.y = io.ybuf.data();
+  } else {
+    return ffi::Error::InvalidArgument(std::string(who) + ": y must be float32 or bfloat16");
+  }
+  return ffi::Error::Success();
+}
+
+// A product that succeeded into io.y: rounded into a bfloat16 y (a float32 y holds it).
+ffi::Error finish(ffi::ThreadPool& pool, ffi::Error e, const FloatIO& io,
+                  ffi::Result<ffi::AnyBuffer>& y) {
+  if (e.failure() || io.ybuf.empty()) return e;
+  const int64_t N = y->dimensions()[1];
+  const float* src = io.ybuf.data();
+  uint16_t* dst = static_cast<uint16_t*>(y->untyped_data());
+  jaxinfer_cpu::run_rows(pool, y->dimensions()[0], N, [&](int64_t m0, int64_t m1) {
+#pragma omp simd
+    for (int64_t i = m0 * N; i < m1 * N; ++i) dst[i] = jaxinfer_cpu::float_to_bf16(src[i]);
+  });
+  return e;
+}
+
 // Float panels: w float32 or bfloat16 [P, K, kNR].
-ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                            ffi::Result<ffi::Buffer<ffi::F32>> y) {
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                            ffi::Result<ffi::AnyBuffer> y) {
+  FloatIO io;
+  if (auto e = float_io(pool, x, y, io, "packed_matmul_cpu"); e.failure()) return e;
   if (w.element_type() == ffi::DataType::F32)
-    return PackedMatmul(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()),
-                        Groups{}, y->typed_data(), x.dimensions(), w.dimensions(),
-                        y->dimensions());
+    return finish(pool, PackedMatmul(pool, io.x, static_cast<const float*>(w.untyped_data()),
+                                     Groups{}, io.y, x.dimensions(), w.dimensions(),
+                                     y->dimensions()), io, y);
   if (w.element_type() == ffi::DataType::BF16)
-    return PackedMatmul(pool, x.typed_data(), static_cast<const Bf16*>(w.untyped_data()),
-                        Groups{}, y->typed_data(), x.dimensions(), w.dimensions(),
-                        y->dimensions());
+    return finish(pool, PackedMatmul(pool, io.x, static_cast<const Bf16*>(w.untyped_data()),
+                                     Groups{}, io.y, x.dimensions(), w.dimensions(),
+                                     y->dimensions()), io, y);
   return ffi::Error::InvalidArgument("packed_matmul_cpu: weights must be float32 or bfloat16");
 }
 
@@ -957,8 +1014,8 @@ ffi::Error with_quantized(const ffi::AnyBuffer& w, const char* who, F f) {
 // same shape, or [0] (none).
 ffi::Error QuantMatmul(ffi::ThreadPool& pool, const float* x, ffi::Span<const int64_t> xd,
                        const ffi::AnyBuffer& w, const ffi::Buffer<ffi::F32>& scale,
-                       const ffi::Buffer<ffi::F32>& offset,
-                       ffi::Result<ffi::Buffer<ffi::F32>>& y) {
+                       const ffi::Buffer<ffi::F32>& offset, float* y,
+                       ffi::Span<const int64_t> yd) {
   auto wd = w.dimensions(), sd = scale.dimensions(), od = offset.dimensions();
   if (wd.size() != 3 || sd.size() != 3 || sd[0] != wd[0] || sd[2] != kNR || sd[1] < 1 ||
       wd[1] % sd[1] != 0)
@@ -974,19 +1031,22 @@ ffi::Error QuantMatmul(ffi::ThreadPool& pool, const float* x, ffi::Span<const in
     gr.G = 2 * wd[1] / sd[1];
     if ((2 * wd[1]) % sd[1] != 0 || gr.G % 2 != 0)
       return ffi::Error::InvalidArgument("quant_matmul_cpu: 4-bit groups must be even");
-    return PackedMatmul(pool, x, static_cast<const Nibbles*>(w.untyped_data()), gr,
-                        y->typed_data(), xd, wd, y->dimensions());
+    return PackedMatmul(pool, x, static_cast<const Nibbles*>(w.untyped_data()), gr, y, xd,
+                        wd, yd);
   }
   gr.G = wd[1] / sd[1];
   return with_quantized(w, "quant_matmul_cpu", [&](auto* wq) {
-    return PackedMatmul(pool, x, wq, gr, y->typed_data(), xd, wd, y->dimensions());
+    return PackedMatmul(pool, x, wq, gr, y, xd, wd, yd);
   });
 }
 
-ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
-                           ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  return QuantMatmul(pool, x.typed_data(), x.dimensions(), w, scale, offset, y);
+                           ffi::Result<ffi::AnyBuffer> y) {
+  FloatIO io;
+  if (auto e = float_io(pool, x, y, io, "quant_matmul_cpu"); e.failure()) return e;
+  return finish(pool, QuantMatmul(pool, io.x, x.dimensions(), w, scale, offset, io.y,
+                                  y->dimensions()), io, y);
 }
 
 // Gated forms, for a gated MLP's down projection: x holds the gate-up product's rows
@@ -1026,45 +1086,52 @@ void gate_all(ffi::ThreadPool& pool, const float* x, float* out, int64_t M, int6
                          [&](int64_t m0, int64_t m1) { gate_rows(x, out, m0, m1, K, act); });
 }
 
-// x [M, 2K] -> (the gated rows [M, K] in `rows`, their dimensions in `dims`), or an error.
-// (rows: not zeroed first, every value is written)
-ffi::Error gated_input(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, int64_t act,
+// x [M, 2K] (float32 or bfloat16), y -> (the gated rows [M, K] in `rows`, their dimensions
+// in `dims`, where y's product goes in `io`), or an error. (rows: not zeroed first, every
+// value is written)
+ffi::Error gated_input(ffi::ThreadPool& pool, const ffi::AnyBuffer& x,
+                       ffi::Result<ffi::AnyBuffer>& y, int64_t act, FloatIO& io,
                        std::unique_ptr<float[]>& rows, int64_t dims[2]) {
   auto xd = x.dimensions();
   if (act != kActSilu && act != kActGeluTanh)
     return ffi::Error::InvalidArgument("gated matmul: act must be 1 (silu) or 2 (gelu_tanh)");
   if (xd.size() != 2 || xd[1] % 2 != 0)
     return ffi::Error::InvalidArgument("gated matmul: x must be [M, 2K]");
+  if (auto e = float_io(pool, x, y, io, "gated matmul"); e.failure()) return e;
   dims[0] = xd[0];
   dims[1] = xd[1] / 2;
   rows.reset(new float[static_cast<size_t>(std::max<int64_t>(1, dims[0] * dims[1]))]);
-  gate_all(pool, x.typed_data(), rows.get(), dims[0], dims[1], act);
+  gate_all(pool, io.x, rows.get(), dims[0], dims[1], act);
   return ffi::Error::Success();
 }
 
-ffi::Error GatedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                           ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t act) {
+ffi::Error GatedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                           ffi::Result<ffi::AnyBuffer> y, int64_t act) {
+  FloatIO io;
   std::unique_ptr<float[]> rows;
   int64_t dims[2];
-  if (auto e = gated_input(pool, x, act, rows, dims); e.failure()) return e;
+  if (auto e = gated_input(pool, x, y, act, io, rows, dims); e.failure()) return e;
   const ffi::Span<const int64_t> xd(dims, 2);
   if (w.element_type() == ffi::DataType::F32)
-    return PackedMatmul(pool, rows.get(), static_cast<const float*>(w.untyped_data()),
-                        Groups{}, y->typed_data(), xd, w.dimensions(), y->dimensions());
+    return finish(pool, PackedMatmul(pool, rows.get(),
+                                     static_cast<const float*>(w.untyped_data()), Groups{},
+                                     io.y, xd, w.dimensions(), y->dimensions()), io, y);
   if (w.element_type() == ffi::DataType::BF16)
-    return PackedMatmul(pool, rows.get(), static_cast<const Bf16*>(w.untyped_data()),
-                        Groups{}, y->typed_data(), xd, w.dimensions(), y->dimensions());
+    return finish(pool, PackedMatmul(pool, rows.get(),
+                                     static_cast<const Bf16*>(w.untyped_data()), Groups{},
+                                     io.y, xd, w.dimensions(), y->dimensions()), io, y);
   return ffi::Error::InvalidArgument("gated_matmul_cpu: weights must be float32 or bfloat16");
 }
 
-ffi::Error GatedQuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                                ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
-                                ffi::Buffer<ffi::F32> offset,
-                                ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t act) {
+ffi::Error GatedQuantMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                                ffi::Result<ffi::AnyBuffer> y, int64_t act) {
+  FloatIO io;
   std::unique_ptr<float[]> rows;
   int64_t dims[2];
-  if (auto e = gated_input(pool, x, act, rows, dims); e.failure()) return e;
-  return QuantMatmul(pool, rows.get(), ffi::Span<const int64_t>(dims, 2), w, scale, offset, y);
+  if (auto e = gated_input(pool, x, y, act, io, rows, dims); e.failure()) return e;
+  return finish(pool, QuantMatmul(pool, rows.get(), ffi::Span<const int64_t>(dims, 2), w,
+                                  scale, offset, io.y, y->dimensions()), io, y);
 }
 
 // Grouped (mixture-of-experts) form: rows of x sorted by expert, group_sizes[e] rows for
@@ -1208,33 +1275,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferGroupedQuantMatmulCpu, GroupedQuantMatmulI
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantMatmulCpu, QuantMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferGatedMatmulCpu, GatedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("act"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferGatedQuantMatmulCpu, GatedQuantMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("act"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPackedMatmulCpu, PackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

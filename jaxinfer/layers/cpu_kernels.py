@@ -196,6 +196,22 @@ def pack(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(k, panels, PANEL).transpose(1, 0, 2))
 
 
+# Row and result dtypes the matmul kernels take and give as they are (they compute in float32:
+# bfloat16 rows widen exactly inside, bfloat16 results round to nearest even as XLA's convert
+# does), so no convert fusion runs around them.
+KERNEL_IO_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
+
+
+def _kernel_io(x, out_features: int, out_dtype):
+    """(x as [M, K] in a dtype the kernel takes, the kernel's result type, the dtype wanted)."""
+    dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype not in KERNEL_IO_DTYPES:
+        x2 = x2.astype(np.float32)
+    kernel_dtype = dtype if dtype in KERNEL_IO_DTYPES else np.dtype(np.float32)
+    return x2, jax.ShapeDtypeStruct((x2.shape[0], out_features), kernel_dtype), dtype
+
+
 def matmul(x, w_packed, out_features: int, scale=None, offset=None, out_dtype=None):
     """x [..., K] @ the packed weight [P, K, 32] (float32 or bfloat16) -> [..., out_features]
     in x's dtype (the kernel computes in float32). Quantized (int8 / fp8 e4m3 panels): scale
@@ -204,30 +220,31 @@ def matmul(x, w_packed, out_features: int, scale=None, offset=None, out_dtype=No
     (w = q * scale + offset). out_dtype: the result's (default x's)."""
     if not available():
         raise RuntimeError("packed weights need the C++ kernels, which could not be built here")
-    lead, dtype = x.shape[:-1], x.dtype if out_dtype is None else out_dtype
-    x2 = x.reshape(-1, x.shape[-1]).astype(np.float32)  # (a bf16 model's rows: exact)
-    out = jax.ShapeDtypeStruct((x2.shape[0], out_features), np.float32)
+    lead = x.shape[:-1]
+    x2, out, dtype = _kernel_io(x, out_features, out_dtype)
     if scale is None:
         call = jax.ffi.ffi_call(MATMUL_TARGET, out, vmap_method="sequential")
-        return call(x2, w_packed).reshape(*lead, out_features).astype(dtype)
-    if offset is None:
-        offset = jax.numpy.zeros((0,), np.float32)
-    call = jax.ffi.ffi_call(QUANT_MATMUL_TARGET, out, vmap_method="sequential")
-    return call(x2, w_packed, scale, offset).reshape(*lead, out_features).astype(dtype)
+        y = call(x2, w_packed)
+    else:
+        if offset is None:
+            offset = jax.numpy.zeros((0,), np.float32)
+        call = jax.ffi.ffi_call(QUANT_MATMUL_TARGET, out, vmap_method="sequential")
+        y = call(x2, w_packed, scale, offset)
+    return y.reshape(*lead, out_features).astype(dtype)
 
 
-def gated_matmul(x, w_packed, out_features: int, act: str, scale=None, offset=None):
+def gated_matmul(x, w_packed, out_features: int, act: str, scale=None, offset=None,
+                 out_dtype=None):
     """A gated MLP's down projection from the gate-up product: x [..., 2K] (gate, then up)
-    -> (act(gate) * up) @ the packed weight [P, K, 32] -> [..., out_features] in x's dtype;
-    the activation is computed in float32 inside the kernel, the rows never leave it.
-    act: a GATED_ACTS name; scale / offset as in `matmul`."""
+    -> (act(gate) * up) @ the packed weight [P, K, 32] -> [..., out_features] in out_dtype
+    (default x's); the activation is computed in float32 inside the kernel, the rows never
+    leave it. act: a GATED_ACTS name; scale / offset as in `matmul`."""
     if not available():
         raise RuntimeError("packed weights need the C++ kernels, which could not be built here")
     if act not in GATED_ACTS:
         raise ValueError(f"gated_matmul: act {act!r} is not one of {sorted(GATED_ACTS)}")
-    lead, dtype = x.shape[:-1], x.dtype
-    x2 = x.reshape(-1, x.shape[-1]).astype(np.float32)
-    out = jax.ShapeDtypeStruct((x2.shape[0], out_features), np.float32)
+    lead = x.shape[:-1]
+    x2, out, dtype = _kernel_io(x, out_features, out_dtype)
     code = np.int64(GATED_ACTS[act])
     if scale is None:
         call = jax.ffi.ffi_call(GATED_MATMUL_TARGET, out, vmap_method="sequential")

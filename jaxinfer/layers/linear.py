@@ -141,13 +141,14 @@ class Linear(nnx.Module):
             y = y + self.bias[...]
         return add_lora(y, x, self, lora_slots)
 
-    def gated(self, x: jax.Array, act: str) -> jax.Array:
+    def gated(self, x: jax.Array, act: str, out_dtype=None) -> jax.Array:
         """(act(gate) * up) @ W from a gate-up product x [T, 2 * in] (gate, then up): packed
-        weights without LoRA (cpu_kernels.gated_matmul) -> float32 [T, out]."""
+        weights without LoRA (cpu_kernels.gated_matmul) -> [T, out] in out_dtype (default
+        x's)."""
         from jaxinfer.layers.cpu_kernels import gated_matmul
 
         y = gated_matmul(x, self.weight[...], self.out_features, act,
-                         _value(self.weight_scale), _value(self.weight_offset))
+                         _value(self.weight_scale), _value(self.weight_offset), out_dtype)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -257,7 +258,7 @@ class GatedMLP(nnx.Module):
 
     def __call__(self, x: jax.Array, lora_slots=None) -> jax.Array:
         if self.gated:
-            return self.down_proj.gated(self.gate_up_proj.product(x), self.act).astype(x.dtype)
+            return self.down_proj.gated(self.gate_up_proj.product(x), self.act, x.dtype)
         gate, up = self.gate_up_proj(x, lora_slots)
         return self.down_proj(ACTIVATIONS[self.act](gate) * up, lora_slots)
 

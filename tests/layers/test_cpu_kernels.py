@@ -335,6 +335,44 @@ def test_gated_matmul_multiplies_the_activated_rows(act, wdtype, m, k, n):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "gated"])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (7, 64, 33), (300, 576, 96)])
+def test_bf16_rows_and_results_stay_bf16_through_the_kernels(kind, m, k, n):
+    """A bf16 model's rows go into the matmul kernels as they are and its results come out
+    bf16 (plain, quantized and gated kernels; 300 x 576 values widen and round over the
+    pool): the same bits as the float32 call's results rounded to nearest even, and no
+    convert left in the compiled program around the call."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(m + k + n + len(kind))
+    kk = 2 * k if kind == "gated" else k
+    xb = jnp.asarray(rng.standard_normal((m, kk)), jnp.bfloat16)
+    if kind == "int8":
+        w = rng.integers(-127, 128, (k, n)).astype(np.int8)
+        sc = jnp.asarray(cpu_kernels.pack(rng.uniform(0.01, 0.02, (1, n)).astype(np.float32)))
+        def f(x, wp, out_dtype=None):
+            return cpu_kernels.matmul(x, wp, n, scale=sc, out_dtype=out_dtype)
+    else:
+        dt = np.dtype(ml_dtypes.bfloat16) if kind != "float32" else np.dtype(np.float32)
+        w = rng.standard_normal((k, n)).astype(dt)
+        if kind == "gated":
+            def f(x, wp, out_dtype=None):
+                return cpu_kernels.gated_matmul(x, wp, n, "silu", out_dtype=out_dtype)
+        else:
+            def f(x, wp, out_dtype=None):
+                return cpu_kernels.matmul(x, wp, n, out_dtype=out_dtype)
+    wp = jnp.asarray(cpu_kernels.pack(w))
+    got = jax.jit(f)(xb, wp)
+    assert got.dtype == jnp.bfloat16 and got.shape == (m, n)
+    want = jax.jit(f)(xb.astype(jnp.float32), wp)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                  np.asarray(want).astype(ml_dtypes.bfloat16).view(np.uint16))
+    f32 = jax.jit(lambda x, wp: f(x, wp, jnp.float32))(xb, wp)  # bf16 rows, float32 result
+    np.testing.assert_array_equal(np.asarray(f32), np.asarray(want))
+    hlo = jax.jit(f).lower(xb, wp).compile().as_text()
+    assert "convert" not in hlo, hlo
+
+
 def test_gated_matmul_refuses_an_unknown_activation_and_odd_rows():
     wp = jnp.asarray(cpu_kernels.pack(np.ones((16, 32), np.float32)))
     with pytest.raises(ValueError, match="relu"):
