@@ -31,6 +31,78 @@ def tiny_dir(tmp_path_factory, smollm2_dir):
     return str(path)
 
 
+def test_core_process_sends_step_outputs_itself_in_order_with_the_queue():
+    """EngineCoreProc.put_output: a step's tokens for the one front end go out from the busy
+    loop's thread (no writer thread running here); with anything queued before them (a
+    utility result) they queue behind it and the writer sends both in order; a socket that
+    will not take them now (no peer yet) queues them too, nothing is dropped."""
+    import zmq
+
+    from jaxinfer.engine.core_proc import EngineCoreProc
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    inp = ctx.socket(zmq.PUSH)
+    in_port = inp.bind_to_random_port("tcp://127.0.0.1")
+    proc = EngineCoreProc({"outputs": [f"tcp://127.0.0.1:{port}"],
+                           "inputs": [f"tcp://127.0.0.1:{in_port}"]})
+    dec = outputs_decoder()
+
+    def step(rid, tok):
+        return EngineCoreOutputs(outputs=[EngineCoreOutput(rid, (tok,), None)])
+
+    def recv():
+        assert pull.poll(5000), "nothing arrived"
+        return dec.decode(pull.recv())
+
+    try:
+        proc.owners["r"] = 0
+        time.sleep(0.2)  # (the PUSH socket connected)
+        proc.put_output(step("r", 1))
+        assert proc.pending == 0 and recv().outputs[0].new_token_ids == (1,)
+        proc.put_output(EngineCoreOutputs(utility_output=(3, "ok", None)))
+        proc.put_output(step("r", 2))  # behind the queued utility result: queued too
+        assert proc.pending == 2 and not pull.poll(200)
+        writer = threading.Thread(target=proc.write_outputs, daemon=True)
+        writer.start()
+        first, second = recv(), recv()
+        assert tuple(first.utility_output) == (3, "ok", None)
+        assert second.outputs[0].new_token_ids == (2,)
+        deadline = time.monotonic() + 5
+        while proc.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc.pending == 0
+        proc.put_output(EngineCoreOutputs(outputs=[EngineCoreOutput("r", (3,),
+                                                                    FinishReason.LENGTH)]))
+        assert recv().outputs[0].finish_reason == FinishReason.LENGTH
+        assert "r" not in proc.owners  # (finished: its owner forgotten, as the writer does)
+        proc.outputs.put(None)
+        writer.join(timeout=5)
+    finally:
+        proc.close()
+        pull.close()
+        inp.close()
+        ctx.term()
+    # a socket that cannot take a message now (its high-water mark reached): the step's
+    # outputs wait in the queue for the writer, which blocks on the socket instead
+    full = EngineCoreProc({"outputs": ["tcp://127.0.0.1:1"], "inputs": []})
+    sock = full.out_socks[0]
+
+    class Full:
+        def send(self, data, flags=0):
+            raise zmq.Again()
+
+    try:
+        full.out_socks[0] = Full()
+        full.put_output(step("r", 4))
+        assert full.pending == 1 and full.outputs.qsize() == 1
+    finally:
+        full.out_socks[0] = sock
+        sock.setsockopt(zmq.LINGER, 0)
+        full.close()
+
+
 def test_messages_round_trip():
     params = SamplingParams(temperature=0.5, stop=["x"], stop_token_ids=[3], logprobs=2, seed=7)
     req = EngineCoreRequest("r-1", [1, 2, 3], params, 2, 12.5, 99, priority=1, cache_salt="s")
