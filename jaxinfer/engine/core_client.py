@@ -358,7 +358,13 @@ def _read_outputs(shared: _Shared, conn: _CoreConnection) -> None:
 
 
 class SyncMPClient:
-    """Blocking client of an engine-core process (LLM / LLMEngine)."""
+    """Blocking client of an engine-core process (LLM / LLMEngine).
+
+    With its own outputs (the default) the caller's thread reads the core's socket itself,
+    in get_output and while call_utility waits: a reader thread handing each step's outputs
+    over through a queue woke a thread more per step, which at batch 1 on 2 cores took CPU
+    time from the step. A data-parallel front end's shared queue keeps a reader thread per
+    core."""
 
     def __init__(self, rc: ResolvedConfig, env: dict[str, str] | None = None, outputs=None):
         """env: extra environment of the core process; outputs: where step outputs go (a
@@ -369,12 +375,35 @@ class SyncMPClient:
         self._shared = _Shared(self.p.stats, outputs)
         self._enc = encoder()
         self._ids = itertools.count()
-        self._reader = threading.Thread(
-            target=_read_outputs, args=(self._shared, self.p),
-            name="jaxinfer-client-out", daemon=True)
-        self._reader.start()
+        self._reader = None
+        if outputs is not None:
+            self._reader = threading.Thread(
+                target=_read_outputs, args=(self._shared, self.p),
+                name="jaxinfer-client-out", daemon=True)
+            self._reader.start()
         self._finalizer = weakref.finalize(self, _stop_sync_client, self._shared, self._reader,
                                            self.p)
+
+    def _pump(self) -> None:
+        """(no reader thread) One message of the core's routed where it goes, or up to
+        _POLL_MS waited for one; raises when the core is dead."""
+        shared, conn = self._shared, self.p
+        if shared.dead is not None:
+            raise shared.dead
+        try:
+            if conn.out_sock.poll(_POLL_MS):
+                msg = conn.decoder.decode(conn.out_sock.recv())
+                conn.seen()
+                if msg.engine_error:
+                    shared.fail(EngineDeadError(msg.engine_error))
+                else:
+                    _route(msg, shared.futures, shared.outputs, shared)
+            elif not conn.is_alive():
+                shared.fail(conn.dead_error())
+        except zmq.ZMQError as e:  # the socket was closed under us (shutdown)
+            shared.fail(EngineDeadError(f"engine core connection lost: {e}"))
+        if shared.dead is not None:
+            raise shared.dead
 
     @property
     def stats(self) -> dict:
@@ -396,7 +425,15 @@ class SyncMPClient:
                 pass
 
     def get_output(self) -> EngineCoreOutputs:
-        item = self._shared.outputs.get()
+        if self._reader is None:
+            while True:
+                try:
+                    item = self._shared.outputs.get_nowait()
+                    break
+                except queue.Empty:
+                    self._pump()
+        else:
+            item = self._shared.outputs.get()
         if isinstance(item, BaseException):
             self._shared.outputs.put(item)
             raise item
@@ -408,15 +445,19 @@ class SyncMPClient:
         fut: Future = Future()
         self._shared.futures[call_id] = fut
         self.p.send(RequestType.UTILITY, self._enc.encode((call_id, name, list(args))))
+        while self._reader is None and not fut.done():
+            self._pump()  # (step outputs read meanwhile wait in the queue for get_output)
         return fut.result()
 
     def shutdown(self) -> None:
         self._finalizer()
 
 
-def _stop_sync_client(shared: _Shared, reader: threading.Thread, p: _CoreProcess) -> None:
+def _stop_sync_client(shared: _Shared, reader: threading.Thread | None,
+                      p: _CoreProcess) -> None:
     shared.stop.set()
-    reader.join(timeout=5)
+    if reader is not None:
+        reader.join(timeout=5)
     p.shutdown()
 
 

@@ -157,6 +157,32 @@ def test_async_scheduling_is_token_identical(tiny_dir):
     assert any(r[2] for r in results[True])  # logprobs were compared
 
 
+def test_llm_reads_the_core_itself_and_keeps_outputs_read_during_a_utility_call(tiny_dir):
+    """The LLM's client has no reader thread (get_output reads the core's socket in the
+    caller's thread); a utility call made while steps' outputs are on their way reads them
+    too and keeps them for get_output: every token arrives, in order, after the call."""
+    llm = LLM(tiny_dir, **OPTS)
+    eng = llm.llm_engine
+    assert eng.engine_core._reader is None
+    assert not any(t.name == "jaxinfer-client-out" for t in threading.enumerate())
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": [1000 + i, 1001, 1002]} for i in range(2)], params,
+        use_tqdm=False)]
+    for i in range(2):
+        eng.add_request(f"u{i}", {"prompt_token_ids": [1000 + i, 1001, 1002]}, params)
+    time.sleep(1.0)  # (the core steps meanwhile: its outputs wait on the socket)
+    assert eng.engine_core.call_utility("get_stats")["num_steps"] > 0
+    assert eng.engine_core._shared.outputs.qsize() > 0  # read while waiting, kept
+    got = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+    assert [got["u0"], got["u1"]] == want
+    llm.shutdown()
+
+
 def test_killed_core_is_a_clear_error_within_seconds(tiny_dir):
     llm = LLM(tiny_dir, num_kv_blocks=40, **OPTS)
     eng = llm.llm_engine
