@@ -49,7 +49,11 @@ def _tensors(c: dict, arch: str):
 
 def write_dummy(config_dir: str, dst: str, kind: str = "bf16", seed: int = 0) -> str:
     import gguf
-    import ml_dtypes
+
+    try:
+        from benchmarks.peers.gguf_f32 import add_weight, write_out
+    except ImportError:  # (run as a script from its folder)
+        from gguf_f32 import add_weight, write_out
 
     if kind not in ("bf16", "f32"):
         raise ValueError(f"kind={kind!r}: bf16 or f32")
@@ -85,17 +89,8 @@ def write_dummy(config_dir: str, dst: str, kind: str = "bf16", seed: int = 0) ->
                 np.zeros(shape, np.float32)
             w.add_tensor(name, t)
             continue
-        t = (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float32)
-        if kind == "bf16":
-            w.add_tensor(name, t.astype(ml_dtypes.bfloat16).view(np.uint16),
-                         raw_dtype=gguf.GGMLQuantizationType.BF16)
-        else:
-            w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+        add_weight(w, name, rng.standard_normal(shape, np.float32) * np.float32(0.02), kind)
+    return write_out(w, dst)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import numpy as np
 
 def rewrite_f32(src: str, dst: str, kind: str = "f32") -> str:
     import gguf
-    import ml_dtypes
     from gguf.quants import dequantize
 
     if kind not in ("f32", "bf16"):
@@ -47,11 +46,25 @@ def rewrite_f32(src: str, dst: str, kind: str = "f32") -> str:
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF stores dims innermost first
         w = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
-        if kind == "bf16" and w.ndim >= 2:
-            writer.add_tensor(t.name, w.astype(ml_dtypes.bfloat16).view(np.uint16),
-                              raw_dtype=gguf.GGMLQuantizationType.BF16)
-        else:
-            writer.add_tensor(t.name, w)
+        add_weight(writer, t.name, w, kind)
+    return write_out(writer, dst)
+
+
+def add_weight(writer, name: str, w: np.ndarray, kind: str) -> None:
+    """Float32 `w` into the GGUF as llama.cpp's converter stores it: a matrix BF16 when kind
+    is "bf16", else (and 1-D tensors always) F32."""
+    import gguf
+    import ml_dtypes
+
+    if kind == "bf16" and w.ndim >= 2:
+        writer.add_tensor(name, w.astype(ml_dtypes.bfloat16).view(np.uint16),
+                          raw_dtype=gguf.GGMLQuantizationType.BF16)
+    else:
+        writer.add_tensor(name, w)
+
+
+def write_out(writer, dst: str) -> str:
+    """The GGUF's header, metadata and tensors written to `dst`."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
