@@ -133,8 +133,8 @@ class EngineCoreProc:
         try:
             core.run_busy_loop(self.inputs, _Outputs(self))
         except BaseException:
-            self.outputs.put(EngineCoreOutputs(engine_error=f"engine core failed:\n"
-                                                            f"{traceback.format_exc()}"))
+            self.put_output(EngineCoreOutputs(engine_error=f"engine core failed:\n"
+                                                           f"{traceback.format_exc()}"))
             code = 1
         self.outputs.put(None)
         writer.join(timeout=10)
@@ -235,16 +235,12 @@ class EngineCoreProc:
         with self.send_lock:
             if direct and self.pending == 0:
                 try:
-                    data = self.enc.encode(item)
-                    self.out_socks[0].send(data, flags=zmq.NOBLOCK)
+                    self.deliver(item, zmq.NOBLOCK)
                 except Exception:  # noqa: BLE001 - full, or does not encode: the writer
                     pass  # thread's path (it blocks, or answers with an error)
                 else:
                     if item.stats is not None:
                         self.last_stats = item.stats
-                    for out in item.outputs:
-                        if out.finish_reason is not None:
-                            self.owners.pop(out.request_id, None)
                     return
             self.pending += 1
             self.outputs.put(item)
@@ -283,14 +279,16 @@ class EngineCoreProc:
                             o.request_id, (), FinishReason.ERROR, stop_reason=error)
                             for o in item.outputs]))
                 finally:
-                    self.pending = max(0, self.pending - 1)
+                    self.pending -= 1
             if self.coord is not None:
                 self.publish(stats)
 
-    def deliver(self, item: EngineCoreOutputs) -> None:
+    def deliver(self, item: EngineCoreOutputs, flags: int = 0) -> None:
+        """Send `item` where it goes (flags: zmq.NOBLOCK for put_output's one-front-end
+        send, which raises zmq.Again, having sent nothing, when the socket is full)."""
         enc, out_socks, owners = self.enc, self.out_socks, self.owners
         if self.n_clients == 1 and item.utility_output is None:
-            out_socks[0].send(enc.encode(item))
+            out_socks[0].send(enc.encode(item), flags=flags)
             for out in item.outputs:
                 if out.finish_reason is not None:
                     owners.pop(out.request_id, None)
