@@ -337,24 +337,29 @@ class _Shared:
         self.outputs.put(err)
 
 
-def _read_outputs(shared: _Shared, conn: _CoreConnection) -> None:
-    """SyncMPClient's reader thread: decode the core's messages until it stops or dies."""
-    sock, decoder = conn.out_sock, conn.decoder
+def _read_one(shared: _Shared, conn: _CoreConnection) -> None:
+    """One message of the core's routed where it goes, or up to _POLL_MS waited for one;
+    shared.fail(...) when the core is dead or its connection is lost."""
     try:
-        while not shared.stop.is_set():
-            if sock.poll(_POLL_MS):
-                msg = decoder.decode(sock.recv())
-                conn.seen()
-                if msg.engine_error:
-                    shared.fail(EngineDeadError(msg.engine_error))
-                    return
+        if conn.out_sock.poll(_POLL_MS):
+            msg = conn.decoder.decode(conn.out_sock.recv())
+            conn.seen()
+            if msg.engine_error:
+                shared.fail(EngineDeadError(msg.engine_error))
+            else:
                 _route(msg, shared.futures, shared.outputs, shared)
-            elif not conn.is_alive():
-                shared.fail(conn.dead_error())
-                return
+        elif not conn.is_alive():
+            shared.fail(conn.dead_error())
     except zmq.ZMQError as e:  # the socket was closed under us (shutdown, interpreter exit)
         if not shared.stop.is_set():
             shared.fail(EngineDeadError(f"engine core connection lost: {e}"))
+
+
+def _read_outputs(shared: _Shared, conn: _CoreConnection) -> None:
+    """SyncMPClient's reader thread (a data-parallel front end's): decode the core's
+    messages until it stops or dies."""
+    while not shared.stop.is_set() and shared.dead is None:
+        _read_one(shared, conn)
 
 
 class SyncMPClient:
@@ -385,25 +390,14 @@ class SyncMPClient:
                                            self.p)
 
     def _pump(self) -> None:
-        """(no reader thread) One message of the core's routed where it goes, or up to
-        _POLL_MS waited for one; raises when the core is dead."""
-        shared, conn = self._shared, self.p
-        if shared.dead is not None:
-            raise shared.dead
-        try:
-            if conn.out_sock.poll(_POLL_MS):
-                msg = conn.decoder.decode(conn.out_sock.recv())
-                conn.seen()
-                if msg.engine_error:
-                    shared.fail(EngineDeadError(msg.engine_error))
-                else:
-                    _route(msg, shared.futures, shared.outputs, shared)
-            elif not conn.is_alive():
-                shared.fail(conn.dead_error())
-        except zmq.ZMQError as e:  # the socket was closed under us (shutdown)
-            shared.fail(EngineDeadError(f"engine core connection lost: {e}"))
-        if shared.dead is not None:
-            raise shared.dead
+        """(no reader thread) _read_one in the caller's thread; raises when the core is
+        dead."""
+        if self._shared.stop.is_set():
+            raise EngineDeadError("this engine client was shut down")
+        if self._shared.dead is None:
+            _read_one(self._shared, self.p)
+        if self._shared.dead is not None:
+            raise self._shared.dead
 
     @property
     def stats(self) -> dict:
