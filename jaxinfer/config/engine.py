@@ -13,7 +13,7 @@ from typing import Any
 
 from jaxinfer.config.features import (RUNNERS, KVTransferConfig, PoolerConfig,
                                       SpeculativeConfig, StructuredOutputsConfig)
-from jaxinfer.config.model import ModelConfig, resolve_dtype
+from jaxinfer.config.model import ModelConfig, engine_dtype
 from jaxinfer.config.parallel import ParallelConfig, get_pp_partition
 
 logger = logging.getLogger(__name__)
@@ -418,29 +418,6 @@ def _generation_eos_ids(model_dir: str) -> tuple[int, ...]:
     with open(path) as f:
         eos = json.load(f).get("eos_token_id")
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-
-
-# Families vLLM refuses to run in float16 (numerical instability), by architecture prefix.
-NO_FLOAT16 = ("Gemma2", "Gemma3", "Glm4")
-
-
-def engine_dtype(dtype: str, mcfg: ModelConfig, *, pooling: bool) -> str:
-    """The weight dtype an engine runs `dtype` in. "auto" is the checkpoint's dtype, except
-    that a generating model's float32 checkpoint (or one that declares none) runs in bfloat16,
-    as vLLM downcasts it to the platform's first dtype (bfloat16 on CPUs and GPUs alike).
-    A pooling model's float32 checkpoint stays float32: vLLM takes float16 there rather than
-    bfloat16 for the embeddings' precision, and float32 keeps more of it and runs faster on
-    CPUs than float16, which the C++ kernels do not take (32 x 128-token embeddings of SmolLM2
-    on the Zen 5 VM: 2.1 s, float16 2.8 s). A family vLLM will not run in float16 refuses it
-    (ValueError naming `dtype`)."""
-    no_f16 = mcfg.architecture.startswith(NO_FLOAT16)
-    resolved = resolve_dtype(dtype, mcfg)
-    if dtype == "auto" and resolved == "float32" and not pooling:
-        resolved = "bfloat16"
-    if resolved == "float16" and no_f16:
-        raise ValueError(f"dtype={dtype!r}: {mcfg.architecture} does not run in float16 "
-                         "(numerical instability, as in vLLM); use bfloat16 or float32")
-    return resolved
 
 
 def resolve_config(config: EngineConfig) -> ResolvedConfig:
