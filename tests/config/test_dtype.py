@@ -1,6 +1,6 @@
 """dtype="auto" as vLLM resolves it for generating models: the checkpoint's dtype, but a
 float32 checkpoint runs in bfloat16. A pooling model's float32 checkpoint stays float32 (vLLM
-takes float16 there, for precision; config/engine.py engine_dtype says why not here). An
+takes float16 there, for precision; config/model.py engine_dtype says why not here). An
 explicit dtype is kept; float16 for a family vLLM refuses it for (Gemma 2 / 3, GLM-4) is
 refused by name. The KV cache follows the weights at kv_cache_dtype="auto"."""
 
