@@ -10,7 +10,8 @@ round's after / before ratio is taken from adjacent turns; the median ratio is r
 Usage (a tree: a checkout with .venv, e.g. `git worktree add /tmp/before REV` and a link to
 the .venv):
     python benchmarks/step_pair.py --before /tmp/before --after . --dtype bfloat16 \
-        --cases decode-1@256,decode-32@256 [--quantization gguf] [--output-json F]
+        --cases decode-1@256,decode-32@256 [--quantization gguf] \
+        [--model benchmarks/configs/qwen3-0.6b] [--output-json F]
 The JSON is a `before_after` result (docs/hooks/results.py renders it).
 """
 
@@ -38,7 +39,11 @@ def child(args) -> None:
     from jaxinfer.runner.worker import resolve_block_size
 
     bs = resolve_block_size(None, jax.devices())
-    llm = LLM(None, dtype=args.dtype, max_model_len=1024, max_num_seqs=64,
+    model = {}
+    if args.model and not any(f.endswith((".safetensors", ".gguf"))
+                              for f in os.listdir(args.model)):
+        model = dict(load_format="dummy", skip_tokenizer_init=True)  # a config: random weights
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=64, **model,
               max_num_batched_tokens=2048, attention_backend="cpu", warmup=False,
               num_kv_blocks=64 * -(-1024 // bs) + 2, block_size=bs, step_compilation="whole",
               quantization=args.quantization, enable_multiprocessing=False)
@@ -69,6 +74,8 @@ def start_child(tree: str, script: str, child_args: list[str], what: str) -> sub
 
 def start(tree: str, args) -> subprocess.Popen:
     child_args = ["--dtype", args.dtype, "--cases", args.cases]
+    if args.model:
+        child_args += ["--model", os.path.abspath(args.model)]
     if args.quantization:
         child_args += ["--quantization", args.quantization]
     return start_child(tree, os.path.abspath(__file__), child_args, "step")
@@ -89,6 +96,9 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     ap.add_argument("--cases", default="decode-1@256")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--model", default=None,
+                    help="a model directory (default: the embedded SmolLM2); one holding only "
+                         "a config.json gets random weights, e.g. benchmarks/configs/qwen3-0.6b")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10, help="timed steps per turn")
     ap.add_argument("--note", default="")
@@ -114,6 +124,8 @@ def main():
         p.stdin.close()
         p.wait()
     kind = args.dtype + (f", {args.quantization}" if args.quantization else "")
+    if args.model:
+        kind = f"{os.path.basename(os.path.normpath(args.model))} {kind}"
     rows = []
     for case in cases:
         b, a = ms[case]["before"], ms[case]["after"]

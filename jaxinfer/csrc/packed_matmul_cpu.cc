@@ -563,6 +563,34 @@ inline void interleave_pair(const uint16_t* a, const uint16_t* b, uint16_t* buf,
 constexpr bool kBf16Dot = true;
 constexpr int64_t kDotRows = 6;
 
+// 16 sums rounded to bf16 (to nearest even, a NaN kept a quiet NaN: float_to_bf16's rule,
+// so a result is the same bits whether rounded here or by `finish`) -> dst[0, 16).
+inline void store_bf16(uint16_t* dst, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+}
+
+// A block's MR x 64 sums -> y's columns col0 .. +63 of rows m0 .. (yb set: rounded into the
+// bf16 result yb instead).
+template <int MR>
+inline void store_block(const __m512 (&acc)[MR][4], float* y, uint16_t* yb, int64_t m0,
+                        int64_t N, int64_t col0) {
+  for (int i = 0; i < MR; ++i) {
+    if (yb != nullptr) {
+      uint16_t* yr = yb + (m0 + i) * N + col0;
+      for (int j = 0; j < 4; ++j) store_bf16(yr + 16 * j, acc[i][j]);
+    } else {
+      float* yr = y + (m0 + i) * N + col0;
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(yr + 16 * j, acc[i][j]);
+    }
+  }
+}
+
 // acc[i] += x row i's k pair k2 . the pair's 64 columns (w0..w3: 16 columns x 2 each).
 template <int MR>
 inline void dot_rows(__m512 (&acc)[MR][4], const uint16_t* xr, int64_t K, int64_t k2,
@@ -578,10 +606,11 @@ inline void dot_rows(__m512 (&acc)[MR][4], const uint16_t* xr, int64_t K, int64_
   }
 }
 
-// Rows [m0, m0 + MR) of xb (bf16 [M, K]) x the interleaved pair -> y's columns col0 .. +63.
+// Rows [m0, m0 + MR) of xb (bf16 [M, K]) x the interleaved pair -> y's (or yb's) columns
+// col0 .. +63.
 template <int MR>
-inline void dot_pair_block(const uint16_t* xb, const uint16_t* buf, float* y, int64_t m0,
-                           int64_t K, int64_t N, int64_t col0) {
+inline void dot_pair_block(const uint16_t* xb, const uint16_t* buf, float* y, uint16_t* yb,
+                           int64_t m0, int64_t K, int64_t N, int64_t col0) {
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -591,10 +620,7 @@ inline void dot_pair_block(const uint16_t* xb, const uint16_t* buf, float* y, in
     dot_rows<MR>(acc, xr, K, k2, _mm512_loadu_si512(b), _mm512_loadu_si512(b + 32),
                  _mm512_loadu_si512(b + 64), _mm512_loadu_si512(b + 96));
   }
-  for (int i = 0; i < MR; ++i) {
-    float* yr = y + (m0 + i) * N + col0;
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(yr + 16 * j, acc[i][j]);
-  }
+  store_block<MR>(acc, y, yb, m0, N, col0);
 }
 
 // The first pass over a pair: rows [0, kDotFirstRows) x panels a, b (bf16 [K, 32] each, read
@@ -604,7 +630,8 @@ inline void dot_pair_block(const uint16_t* xb, const uint16_t* buf, float* y, in
 constexpr int kDotFirstRows = 4;
 
 inline void dot_pair_first(const uint16_t* xb, const uint16_t* a, const uint16_t* b,
-                           uint16_t* buf, float* y, int64_t K, int64_t N, int64_t col0) {
+                           uint16_t* buf, float* y, uint16_t* yb, int64_t K, int64_t N,
+                           int64_t col0) {
   constexpr int MR = kDotFirstRows;
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
@@ -626,28 +653,25 @@ inline void dot_pair_first(const uint16_t* xb, const uint16_t* a, const uint16_t
     _mm512_storeu_si512(d + 96, w3);
     dot_rows<MR>(acc, xb, K, k2, w0, w1, w2, w3);
   }
-  for (int i = 0; i < MR; ++i) {
-    float* yr = y + i * N + col0;
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(yr + 16 * j, acc[i][j]);
-  }
+  store_block<MR>(acc, y, yb, 0, N, col0);
 }
 
 // All M rows (M >= kDotFirstRows) x panels a, b: the first pass interleaves them into buf,
 // the other rows follow in passes of up to 6 (shared evenly).
 inline void dot_pair(const uint16_t* xb, const uint16_t* a, const uint16_t* b, uint16_t* buf,
-                     float* y, int64_t M, int64_t K, int64_t N, int64_t col0) {
-  dot_pair_first(xb, a, b, buf, y, K, N, col0);
+                     float* y, uint16_t* yb, int64_t M, int64_t K, int64_t N, int64_t col0) {
+  dot_pair_first(xb, a, b, buf, y, yb, K, N, col0);
   const int64_t rest = M - kDotFirstRows, passes = (rest + 5) / 6;
   int64_t m0 = kDotFirstRows;
   for (int64_t pass = 0; pass < passes; ++pass) {
     const int64_t mr = kDotFirstRows + (rest * (pass + 1)) / passes - m0;
     switch (mr) {
-      case 1: dot_pair_block<1>(xb, buf, y, m0, K, N, col0); break;
-      case 2: dot_pair_block<2>(xb, buf, y, m0, K, N, col0); break;
-      case 3: dot_pair_block<3>(xb, buf, y, m0, K, N, col0); break;
-      case 4: dot_pair_block<4>(xb, buf, y, m0, K, N, col0); break;
-      case 5: dot_pair_block<5>(xb, buf, y, m0, K, N, col0); break;
-      default: dot_pair_block<6>(xb, buf, y, m0, K, N, col0); break;
+      case 1: dot_pair_block<1>(xb, buf, y, yb, m0, K, N, col0); break;
+      case 2: dot_pair_block<2>(xb, buf, y, yb, m0, K, N, col0); break;
+      case 3: dot_pair_block<3>(xb, buf, y, yb, m0, K, N, col0); break;
+      case 4: dot_pair_block<4>(xb, buf, y, yb, m0, K, N, col0); break;
+      case 5: dot_pair_block<5>(xb, buf, y, yb, m0, K, N, col0); break;
+      default: dot_pair_block<6>(xb, buf, y, yb, m0, K, N, col0); break;
     }
     m0 += mr;
   }
@@ -730,7 +754,11 @@ struct Shared {
   const W* w;
   Groups groups;  // quantized weights' scales (else scale == nullptr)
   std::vector<float> xsum;  // (groups.xsum's storage)
-  std::vector<uint16_t> xbf;  // (bf16 panel pairs with AMX or vdpbf16ps: x as bf16 [Mp, Kp])
+  std::vector<uint16_t> xbf;  // (xb's storage where x is converted here)
+  // bf16 panel pairs with AMX or vdpbf16ps: x as bf16 [Mp, Kp], else null; yb: the bf16 result
+  // the vdpbf16ps pairs round their sums into (a bf16 y given as it is), else null
+  const uint16_t* xb = nullptr;
+  uint16_t* yb = nullptr;
   int64_t Kp = 0;
   float* y;
   int64_t M, K, N, panels, per_task;
@@ -775,7 +803,7 @@ void work(Shared<W>& sh) {
       if (on) _tile_release();
     }
     bool on;
-  } tiles(std::is_same_v<W, Bf16> && !sh.xbf.empty());
+  } tiles(std::is_same_v<W, Bf16> && sh.xb != nullptr);
 #endif
   int64_t first = claim();
   while (first < sh.panels) {
@@ -796,7 +824,7 @@ void work(Shared<W>& sh) {
           const int64_t q = p + 2 < last ? p + 2 : after;  // the pair to fetch
           if constexpr (std::is_same_v<W, Bf16> && kAmx) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
-            if (!sh.xbf.empty()) {
+            if (sh.xb != nullptr) {
               thread_local std::vector<uint16_t> ibuf;
               thread_local std::vector<float> scratch(32 * 32);
               ibuf.resize(static_cast<size_t>(sh.Kp * 64));
@@ -807,7 +835,7 @@ void work(Shared<W>& sh) {
                 const int64_t n_lines = std::min(lines, (sh.panels - q) * panel * 2 / 64);
                 for (int64_t l = 0; l < n_lines; ++l) jaxinfer_cpu::prefetch_l2(nx + 64 * l);
               }
-              amx_pair(sh.xbf.data(), ibuf.data(), sh.y, sh.M, sh.Kp, sh.N, p * kNR,
+              amx_pair(sh.xb, ibuf.data(), sh.y, sh.M, sh.Kp, sh.N, p * kNR,
                        scratch.data());
               continue;
             }
@@ -815,11 +843,11 @@ void work(Shared<W>& sh) {
           }
           if constexpr (std::is_same_v<W, Bf16> && kBf16Dot) {
 #if defined(JAXINFER_BF16_PAIRS)
-            if (!sh.xbf.empty()) {
+            if (sh.xb != nullptr) {
               thread_local std::vector<uint16_t> ibuf;
               ibuf.resize(static_cast<size_t>(sh.K * 64));
               const uint16_t* src = reinterpret_cast<const uint16_t*>(sh.w + p * panel);
-              dot_pair(sh.xbf.data(), src, src + panel, ibuf.data(), sh.y, sh.M, sh.K, sh.N,
+              dot_pair(sh.xb, src, src + panel, ibuf.data(), sh.y, sh.yb, sh.M, sh.K, sh.N,
                        p * kNR);
               continue;
             }
@@ -864,14 +892,28 @@ void work(Shared<W>& sh) {
   }
 }
 
+// A bf16 product [M, K] x [K, N] that runs on vdpbf16ps pairs of full panels throughout
+// (no panel of its own, no AMX). Only such a product takes a bf16 model's rows as they are
+// and rounds its sums into a bf16 result itself (PackedMatmul's xb, yb): the other paths
+// multiply float32 rows into float32 sums.
+inline bool bf16_pairs_only(int64_t M, int64_t K, int64_t N) {
+  return kBf16Dot && !kAmx && M >= kDotRows && K % 2 == 0 && N % (2 * kNR) == 0;
+}
+
+// y = x @ w. xb, yb (only where bf16_pairs_only): x's rows as bf16 values (x unused) and a
+// bf16 result (y unused), as the vdpbf16ps pairs read and write them.
 template <typename W>
 ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const Groups& groups,
                         float* y, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
-                        ffi::Span<const int64_t> yd) {
+                        ffi::Span<const int64_t> yd, const uint16_t* xb = nullptr,
+                        uint16_t* yb = nullptr) {
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kNR ||
       wd[1] * kRowsPerByteRow<W> != xd[1] ||
       yd[0] != xd[0] || yd[1] > wd[0] * kNR || yd[1] <= (wd[0] - 1) * kNR)
     return ffi::Error::InvalidArgument("packed_matmul_cpu: shapes do not match");
+  if ((xb != nullptr || yb != nullptr) &&
+      !(std::is_same_v<W, Bf16> && bf16_pairs_only(xd[0], xd[1], yd[1])))
+    return ffi::Error::Internal("packed_matmul_cpu: bf16 rows or result off the bf16 pairs");
   auto sh = std::make_shared<Shared<W>>();
   sh->x = x;
   sh->w = w;
@@ -899,6 +941,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const
       sh->Kp = (sh->K + 31) / 32 * 32;
       sh->xbf.assign(static_cast<size_t>((sh->M + 15) / 16 * 16 * sh->Kp), 0);
       x_to_bf16(x, sh->xbf.data(), sh->M, sh->K, sh->Kp);
+      sh->xb = sh->xbf.data();
     }
   }
 #endif
@@ -906,8 +949,14 @@ ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const
   if constexpr (std::is_same_v<W, Bf16> && kBf16Dot) {
     if (sh->M >= kDotRows && sh->K % 2 == 0) {  // (vdpbf16ps pairs from fewer rows)
       sh->Kp = sh->K;
-      sh->xbf.resize(static_cast<size_t>(sh->M * sh->K));
-      x_to_bf16(x, sh->xbf.data(), sh->M, sh->K, sh->K);
+      if (xb != nullptr) {
+        sh->xb = xb;
+      } else {
+        sh->xbf.resize(static_cast<size_t>(sh->M * sh->K));
+        x_to_bf16(x, sh->xbf.data(), sh->M, sh->K, sh->K);
+        sh->xb = sh->xbf.data();
+      }
+      sh->yb = yb;
       sh->pairs = true;
     }
   }
@@ -932,18 +981,38 @@ ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const
 // rows widen exactly here, and its results round to nearest even here, as XLA's converts
 // around the call did. Each of those converts was a fusion of its own, run as a separate
 // thunk, so a batch-1 step of SmolLM2 paid ~150 of them.
+// A product that runs on bf16 pairs throughout (bf16_pairs_only) skips both: it reads bf16 rows
+// as they are and rounds its sums into a bf16 y itself. At prefill sizes the widened rows,
+// their bf16 copy and the float32 result were three more passes over buffers of up to tens
+// of MB (one of them on the calling thread alone).
 struct FloatIO {
-  const float* x = nullptr;  // [M, K]: x's data, or xbuf
+  const float* x = nullptr;  // [M, K]: x's data, or xbuf (null where xb is x's data)
   float* y = nullptr;        // [M, N]: y's data, or ybuf (rounded into y by `finish`)
+  const uint16_t* xb = nullptr;  // a bf16 x's data, given to the bf16 pairs as it is
+  uint16_t* yb = nullptr;        // a bf16 y's data, rounded into by the bf16 pairs
   std::vector<float> xbuf, ybuf;
 };
 
+// Whether a product of x's rows [M, K] by the bf16 panels w into y [M, N] runs on bf16 pairs
+// throughout (shapes not checked here: those that do not match fail later anyway).
+bool pairs_only(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                const ffi::Result<ffi::AnyBuffer>& y, int64_t k_per_row = 1) {
+  auto xd = x.dimensions(), yd = y->dimensions();
+  return w.element_type() == ffi::DataType::BF16 && xd.size() == 2 && yd.size() == 2 &&
+         bf16_pairs_only(xd[0], xd[1] / k_per_row, yd[1]);
+}
+
+// io for x and y (direct_x, direct_y: the product runs on bf16 pairs throughout, so bf16 rows
+// and a bf16 result are handed over as they are).
 ffi::Error float_io(ffi::ThreadPool& pool, const ffi::AnyBuffer& x,
-                    ffi::Result<ffi::AnyBuffer>& y, FloatIO& io, const char* who) {
+                    ffi::Result<ffi::AnyBuffer>& y, FloatIO& io, const char* who,
+                    bool direct_x = false, bool direct_y = false) {
   auto xd = x.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument(std::string(who) + ": x and y must be 2-D");
-  if (x.element_type() == ffi::DataType::F32) {
+  if (direct_x && x.element_type() == ffi::DataType::BF16) {
+    io.xb = static_cast<const uint16_t*>(x.untyped_data());
+  } else if (x.element_type() == ffi::DataType::F32) {
     io.x = static_cast<const float*>(x.untyped_data());
   } else if (x.element_type() == ffi::DataType::BF16) {
     const int64_t K = xd[1];
@@ -960,6 +1029,8 @@ ffi::Error float_io(ffi::ThreadPool& pool, const ffi::AnyBuffer& x,
   }
   if (y->element_type() == ffi::DataType::F32) {
     io.y = static_cast<float*>(y->untyped_data());
+  } else if (direct_y && y->element_type() == ffi::DataType::BF16) {
+    io.yb = static_cast<uint16_t*>(y->untyped_data());
   } else if (y->element_type() == ffi::DataType::BF16) {
     io.ybuf.resize(static_cast<size_t>(std::max<int64_t>(1, yd[0] * yd[1])));
     io.y = io.ybuf.data();
@@ -987,7 +1058,9 @@ ffi::Error finish(ffi::ThreadPool& pool, ffi::Error e, const FloatIO& io,
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                             ffi::Result<ffi::AnyBuffer> y) {
   FloatIO io;
-  if (auto e = float_io(pool, x, y, io, "packed_matmul_cpu"); e.failure()) return e;
+  const bool direct = pairs_only(x, w, y);
+  if (auto e = float_io(pool, x, y, io, "packed_matmul_cpu", direct, direct); e.failure())
+    return e;
   if (w.element_type() == ffi::DataType::F32)
     return finish(pool, PackedMatmul(pool, io.x, static_cast<const float*>(w.untyped_data()),
                                      Groups{}, io.y, x.dimensions(), w.dimensions(),
@@ -995,7 +1068,7 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   if (w.element_type() == ffi::DataType::BF16)
     return finish(pool, PackedMatmul(pool, io.x, static_cast<const Bf16*>(w.untyped_data()),
                                      Groups{}, io.y, x.dimensions(), w.dimensions(),
-                                     y->dimensions()), io, y);
+                                     y->dimensions(), io.xb, io.yb), io, y);
   return ffi::Error::InvalidArgument("packed_matmul_cpu: weights must be float32 or bfloat16");
 }
 
@@ -1086,22 +1159,49 @@ void gate_all(ffi::ThreadPool& pool, const float* x, float* out, int64_t M, int6
                          [&](int64_t m0, int64_t m1) { gate_rows(x, out, m0, m1, K, act); });
 }
 
+// act(gate) * up of all M rows rounded to bf16 into out [M, K] (the bits x_to_bf16 makes of
+// gate_all's rows), for a product on bf16 pairs throughout.
+void gate_all_bf16(ffi::ThreadPool& pool, const float* x, uint16_t* out, int64_t M, int64_t K,
+                   int64_t act) {
+#if defined(JAXINFER_BF16_PAIRS)
+  jaxinfer_cpu::run_rows(pool, M, K, [&](int64_t m0, int64_t m1) {
+    thread_local std::vector<float> row;
+    row.resize(static_cast<size_t>(K));
+    for (int64_t m = m0; m < m1; ++m) {
+      gate_rows(x + m * 2 * K, row.data(), 0, 1, K, act);
+      x_to_bf16(row.data(), out + m * K, 1, K, K);
+    }
+  });
+#else
+  (void)pool, (void)x, (void)out, (void)M, (void)K, (void)act;
+  std::abort();  // (no bf16 pairs in this build: bf16_pairs_only is false)
+#endif
+}
+
 // x [M, 2K] (float32 or bfloat16), y -> (the gated rows [M, K] in `rows`, their dimensions
-// in `dims`, where y's product goes in `io`), or an error. (rows: not zeroed first, every
-// value is written)
+// in `dims`, where y's product goes in `io`), or an error. direct (the product runs on bf16
+// pairs throughout): the rows are made bf16 in `rows_bf` instead and a bf16 y taken as it
+// is. (rows: not zeroed first, every value is written)
 ffi::Error gated_input(ffi::ThreadPool& pool, const ffi::AnyBuffer& x,
                        ffi::Result<ffi::AnyBuffer>& y, int64_t act, FloatIO& io,
-                       std::unique_ptr<float[]>& rows, int64_t dims[2]) {
+                       std::unique_ptr<float[]>& rows, int64_t dims[2], bool direct = false,
+                       std::unique_ptr<uint16_t[]>* rows_bf = nullptr) {
   auto xd = x.dimensions();
   if (act != kActSilu && act != kActGeluTanh)
     return ffi::Error::InvalidArgument("gated matmul: act must be 1 (silu) or 2 (gelu_tanh)");
   if (xd.size() != 2 || xd[1] % 2 != 0)
     return ffi::Error::InvalidArgument("gated matmul: x must be [M, 2K]");
-  if (auto e = float_io(pool, x, y, io, "gated matmul"); e.failure()) return e;
+  if (auto e = float_io(pool, x, y, io, "gated matmul", false, direct); e.failure()) return e;
   dims[0] = xd[0];
   dims[1] = xd[1] / 2;
-  rows.reset(new float[static_cast<size_t>(std::max<int64_t>(1, dims[0] * dims[1]))]);
-  gate_all(pool, io.x, rows.get(), dims[0], dims[1], act);
+  const size_t n = static_cast<size_t>(std::max<int64_t>(1, dims[0] * dims[1]));
+  if (direct) {
+    rows_bf->reset(new uint16_t[n]);
+    gate_all_bf16(pool, io.x, rows_bf->get(), dims[0], dims[1], act);
+  } else {
+    rows.reset(new float[n]);
+    gate_all(pool, io.x, rows.get(), dims[0], dims[1], act);
+  }
   return ffi::Error::Success();
 }
 
@@ -1109,8 +1209,11 @@ ffi::Error GatedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
                            ffi::Result<ffi::AnyBuffer> y, int64_t act) {
   FloatIO io;
   std::unique_ptr<float[]> rows;
+  std::unique_ptr<uint16_t[]> rows_bf;
   int64_t dims[2];
-  if (auto e = gated_input(pool, x, y, act, io, rows, dims); e.failure()) return e;
+  if (auto e = gated_input(pool, x, y, act, io, rows, dims, pairs_only(x, w, y, 2), &rows_bf);
+      e.failure())
+    return e;
   const ffi::Span<const int64_t> xd(dims, 2);
   if (w.element_type() == ffi::DataType::F32)
     return finish(pool, PackedMatmul(pool, rows.get(),
@@ -1119,7 +1222,8 @@ ffi::Error GatedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   if (w.element_type() == ffi::DataType::BF16)
     return finish(pool, PackedMatmul(pool, rows.get(),
                                      static_cast<const Bf16*>(w.untyped_data()), Groups{},
-                                     io.y, xd, w.dimensions(), y->dimensions()), io, y);
+                                     io.y, xd, w.dimensions(), y->dimensions(), rows_bf.get(),
+                                     io.yb), io, y);
   return ffi::Error::InvalidArgument("gated_matmul_cpu: weights must be float32 or bfloat16");
 }
 

@@ -336,12 +336,15 @@ def test_gated_matmul_multiplies_the_activated_rows(act, wdtype, m, k, n):
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "gated"])
-@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (7, 64, 33), (300, 576, 96)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (7, 64, 33), (300, 576, 96), (7, 64, 128),
+                                   (300, 576, 192)])
 def test_bf16_rows_and_results_stay_bf16_through_the_kernels(kind, m, k, n):
     """A bf16 model's rows go into the matmul kernels as they are and its results come out
     bf16 (plain, quantized and gated kernels; 300 x 576 values widen and round over the
-    pool): the same bits as the float32 call's results rounded to nearest even, and no
-    convert left in the compiled program around the call."""
+    pool; with AVX512-BF16, N a multiple of 64 and 6 rows or more, bf16 panels read the bf16
+    rows and round into the bf16 result in the products themselves): the same bits as the
+    float32 call's results rounded to nearest even, and no convert left in the compiled
+    program around the call."""
     import ml_dtypes
 
     rng = np.random.default_rng(m + k + n + len(kind))
@@ -371,6 +374,24 @@ def test_bf16_rows_and_results_stay_bf16_through_the_kernels(kind, m, k, n):
     np.testing.assert_array_equal(np.asarray(f32), np.asarray(want))
     hlo = jax.jit(f).lower(xb, wp).compile().as_text()
     assert "convert" not in hlo, hlo
+
+
+def test_bf16_results_rounded_in_the_products_keep_infinities_and_nans():
+    """Where bf16 panels round their sums into a bf16 result themselves (12 rows, 128
+    columns), infinite and NaN sums come out as `finish` rounds the float32 result: the same
+    bits as the float32 call's results converted to bf16."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((12, 64)).astype(np.float32)
+    x[2, 5], x[3, :], x[4, 7], x[5, :2] = np.inf, np.nan, -np.inf, 3e38  # (3e38 x 2: overflow)
+    wp = jnp.asarray(cpu_kernels.pack(rng.standard_normal((64, 128)).astype(ml_dtypes.bfloat16)))
+    f = jax.jit(lambda x, wp: cpu_kernels.matmul(x, wp, 128))
+    xb = jnp.asarray(x, jnp.bfloat16)
+    want = np.asarray(f(xb.astype(jnp.float32), wp))
+    assert np.isnan(want).any() and np.isinf(want).any()
+    np.testing.assert_array_equal(np.asarray(f(xb, wp)).view(np.uint16),
+                                  want.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
 def test_gated_matmul_refuses_an_unknown_activation_and_odd_rows():
