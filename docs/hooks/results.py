@@ -379,7 +379,20 @@ def _before_after(d: dict) -> str:
          "after / before", "before runs", "after runs"], rows))
 
 
+def _gemm_vs_onednn(d: dict) -> str:
+    """Our bf16 kernel against vLLM's oneDNN matmul per shape and row count, paired turns."""
+    rows = [[f"{r['model']} {r['projection']} ({r['K']} x {r['N']})", r["M"],
+             f"{r['ours_gflops']:.1f}", f"{r['onednn_gflops']:.1f}",
+             f"{r['ours_over_onednn']:.2f}x", ", ".join(f"{x:.2f}" for x in r["rounds"])]
+            for r in d["results"]]
+    note = d.get("note", "")
+    return (f"{note}\n\n" if note else "") + _table(
+        ["shape (K x N)", "M", "ours GFLOP/s", "oneDNN GFLOP/s", "ours / oneDNN",
+         "rounds"], rows)
+
+
 RENDERERS = {"compare_cpu": _compare_cpu, "before_after": _before_after,
+             "gemm_vs_onednn": _gemm_vs_onednn,
              "mla_step": _mla_step, "quantization": _quantization, "startup": _startup,
              "kernels": _kernels, "bench_defaults": _bench_defaults, "lora": _lora,
              "rl_weights": _rl_weights, "embeddings": _embeddings,
