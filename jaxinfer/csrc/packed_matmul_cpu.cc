@@ -607,22 +607,30 @@ inline void dot_rows(__m512 (&acc)[MR][4], const uint16_t* xr, int64_t K, int64_
 }
 
 // Rows [m0, m0 + MR) of xb (bf16 [M, K]) x the interleaved pair -> y's (or yb's) columns
-// col0 .. +63. Meanwhile the first pf_k pairs of k rows each fetch `per` cache lines from pf on
-// into L2 (the next pair's panels, for its first pass: see dot_pair).
+// col0 .. +63. Meanwhile the first pf_k pairs of k rows each fetch a cache line from pf on into
+// L2 (the next pair's panels, for its first pass: see dot_pair).
 template <int MR>
 inline void dot_pair_block(const uint16_t* xb, const uint16_t* buf, float* y, uint16_t* yb,
                            int64_t m0, int64_t K, int64_t N, int64_t col0,
-                           const char* pf = nullptr, int64_t pf_k = 0, int per = 0) {
+                           const char* pf = nullptr, int64_t pf_k = 0) {
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
   const uint16_t* xr = xb + m0 * K;
+  // The fetching steps in chunks of 16: their lines first, then their products. (A prefetch
+  // inside the products' loop made GCC keep the sums in memory there, 24 stores to the stack
+  // per step; now they are stored and reloaded once per chunk.)
+  constexpr int64_t kChunk = 16;
+  const int64_t fetching = std::min(K / 2, (pf_k + kChunk - 1) / kChunk * kChunk);
   int64_t k2 = 0;
-  for (; k2 < pf_k; ++k2) {
-    for (int l = 0; l < per; ++l) jaxinfer_cpu::prefetch_l2(pf + 64 * (k2 * per + l));
-    const uint16_t* b = buf + k2 * 128;
-    dot_rows<MR>(acc, xr, K, k2, _mm512_loadu_si512(b), _mm512_loadu_si512(b + 32),
-                 _mm512_loadu_si512(b + 64), _mm512_loadu_si512(b + 96));
+  for (; k2 < fetching; k2 += kChunk) {
+    for (int64_t j = k2; j < std::min(pf_k, k2 + kChunk); ++j)
+      jaxinfer_cpu::prefetch_l2(pf + 64 * j);
+    for (int64_t kk = k2; kk < std::min(K / 2, k2 + kChunk); ++kk) {
+      const uint16_t* b = buf + kk * 128;
+      dot_rows<MR>(acc, xr, K, kk, _mm512_loadu_si512(b), _mm512_loadu_si512(b + 32),
+                   _mm512_loadu_si512(b + 64), _mm512_loadu_si512(b + 96));
+    }
   }
   for (; k2 < K / 2; ++k2) {
     const uint16_t* b = buf + k2 * 128;
@@ -641,10 +649,13 @@ constexpr int kDotFirstRows = 4;
 inline void dot_pair_first(const uint16_t* xb, const uint16_t* a, const uint16_t* b,
                            uint16_t* buf, float* y, uint16_t* yb, int64_t K, int64_t N,
                            int64_t col0) {
+  // (16 named sums, not an array: GCC kept an array of them in memory in this loop, since
+  // the buffer stores beside them may alias anything, and stored all 16 to the stack per
+  // pair of k rows; that made this pass ~4x slower per row than the passes after it)
   constexpr int MR = kDotFirstRows;
-  __m512 acc[MR][4];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  __m512 s00 = _mm512_setzero_ps(), s01 = s00, s02 = s00, s03 = s00, s10 = s00, s11 = s00,
+         s12 = s00, s13 = s00, s20 = s00, s21 = s00, s22 = s00, s23 = s00, s30 = s00,
+         s31 = s00, s32 = s00, s33 = s00;
   for (int64_t k2 = 0; k2 < K / 2; ++k2) {
     const uint16_t* sa = a + 2 * k2 * kNR;
     const uint16_t* sb = b + 2 * k2 * kNR;
@@ -660,8 +671,26 @@ inline void dot_pair_first(const uint16_t* xb, const uint16_t* a, const uint16_t
     _mm512_storeu_si512(d + 32, w1);
     _mm512_storeu_si512(d + 64, w2);
     _mm512_storeu_si512(d + 96, w3);
-    dot_rows<MR>(acc, xb, K, k2, w0, w1, w2, w3);
+    const __m512bh b0 = reinterpret_cast<__m512bh>(w0), b1 = reinterpret_cast<__m512bh>(w1),
+                   b2 = reinterpret_cast<__m512bh>(w2), b3 = reinterpret_cast<__m512bh>(w3);
+#define JAXINFER_DOT_ROW(i)                                                                 \
+  {                                                                                         \
+    uint32_t two;                                                                           \
+    std::memcpy(&two, xb + (i) * K + 2 * k2, 4);                                            \
+    const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(two))); \
+    s##i##0 = _mm512_dpbf16_ps(s##i##0, x, b0);                                             \
+    s##i##1 = _mm512_dpbf16_ps(s##i##1, x, b1);                                             \
+    s##i##2 = _mm512_dpbf16_ps(s##i##2, x, b2);                                             \
+    s##i##3 = _mm512_dpbf16_ps(s##i##3, x, b3);                                             \
   }
+    JAXINFER_DOT_ROW(0)
+    JAXINFER_DOT_ROW(1)
+    JAXINFER_DOT_ROW(2)
+    JAXINFER_DOT_ROW(3)
+#undef JAXINFER_DOT_ROW
+  }
+  const __m512 acc[MR][4] = {{s00, s01, s02, s03}, {s10, s11, s12, s13}, {s20, s21, s22, s23},
+                             {s30, s31, s32, s33}};
   store_block<MR>(acc, y, yb, 0, N, col0);
 }
 
@@ -676,22 +705,20 @@ inline void dot_pair(const uint16_t* xb, const uint16_t* a, const uint16_t* b, u
                      const char* next = nullptr, int64_t next_lines = 0) {
   dot_pair_first(xb, a, b, buf, y, yb, K, N, col0);
   const int64_t rest = M - kDotFirstRows, passes = (rest + 5) / 6;
-  if (passes < 4) next = nullptr;
-  constexpr int per = 1;  // (a pair's 2 K lines over 4 or more passes' K / 2 steps)
+  if (passes < 4) next = nullptr;  // (a pair's 2 K lines over 4 or more passes' K / 2 steps)
   int64_t m0 = kDotFirstRows, fetched = 0;
   for (int64_t pass = 0; pass < passes; ++pass) {
     const int64_t mr = kDotFirstRows + (rest * (pass + 1)) / passes - m0;
-    const int64_t n = next == nullptr ? 0 : std::min(next_lines - fetched, per * (K / 2));
+    const int64_t pf_k = next == nullptr ? 0 : std::min(next_lines - fetched, K / 2);
     const char* pf = next + 64 * fetched;
-    const int64_t pf_k = (n + per - 1) / per;
-    fetched += pf_k * per;
+    fetched += pf_k;
     switch (mr) {
-      case 1: dot_pair_block<1>(xb, buf, y, yb, m0, K, N, col0, pf, pf_k, per); break;
-      case 2: dot_pair_block<2>(xb, buf, y, yb, m0, K, N, col0, pf, pf_k, per); break;
-      case 3: dot_pair_block<3>(xb, buf, y, yb, m0, K, N, col0, pf, pf_k, per); break;
-      case 4: dot_pair_block<4>(xb, buf, y, yb, m0, K, N, col0, pf, pf_k, per); break;
-      case 5: dot_pair_block<5>(xb, buf, y, yb, m0, K, N, col0, pf, pf_k, per); break;
-      default: dot_pair_block<6>(xb, buf, y, yb, m0, K, N, col0, pf, pf_k, per); break;
+      case 1: dot_pair_block<1>(xb, buf, y, yb, m0, K, N, col0, pf, pf_k); break;
+      case 2: dot_pair_block<2>(xb, buf, y, yb, m0, K, N, col0, pf, pf_k); break;
+      case 3: dot_pair_block<3>(xb, buf, y, yb, m0, K, N, col0, pf, pf_k); break;
+      case 4: dot_pair_block<4>(xb, buf, y, yb, m0, K, N, col0, pf, pf_k); break;
+      case 5: dot_pair_block<5>(xb, buf, y, yb, m0, K, N, col0, pf, pf_k); break;
+      default: dot_pair_block<6>(xb, buf, y, yb, m0, K, N, col0, pf, pf_k); break;
     }
     m0 += mr;
   }
