@@ -514,13 +514,7 @@ inline void x_to_bf16(const float* x, uint16_t* out, int64_t M, int64_t K, int64
       _mm512_storeu_si512(o + k, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
                                      _mm512_loadu_ps(xr + k + 16), _mm512_loadu_ps(xr + k))));
 #endif
-    for (; k < K; ++k) {
-      uint32_t bits;
-      std::memcpy(&bits, xr + k, 4);
-      o[k] = (bits & 0x7FFFFFFFu) > 0x7F800000u  // NaN stays a (quiet) NaN
-                 ? static_cast<uint16_t>((bits >> 16) | 0x40u)
-                 : static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-    }
+    for (; k < K; ++k) o[k] = jaxinfer_cpu::float_to_bf16(xr[k]);
   }
 }
 
@@ -948,8 +942,12 @@ void work(Shared<W>& sh) {
 // (no panel of its own, no AMX). Only such a product takes a bf16 model's rows as they are
 // and rounds its sums into a bf16 result itself (PackedMatmul's xb, yb): the other paths
 // multiply float32 rows into float32 sums.
+inline bool dot_pairs(int64_t M, int64_t K) {  // (bf16 panels on vdpbf16ps pairs at all)
+  return kBf16Dot && M >= kDotRows && K % 2 == 0;
+}
+
 inline bool bf16_pairs_only(int64_t M, int64_t K, int64_t N) {
-  return kBf16Dot && !kAmx && M >= kDotRows && K % 2 == 0 && N % (2 * kNR) == 0;
+  return dot_pairs(M, K) && N % (2 * kNR) == 0;
 }
 
 // y = x @ w. xb, yb (only where bf16_pairs_only): x's rows as bf16 values (x unused) and a
@@ -999,7 +997,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const
 #endif
 #if defined(JAXINFER_BF16_PAIRS)
   if constexpr (std::is_same_v<W, Bf16> && kBf16Dot) {
-    if (sh->M >= kDotRows && sh->K % 2 == 0) {  // (vdpbf16ps pairs from fewer rows)
+    if (dot_pairs(sh->M, sh->K)) {  // (vdpbf16ps pairs from fewer rows than AMX's)
       sh->Kp = sh->K;
       if (xb != nullptr) {
         sh->xb = xb;
