@@ -259,18 +259,20 @@ inline v16 e4m3_to_float16x(const uint8_t* p) { return fp8_to_float16x<3, 7>(p);
 inline v16 e5m2_to_float16x(const uint8_t* p) { return fp8_to_float16x<2, 15>(p); }
 
 // A prefetch the compiler must keep: GCC 12 drops __builtin_prefetch calls in loops it finds
-// have no other effect (the kernel's first prefetching loop compiled to nothing).
+// have no other effect (the kernel's first prefetching loop compiled to nothing). The address
+// goes in as a register, not a memory operand: with one, GCC took the asm for a read of any
+// memory and stored every live sum to the stack before each prefetch (one store per FMA in
+// the streaming blocks' loops).
 inline void prefetch(const void* p) {
 #if defined(__x86_64__)
-  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  asm volatile("prefetcht0 (%0)" : : "r"(p));
 #else
   __builtin_prefetch(p);
 #endif
 }
 
-// Into L2 (prefetcht1): lines needed a while later, kept out of L1. The builtin, not asm:
-// for use in loops with other work (an asm memory operand there made GCC store every
-// accumulator to the stack before it, since it might read them).
+// Into L2 (prefetcht1): lines needed a while later, kept out of L1 (the builtin: only used in
+// loops with other work, where GCC keeps it).
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 inline float bf16_to_float(uint16_t x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
