@@ -635,22 +635,18 @@ inline void dot_pair_block(const uint16_t* xb, const uint16_t* buf, float* y, ui
   store_block<MR>(acc, y, yb, m0, N, col0);
 }
 
-// The first pass over a pair: rows [0, kDotFirstRows) x panels a, b (bf16 [K, 32] each, read
-// from memory, fetched kPrefetchAhead bytes ahead), interleaving them into buf as it goes
-// (for the passes after it) while their products run: the memory streams under the
-// products instead of before them.
-constexpr int kDotFirstRows = 4;
-
+// The first pass over a pair: rows [0, MR) x panels a, b (bf16 [K, 32] each, read from
+// memory, fetched kPrefetchAhead bytes ahead), interleaving them into buf as it goes (for the
+// passes after it) while their products run: the memory streams under the products instead
+// of before them. Up to 11 rows it takes 6 (a decode batch of 6 is then one pass, one of 8 a
+// pass of 6 and one of 2), else 4 (bigger products fetch the next pair in the passes after).
+template <int MR>
 inline void dot_pair_first(const uint16_t* xb, const uint16_t* a, const uint16_t* b,
                            uint16_t* buf, float* y, uint16_t* yb, int64_t K, int64_t N,
                            int64_t col0) {
-  // (16 named sums, not an array: GCC kept an array of them in memory in this loop, since
-  // the buffer stores beside them may alias anything, and stored all 16 to the stack per
-  // pair of k rows; that made this pass ~4x slower per row than the passes after it)
-  constexpr int MR = kDotFirstRows;
-  __m512 s00 = _mm512_setzero_ps(), s01 = s00, s02 = s00, s03 = s00, s10 = s00, s11 = s00,
-         s12 = s00, s13 = s00, s20 = s00, s21 = s00, s22 = s00, s23 = s00, s30 = s00,
-         s31 = s00, s32 = s00, s33 = s00;
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k2 = 0; k2 < K / 2; ++k2) {
     const uint16_t* sa = a + 2 * k2 * kNR;
     const uint16_t* sb = b + 2 * k2 * kNR;
@@ -666,30 +662,12 @@ inline void dot_pair_first(const uint16_t* xb, const uint16_t* a, const uint16_t
     _mm512_storeu_si512(d + 32, w1);
     _mm512_storeu_si512(d + 64, w2);
     _mm512_storeu_si512(d + 96, w3);
-    const __m512bh b0 = reinterpret_cast<__m512bh>(w0), b1 = reinterpret_cast<__m512bh>(w1),
-                   b2 = reinterpret_cast<__m512bh>(w2), b3 = reinterpret_cast<__m512bh>(w3);
-#define JAXINFER_DOT_ROW(i)                                                                 \
-  {                                                                                         \
-    uint32_t two;                                                                           \
-    std::memcpy(&two, xb + (i) * K + 2 * k2, 4);                                            \
-    const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(two))); \
-    s##i##0 = _mm512_dpbf16_ps(s##i##0, x, b0);                                             \
-    s##i##1 = _mm512_dpbf16_ps(s##i##1, x, b1);                                             \
-    s##i##2 = _mm512_dpbf16_ps(s##i##2, x, b2);                                             \
-    s##i##3 = _mm512_dpbf16_ps(s##i##3, x, b3);                                             \
+    dot_rows<MR>(acc, xb, K, k2, w0, w1, w2, w3);
   }
-    JAXINFER_DOT_ROW(0)
-    JAXINFER_DOT_ROW(1)
-    JAXINFER_DOT_ROW(2)
-    JAXINFER_DOT_ROW(3)
-#undef JAXINFER_DOT_ROW
-  }
-  const __m512 acc[MR][4] = {{s00, s01, s02, s03}, {s10, s11, s12, s13}, {s20, s21, s22, s23},
-                             {s30, s31, s32, s33}};
   store_block<MR>(acc, y, yb, 0, N, col0);
 }
 
-// All M rows (M >= kDotFirstRows) x panels a, b: the first pass interleaves them into buf,
+// All M rows (M >= kDotRows) x panels a, b: the first pass interleaves them into buf,
 // the other rows follow in passes of up to 6 (shared evenly). Those passes read the pair from
 // cache and, when there are 4 or more of them (from 23 rows), fetch the next_lines cache lines
 // from `next` on (the pair this thread multiplies next) into L2, one line per pair of k rows,
@@ -698,12 +676,14 @@ inline void dot_pair_first(const uint16_t* xb, const uint16_t* a, const uint16_t
 inline void dot_pair(const uint16_t* xb, const uint16_t* a, const uint16_t* b, uint16_t* buf,
                      float* y, uint16_t* yb, int64_t M, int64_t K, int64_t N, int64_t col0,
                      const char* next = nullptr, int64_t next_lines = 0) {
-  dot_pair_first(xb, a, b, buf, y, yb, K, N, col0);
-  const int64_t rest = M - kDotFirstRows, passes = (rest + 5) / 6;
+  const int64_t first = M < 12 ? 6 : 4;
+  if (first == 6) dot_pair_first<6>(xb, a, b, buf, y, yb, K, N, col0);
+  else dot_pair_first<4>(xb, a, b, buf, y, yb, K, N, col0);
+  const int64_t rest = M - first, passes = (rest + 5) / 6;
   if (passes < 4) next = nullptr;  // (a pair's 2 K lines over 4 or more passes' K / 2 steps)
-  int64_t m0 = kDotFirstRows, fetched = 0;
+  int64_t m0 = first, fetched = 0;
   for (int64_t pass = 0; pass < passes; ++pass) {
-    const int64_t mr = kDotFirstRows + (rest * (pass + 1)) / passes - m0;
+    const int64_t mr = first + (rest * (pass + 1)) / passes - m0;
     const int64_t pf_k = next == nullptr ? 0 : std::min(next_lines - fetched, K / 2);
     const char* pf = next + 64 * fetched;
     fetched += pf_k;

@@ -266,7 +266,7 @@ def test_packed_matmul_matches_numpy(m, k, n):
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (3, 64, 33), (12, 32, 96), (40, 96, 70),
                                    (33, 576, 1000), (12, 33, 64), (16, 30, 64), (17, 40, 128),
                                    (64, 1536, 576), (4, 64, 64), (5, 576, 960), (8, 33, 64),
-                                   (11, 40, 100)])
+                                   (11, 40, 100), (6, 64, 128), (9, 576, 128)])
 def test_bf16_panels_match_float_products_of_the_bf16_weights(m, k, n):
     """bfloat16 panels (a bf16 model's weights, half the bytes): the product of a bf16
     model's rows (bf16 values) equals float64 x @ w, from one row (widened as streamed) to
