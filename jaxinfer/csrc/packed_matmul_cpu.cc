@@ -136,10 +136,12 @@ inline void prefetch_row(const W* row, int64_t k) {
   }
 }
 
-// The scales and offsets of the group kGroupsAhead groups after group g ([K / G, kNR] each,
-// offset optional): a stream of their own beside the panel's, which the hardware prefetchers
-// left to demand misses (at one row, a third of a GGUF product's samples were on the loads
-// of a group's scales and offsets).
+// The scales and offsets of the group kGroupsAhead groups after group g ([K / G, kNR] per
+// panel, panels one after another; offset optional): a stream of their own beside the
+// panel's, which the hardware prefetchers left to demand misses (at one row, a third of a
+// GGUF product's samples were on the loads of a group's scales and offsets). Near a panel's
+// end this fetches the next panel's first groups, as prefetch_row runs on into the next
+// panel (a prefetch past the weights' end does not fault).
 constexpr int64_t kGroupsAhead = 8;
 
 inline void prefetch_groups(const float* scale, const float* offset, int64_t g) {

@@ -810,8 +810,9 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
     // cache (it had started on rows nobody fetched, every page: the first loads of P.V held
     // ~20% of a bf16 decode-32@256 item's samples).
     auto prefetch_v = [&](int64_t t) {
-      if (t < n)
-        for (int64_t b = 0; b < row_len; b += kLine) jaxinfer_cpu::prefetch_l2(vb + t * row_len + b);
+      if (t >= n) return;
+      const KV* r = vb + t * row_len;
+      for (int64_t b = 0; b < row_len; b += kLine) jaxinfer_cpu::prefetch_l2(r + b);
     };
     // Scores, 16 keys at a time: per row, 16 partial dot products reduced together into
     // the 16 scores (sum16), not each summed across its lanes on its own.
