@@ -694,6 +694,8 @@ inline void dot_pair_first(const uint16_t* xb, const uint16_t* a, const uint16_t
 // from `next` on (the pair this thread multiplies next) into L2, one line per pair of k rows,
 // so that its first pass does not wait on memory (at 32 rows the products ran 5-8% faster;
 // fewer passes, fetching more lines each, were no faster at 8 and 16 rows).
+static_assert(kDotRows >= 6, "dot_pair's first pass takes 6 rows below 12");
+
 inline void dot_pair(const uint16_t* xb, const uint16_t* a, const uint16_t* b, uint16_t* buf,
                      float* y, uint16_t* yb, int64_t M, int64_t K, int64_t N, int64_t col0,
                      const char* next = nullptr, int64_t next_lines = 0) {
