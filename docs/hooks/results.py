@@ -391,7 +391,24 @@ def _gemm_vs_onednn(d: dict) -> str:
          "rounds"], rows)
 
 
-RENDERERS = {"compare_cpu": _compare_cpu, "before_after": _before_after,
+def _thread_cpu(d: dict) -> str:
+    """CPU ms per output token by kind of thread, one column per mode
+    (benchmarks/thread_cpu.py)."""
+    modes = [r["mode"] + (f" {r['options']}" if r.get("options") else "") for r in d["rows"]]
+    kinds = []
+    for r in d["rows"]:
+        kinds += [k for k in r["cpu_ms_per_token"] if k not in kinds]
+    rows = [["wall ms per output token"] + [r["wall_ms_per_token"] for r in d["rows"]],
+            ["CPU ms per output token, all threads"]
+            + [r["cpu_ms_per_token_total"] for r in d["rows"]]]
+    rows += [[f"CPU ms: {k}"] + [r["cpu_ms_per_token"].get(k, "") for r in d["rows"]]
+             for k in kinds if any(r["cpu_ms_per_token"].get(k) for r in d["rows"])]
+    rows.append(["CPU use (CPU / (wall x cores))"] + [r["cpu_use"] for r in d["rows"]])
+    return (f"{d['workload']} ({d['dtype']}), {len(d['rows'][0]['run_seconds'])} timed runs "
+            "per mode\n\n" + _table(["per output token"] + modes, rows))
+
+
+RENDERERS = {"compare_cpu": _compare_cpu, "thread_cpu": _thread_cpu, "before_after": _before_after,
              "gemm_vs_onednn": _gemm_vs_onednn,
              "mla_step": _mla_step, "quantization": _quantization, "startup": _startup,
              "kernels": _kernels, "bench_defaults": _bench_defaults, "lora": _lora,

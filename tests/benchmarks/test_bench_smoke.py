@@ -240,3 +240,42 @@ def test_dummy_gguf_for_llama_cpp_has_the_config_shapes(tmp_path, arch, kind):
     assert ("blk.1.attn_q_norm.weight" in shapes) == (name == "qwen3")
     per_layer = 11 if name == "qwen3" else 9
     assert len(shapes) == 2 + 2 * per_layer and "output.weight" not in shapes
+
+
+def test_thread_cpu_reads_every_thread_and_names_its_kind():
+    """benchmarks/thread_cpu.py: this process's threads (a busy one among them) with their
+    CPU ticks, children's too, each put under one kind."""
+    import subprocess
+    import threading
+    import time
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import thread_cpu
+
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            sum(range(1000))
+
+    t = threading.Thread(target=busy)
+    t.start()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.3)
+        got = thread_cpu._threads()
+    finally:
+        stop.set()
+        t.join()
+        child.kill()
+        child.wait()
+    me = os.getpid()
+    assert (me, me) in got and (me, t.native_id) in got and (child.pid, child.pid) in got
+    assert got[(me, t.native_id)][1] > 0  # (its CPU ticks)
+    kind = thread_cpu._kind
+    assert kind(me, me, "python", me, True) == "front end"
+    assert kind(me, me, "python", me, False) == "front end + engine core (one thread)"
+    assert kind(7, 7, "python", me, True) == "engine core's thread"
+    assert kind(7, 8, "tf_XLAEigen", me, True) == "XLA intra-op pool (kernels)"
+    assert kind(7, 9, "ZMQbg/IO/0", me, True) == "ZeroMQ I/O"
+    assert kind(7, 10, "python", me, True).startswith("other threads of the core")
