@@ -16,6 +16,12 @@ Usage (a tree: a checkout with .venv; options: JSON of LLM keyword arguments):
     python benchmarks/engine_pair.py --a-options '{"async_scheduling": false}' \
         --b-options '{"async_scheduling": true}' --workload 32x128x128 --dtype float32
 The JSON is a `before_after` result (A before, B after; docs/hooks/results.py renders it).
+
+Compare sides in the same mode. With one side's core in its own process and the other's in
+the caller's (enable_multiprocessing), the pairing is biased, for a cause not found: on the
+Zen 5 VM (2026-11-29) it gave the in-process side 0.80 of the other's time at 32 x 128/128,
+where separate runs of each (benchmarks/thread_cpu.py) were level (0.98), and 0.92 at batch
+1 against 0.95 there.
 """
 
 from __future__ import annotations
