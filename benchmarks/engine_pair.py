@@ -21,7 +21,8 @@ Compare sides in the same mode. With one side's core in its own process and the 
 the caller's (enable_multiprocessing), the pairing is biased, for a cause not found: on the
 Zen 5 VM (2026-11-29) it gave the in-process side 0.80 of the other's time at 32 x 128/128,
 where separate runs of each (benchmarks/thread_cpu.py) were level (0.98), and 0.92 at batch
-1 against 0.95 there.
+1 against 0.95 there. Two sides alike (the core in its own process both) gave 0.986 there,
+its rounds 0.89-1.13: use enough rounds.
 """
 
 from __future__ import annotations
