@@ -135,6 +135,8 @@ def main():
         return child(args)
     if not isinstance(json.loads(args.options), dict):
         ap.error(f"--options must be a JSON object, got {args.options!r}")
+    if "enable_multiprocessing" in json.loads(args.options):
+        ap.error("--options: enable_multiprocessing is what --modes sets")
     rows = []
     for mode in args.modes.split(","):
         if mode not in MODES:
