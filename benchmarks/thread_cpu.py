@@ -6,7 +6,8 @@ on), the engine core's Python thread (scheduling, input building, dispatch, read
 and, with the core in its own process, the front end and ZeroMQ's I/O threads. This runs
 LLM.generate on one workload in a fresh process per mode, its buckets compiled and fused
 first, and reads every thread's CPU time (/proc, this process and its children) over the
-timed runs. Reported per mode: wall ms per output token (prefill included) and CPU ms per
+timed runs (a thread that ends before the runs do is not counted; the engine's threads live
+as long as it does). Reported per mode: wall ms per output token (prefill included) and CPU ms per
 output token by kind of thread, with the CPU use (all threads' CPU over wall x cores).
 
 Usage (from the repository root):
