@@ -7,9 +7,11 @@
   stay in cache (benchmarks/cpu_matmul.py, results/cpu_matmul.json: on this CPU 10-20% faster
   than XLA's dot at 8-32 rows, level at 256, 9% faster at 1024, within noise at 1); and its
   grouped form for mixture-of-experts layers (rows sorted by expert, each expert's own
-  packed weight; experts no row chose are not read).
+  packed weight; experts no row chose are not read);
+- RMSNorm (rms_norm_cpu.cc), the KV cache write, and greedy sampling's argmax
+  (argmax_cpu.cc: one pass per row where XLA made three, each with a thread-pool hand-off).
 
-Both are compiled here into one library, on first use, with the machine's C++ compiler against
+All are compiled here into one library, on first use, with the machine's C++ compiler against
 the FFI headers jaxlib ships (no network), into the cache folder (<cache>/ext, keyed by the
 sources, jaxlib's version, the compiler flags and this CPU's instruction-set flags), under a
 file lock so concurrent engine processes build it once. `make setup` builds it ahead. Where it
@@ -45,9 +47,10 @@ RMS_NORM_TARGET = "jaxinfer_rms_norm_cpu"
 # The gated MLP activations the gated matmuls apply (act(gate) * up), by config name.
 GATED_ACTS = {"silu": 1, "gelu_pytorch_tanh": 2}
 KV_WRITE_TARGET = "jaxinfer_kv_write_cpu"
+ARGMAX_TARGET = "jaxinfer_argmax_cpu"
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 _SOURCES = [os.path.join(_CSRC, f) for f in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc",
-                                              "rms_norm_cpu.cc")]
+                                              "rms_norm_cpu.cc", "argmax_cpu.cc")]
 _HEADERS = [os.path.join(_CSRC, "cpu_common.h")]
 PANEL = 32  # packed weights: column panels of this many outputs (kNR in the kernel)
 # -ffast-math lets GCC call glibc's vector exp (libmvec); the kernels use no infinities or NaNs
@@ -145,7 +148,8 @@ def available() -> bool:
                                (GATED_MATMUL_TARGET, "JaxinferGatedMatmulCpu"),
                                (GATED_QUANT_MATMUL_TARGET, "JaxinferGatedQuantMatmulCpu"),
                                (RMS_NORM_TARGET, "JaxinferRmsNormCpu"),
-                               (KV_WRITE_TARGET, "JaxinferKvWriteCpu")):
+                               (KV_WRITE_TARGET, "JaxinferKvWriteCpu"),
+                               (ARGMAX_TARGET, "JaxinferArgmaxCpu")):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
     except Exception as e:  # noqa: BLE001  (any build or load failure: fall back, say why)
@@ -181,6 +185,16 @@ def write_kv_cpu(k_cache, v_cache, k, v, slot_mapping):
     call = jax.ffi.ffi_call(KV_WRITE_TARGET, out, vmap_method="sequential",
                             input_output_aliases={0: 0, 1: 1})
     return call(k_cache, v_cache, k, v, slot_mapping.astype(np.int32))
+
+
+def argmax(x):
+    """Each row's argmax, x float32 [R, V] -> int32 [R]: the first maximum, or the first NaN
+    where a row has one (jnp.argmax's contract), in one pass per row."""
+    if not available():
+        raise RuntimeError("argmax needs the C++ kernels, which could not be built here")
+    call = jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(x.shape[:1], np.int32),
+                            vmap_method="sequential")
+    return call(x.astype(np.float32))
 
 
 def packed_shape(in_features: int, out_features: int) -> tuple[int, int, int]:

@@ -128,23 +128,43 @@ def _draw(filtered, keys):
     return (b * _BLOCK + j).astype(jnp.int32)
 
 
-def argmax(logits):
-    """jnp.argmax over the last axis (the first maximum; the first NaN if any), int32, as
-    two plain reductions: XLA:CPU's fused index-and-value reduce read a step's logits at
-    ~2 GB/s (3.5 ms of a 32-row SmolLM2 decode step on the 2-core Intel VM)."""
+def argmax(logits, kernel: bool = False):
+    """jnp.argmax over the last axis of logits [R, V] (the first maximum; the first NaN if
+    any), int32. kernel: compiled for CPU, by the C++ kernel (cpu_kernels.argmax, one pass
+    per row; for the platforms it does not run on the program keeps the form below)."""
+    if kernel:
+        from jaxinfer.layers import cpu_kernels
+
+        return jax.lax.platform_dependent(logits, cpu=cpu_kernels.argmax, default=_argmax)
+    return _argmax(logits)
+
+
+def argmax_kernel(mesh) -> bool:
+    """Whether a step's argmax may take the C++ kernel: on CPU, where it is built, and on
+    one device (under a mesh XLA could not partition the custom call)."""
+    if mesh is not None or jax.default_backend() != "cpu":
+        return False
+    from jaxinfer.layers import cpu_kernels
+
+    return cpu_kernels.available()
+
+
+def _argmax(logits):
+    """argmax as two plain reductions: XLA:CPU's fused index-and-value reduce read a step's
+    logits at ~2 GB/s (3.5 ms of a 32-row SmolLM2 decode step on the 2-core Intel VM)."""
     m = jnp.max(logits, axis=-1, keepdims=True)  # (NaN if any entry is)
     hit = (logits == m) | jnp.isnan(logits)
     iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     return jnp.min(jnp.where(hit, iota, logits.shape[-1]), axis=-1)
 
 
-def sample_tokens(logits, md: SamplingMetadata):
+def sample_tokens(logits, md: SamplingMetadata, kernel: bool = False):
     """logits float32 [R, V] (penalties already applied) -> sampled ids int32 [R].
 
-    Greedy rows take the argmax. The random path (temperature, filters, one inverse-CDF draw
+    Greedy rows take the argmax (kernel: see `argmax`). The random path (temperature, filters, one inverse-CDF draw
     per row: _draw) runs only when some row of the step samples: an all-greedy step skips it
     at run time (lax.cond), so it pays for no draw and no sort."""
-    greedy_ids = argmax(logits)
+    greedy_ids = argmax(logits, kernel)
 
     def random_path(logits, md):
         filtered, order = _sampling_logits(logits, md)
@@ -173,7 +193,7 @@ def _expand(md: SamplingMetadata, rows, offsets) -> SamplingMetadata:
 
 
 def rejection_sample(logits, drafts, md: SamplingMetadata, verify_req, verify_pos, row_map,
-                     num_drafts):
+                     num_drafts, kernel: bool = False):
     """Speculative decoding's verification, on the flat verify positions of a step.
 
     logits float32 [N, V]: the target's logits (penalties and grammar mask applied) at each
@@ -182,7 +202,7 @@ def rejection_sample(logits, drafts, md: SamplingMetadata, verify_req, verify_po
     drafts int32 [N]: the draft checked at each position (-1: none, the bonus position).
     md: per-request metadata [R]; verify_req / verify_pos int32 [N]: each position's request
       row and j. row_map int32 [R, K+1]: flat index of (i, j) (any index where j > d_i).
-    num_drafts int32 [R].
+    num_drafts int32 [R]. kernel: the greedy argmax's (see `argmax`).
 
     Greedy rows accept a draft while it equals the target's argmax. Random rows accept draft d
     with probability p(d) (the proposer's q is one-hot: min(1, p/q) = p) and on rejection draw
@@ -194,7 +214,7 @@ def rejection_sample(logits, drafts, md: SamplingMetadata, verify_req, verify_po
     Returns (tokens int32 [R, K+1], num_emitted int32 [R]): request i emits
     tokens[i, :num_emitted[i]] = its accepted drafts, then the target's own token."""
     fmd = _expand(md, verify_req, verify_pos)
-    greedy_ids = argmax(logits)
+    greedy_ids = argmax(logits, kernel)
 
     def random_path(logits, fmd):
         filtered, order = _sampling_logits(logits, fmd)

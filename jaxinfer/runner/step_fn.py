@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxinfer.layers.sampler import (apply_penalties, compute_logprobs, rejection_sample,
-                                     sample_tokens)
+from jaxinfer.layers.sampler import (apply_penalties, argmax_kernel, compute_logprobs,
+                                     rejection_sample, sample_tokens)
 from jaxinfer.runner.spec_step import draft_propose, eagle_propose
 from jaxinfer.runner.step_inputs import StepBatch, StepFeatures
 from jaxinfer.runner.step_state import SamplerState
@@ -83,15 +83,16 @@ def step_tail(model, hidden, input_ids, sampler: SamplerState, batch: StepBatch,
         slots = batch.req_slots[rows] if spec else batch.req_slots
         sampling = jax.tree.map(lambda x: x[rows], batch.sampling) if spec else batch.sampling
         logits = apply_penalties(logits, counts[slots], prompt_mask[slots], sampling)
+    kernel = argmax_kernel(model.mesh)  # (the greedy argmax in one C++ pass per row)
     if spec:
         tokens, num_emitted = rejection_sample(logits, batch.verify_drafts, batch.sampling, rows,
                                                batch.verify_pos, batch.row_map,
-                                               batch.num_drafts)
+                                               batch.num_drafts, kernel)
         last = jnp.take_along_axis(tokens, (num_emitted - 1)[:, None], axis=1)[:, 0]
         out = {"token_ids": tokens, "num_emitted": num_emitted}
         lp_tokens = tokens[batch.verify_req, batch.verify_pos]
     else:
-        tokens = last = lp_tokens = sample_tokens(logits, batch.sampling)
+        tokens = last = lp_tokens = sample_tokens(logits, batch.sampling, kernel)
         out = {"token_ids": tokens}
     # Each real sequence's last token stays on the device for the next step (padding rows
     # write nowhere).

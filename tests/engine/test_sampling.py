@@ -243,22 +243,45 @@ def test_kv_cache_dtype_bfloat16(tmp_path, smollm2_dir):
         LLM(str(path), kv_cache_dtype="fp4")
 
 
-def test_greedy_argmax_is_jnp_argmax():
-    """The sampler's two-reduction argmax picks what jnp.argmax picks: the first of tied
-    maxima, the first NaN of a row with NaNs, index 0 of an all -inf row."""
+@pytest.mark.parametrize("kernel", [False, True])
+def test_greedy_argmax_is_jnp_argmax(kernel):
+    """The sampler's argmax (two XLA reductions, or the C++ kernel of the cpu backend) picks
+    what jnp.argmax picks: the first of tied maxima (-0 ties +0), the first NaN of a row with
+    NaNs (of either sign), index 0 of an all -inf row; rows of one value, of fewer values
+    than the kernel's block (256) and of a block and a few more; and the kernel is the one
+    that ran on CPU, not in the program lowered for CUDA."""
     import jax
     import jax.numpy as jnp
 
+    from jaxinfer.layers import cpu_kernels
     from jaxinfer.layers.sampler import argmax
 
+    if kernel and not cpu_kernels.available():
+        pytest.skip("the C++ kernels could not be built here")
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((6, 1000)).astype(np.float32)
+    x = rng.standard_normal((10, 1000)).astype(np.float32)
     x[1, [3, 500, 999]] = 9.0  # ties
     x[2, 7], x[2, 300] = np.nan, np.nan
     x[3] = -np.inf
     x[4, 999] = np.inf
     x[5] = np.round(x[5])  # many ties
-    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    x[6] = -1.0
+    x[6, 600], x[6, 700] = -0.0, 0.0  # -0 == +0: the first
+    x[7, 900], x[7, 20] = 1e30, -np.nan  # a negative NaN
+    x[8, 255], x[8, 256] = 50.0, 50.0  # across a block boundary
+    x[9] = np.linspace(-5, 5, 1000)[::-1]
+    fn = jax.jit(lambda x: argmax(x, kernel))
+    want = jnp.argmax(jnp.asarray(x), axis=-1)
+    got = np.asarray(fn(jnp.asarray(x)))
     assert got.dtype == np.int32
-    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
-    assert list(got[:4]) == [int(np.argmax(x[0])), 3, 7, 0]
+    np.testing.assert_array_equal(got, np.asarray(want))
+    assert list(got[:10]) == [int(np.argmax(x[0])), 3, 7, 0, 999, int(np.argmax(x[5])), 600,
+                              20, 255, 0]
+    for shape in ((1, 1), (3, 200), (2, 257), (33, 4099)):
+        y = rng.standard_normal(shape).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(y))), np.argmax(y, axis=-1))
+    hlo = fn.lower(jnp.asarray(x)).as_text()
+    assert ("jaxinfer_argmax_cpu" in hlo) is kernel
+    # Lowered for CUDA, the program keeps the XLA form.
+    cuda = fn.trace(jnp.asarray(x)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jaxinfer_argmax_cpu" not in cuda and "reduce" in cuda
