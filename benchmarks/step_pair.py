@@ -7,6 +7,11 @@ minutes (a batch-1 float32 step of SmolLM2 went 10.8 -> 14.4 ms and back inside 
 process), so before / after runs a minute apart measure the hour, not the change. Each
 round's after / before ratio is taken from adjacent turns; the median ratio is reported.
 
+An A/A run (one tree on both sides, Zen 5 VM, 2026-11-29, 10 rounds) gave 0.975 at decode-1
+and 0.963 at decode-32, rounds 0.90-1.03: the side started second ran a few percent faster, for
+a cause not found. Take changes of that size as unproven, or run the pair both ways round
+(swap --before and --after): with bias b and effect e, the two runs give b e and b / e.
+
 Usage (a tree: a checkout with .venv, e.g. `git worktree add /tmp/before REV` and a link to
 the .venv):
     python benchmarks/step_pair.py --before /tmp/before --after . --dtype bfloat16 \

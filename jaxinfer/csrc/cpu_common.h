@@ -339,15 +339,16 @@ void run_chunks(Pool& pool, int64_t chunks, F fn) {
 }
 
 // fn(m0, m1) over rows [0, M) of `width` values each: by the calling thread alone where the
-// rows hold few values (2^16 or fewer), else in chunks of rows of ~2^14 values (run_chunks).
+// rows hold few values (serial_values or fewer: 2^16 suits a pass of a few operations per
+// value), else in chunks of rows of ~serial_values / 4 values (run_chunks).
 template <typename Pool, typename F>
-void run_rows(Pool& pool, int64_t M, int64_t width, F fn) {
-  constexpr int64_t kSerialValues = int64_t{1} << 16;
-  if (M * width <= kSerialValues) {
+void run_rows(Pool& pool, int64_t M, int64_t width, F fn,
+              int64_t serial_values = int64_t{1} << 16) {
+  if (M * width <= serial_values) {
     fn(int64_t{0}, M);
     return;
   }
-  const int64_t rows = std::max<int64_t>(1, kSerialValues / (4 * width));
+  const int64_t rows = std::max<int64_t>(1, serial_values / (4 * width));
   run_chunks(pool, (M + rows - 1) / rows,
              [&](int64_t c) { fn(c * rows, std::min(M, (c + 1) * rows)); });
 }

@@ -309,11 +309,12 @@ def _gated_ref(x, act):
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("m,k,n", [(1, 1536, 576), (5, 96, 70), (16, 64, 33), (0, 32, 32),
-                                   (200, 512, 64)])
+                                   (200, 512, 64), (32, 1536, 576)])
 def test_gated_matmul_multiplies_the_activated_rows(act, wdtype, m, k, n):
     """A gated MLP's down projection from the gate-up product: (act(gate) * up) @ W, the
-    activation made inside the kernel (one row; a few; zero rows; 200 x 512 gated values,
-    shared out over the pool in row chunks), float32 and bf16 panels; both activations
+    activation made inside the kernel (one row; a few; zero rows; 200 x 512 and SmolLM2's
+    32 x 1536 gated values, shared out over the pool in row chunks), float32 and bf16
+    panels; both activations
     over the range where they bend (|gate| up to ~9)."""
     import ml_dtypes
 
