@@ -161,9 +161,9 @@ def _argmax(logits):
 def sample_tokens(logits, md: SamplingMetadata, kernel: bool = False):
     """logits float32 [R, V] (penalties already applied) -> sampled ids int32 [R].
 
-    Greedy rows take the argmax (kernel: see `argmax`). The random path (temperature, filters, one inverse-CDF draw
-    per row: _draw) runs only when some row of the step samples: an all-greedy step skips it
-    at run time (lax.cond), so it pays for no draw and no sort."""
+    Greedy rows take the argmax (kernel: see `argmax`). The random path (temperature,
+    filters, one inverse-CDF draw per row: _draw) runs only when some row of the step samples:
+    an all-greedy step skips it at run time (lax.cond), so it pays for no draw and no sort."""
     greedy_ids = argmax(logits, kernel)
 
     def random_path(logits, md):
