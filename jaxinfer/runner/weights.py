@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.runner.host_malloc import release_freed_memory
+from jaxinfer.runner.huge_pages import back_with_huge_pages
 from jaxinfer.runner.step_state import abstract
 
 logger = logging.getLogger(__name__)
@@ -271,6 +272,8 @@ class WeightManager:
         runner.program.set_params(params)
         if runner.lora is not None:
             runner.lora.refresh()
+        if getattr(self.worker, "huge_pages", False):  # as at start-up (huge_pages.py)
+            back_with_huge_pages(list(replace.values()))
 
     # -- sleep / wake up --------------------------------------------------------------------------
     def sleep(self, level: int) -> dict:

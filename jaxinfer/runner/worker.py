@@ -20,6 +20,7 @@ from jaxinfer.logits_processors import load_processor
 from jaxinfer.runner.buckets import BucketTable
 from jaxinfer.runner.compile_cache import CompileCacheCounter, enable_compilation_cache
 from jaxinfer.runner.host_malloc import keep_freed_memory
+from jaxinfer.runner.huge_pages import back_with_huge_pages, huge_pages_enabled
 from jaxinfer.runner.kv_cache import kv_cache_bytes_per_block, sliding_layers
 from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.runner.step_program import make_step_program
@@ -199,6 +200,14 @@ class Worker:
         # Steps' freed buffers kept in malloc's heap for the next step (after the weights are
         # loaded, so that loading's temporaries still go back to the system).
         self.malloc_keep = keep_freed_memory(cpu=self.devices[0].platform == "cpu")
+        # The weights on huge pages (huge_pages.py).
+        self.huge_pages = huge_pages_enabled(cpu=self.devices[0].platform == "cpu")
+        if self.huge_pages:
+            t1 = time.perf_counter()
+            done = back_with_huge_pages(self.runner.state.weights)
+            self.timings["huge_pages_s"] = time.perf_counter() - t1
+            logger.info("huge pages: %.1f MiB of weights collapsed (%.2f s)",
+                        done["collapsed_bytes"] / 2**20, self.timings["huge_pages_s"])
 
     # -- the weights of a live engine: updates, sleep, wake-up (runner/weights.py) -------------
     @property
