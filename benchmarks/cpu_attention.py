@@ -1,4 +1,5 @@
-"""The cpu backend's paged attention (csrc/paged_attention_cpu.cc) at SmolLM2-135M's shapes.
+"""The cpu backend's paged attention (csrc/paged_attention_cpu.cc) at SmolLM2-135M's shapes
+(or Qwen3-0.6B's: --shape qwen3-0.6b, 28 layers, 16 query / 8 KV heads, D = 128).
 
 Thirty layers (each its own K/V cache, so pages stream from memory as in a real step) chained
 in one jitted function: decode cases (one query token per sequence: KV bytes read per second,
@@ -21,6 +22,7 @@ import time
 import numpy as np
 
 LAYERS, HQ, HKV, D, BS = 30, 9, 3, 64, 128
+SHAPES = {"smollm2-135m": (30, 9, 3, 64), "qwen3-0.6b": (28, 16, 8, 128)}
 # name -> (kind, sequences, tokens: the context for decode, the prompt for prefill)
 CASES = {
     "decode-32@256": ("decode", 32, 256),
@@ -90,8 +92,11 @@ def main():
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--iters", type=int, default=9)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--shape", choices=list(SHAPES), default="smollm2-135m")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
+    global LAYERS, HQ, HKV, D
+    LAYERS, HQ, HKV, D = SHAPES[args.shape]
     from jaxinfer.layers import cpu_kernels as ck
 
     if not ck.available():
@@ -110,8 +115,9 @@ def main():
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"machine": platform.processor() or platform.machine(),
-                       "shapes": {"layers": LAYERS, "q_heads": HQ, "kv_heads": HKV,
-                                  "head_dim": D, "block_size": BS, "dtype": args.dtype},
+                       "shapes": {"model": args.shape, "layers": LAYERS, "q_heads": HQ,
+                                  "kv_heads": HKV, "head_dim": D, "block_size": BS,
+                                  "dtype": args.dtype},
                        "results": results}, f, indent=2)
 
 

@@ -734,6 +734,129 @@ inline float dot_score(const uint16_t* q, const KV* k, int64_t D) {
                            reinterpret_cast<__m512bh>(_mm512_loadu_si512(kb + d)));
   return hsum(reinterpret_cast<v16>(acc));
 }
+
+// P.V of a bf16 cache on vdpbf16ps: two keys per instruction. Keys t and t + 1's V rows are
+// interleaved (vpunpck{l,h}wd: per 128-bit lane, values 0-3 then 4-7 of both rows as pairs)
+// and each row's probabilities are rounded to bf16 pairs (p_t, p_t+1), so one instruction
+// adds p_t v_t[d] + p_t+1 v_t+1[d] into 16 float32 sums (half the instructions of widening
+// V and one FMA per key; FlashAttention rounds P for its P.V the same way). The sums are
+// kept in that interleaved order over the whole item: per 32 values, 16 for d = 8L + i and 16
+// for d = 8L + 4 + i (lane L, i < 4); unpermute_pv puts them back.
+template <int R, int C>
+inline void pv_regs_bf16(const uint32_t* const* pp, float* const* acc, const uint16_t* v,
+                         int64_t stride, int64_t npairs, int64_t nk) {
+  __m512 a[R][2 * C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2 * C; ++c) a[r][c] = _mm512_loadu_ps(acc[r] + 16 * c);
+  for (int64_t u = 0; u < npairs; ++u) {
+    const uint16_t* v0 = v + 2 * u * stride;
+    const uint16_t* v1 = 2 * u + 1 < nk ? v0 + stride : v0;  // (an odd last key: p pair (p, 0))
+    __m512bh x[2 * C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i r0 = _mm512_loadu_si512(v0 + 32 * c);
+      const __m512i r1 = _mm512_loadu_si512(v1 + 32 * c);
+      x[2 * c] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(r0, r1));
+      x[2 * c + 1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(r0, r1));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh e = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pp[r][u]));
+      for (int c = 0; c < 2 * C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], e, x[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2 * C; ++c) _mm512_storeu_ps(acc[r] + 16 * c, a[r][c]);
+}
+
+template <int R>
+inline void pv_rows_d_bf16(const uint32_t* const* pp, float* const* acc, const uint16_t* v,
+                           int64_t stride, int64_t npairs, int64_t nk, int64_t D) {
+  float* a[R];
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    for (int r = 0; r < R; ++r) a[r] = acc[r] + d;
+    pv_regs_bf16<R, 2>(pp, a, v + d, stride, npairs, nk);
+  }
+  for (; d < D; d += 32) {
+    for (int r = 0; r < R; ++r) a[r] = acc[r] + d;
+    pv_regs_bf16<R, 1>(pp, a, v + d, stride, npairs, nk);
+  }
+}
+
+inline void pv_rows_bf16(int nrows, const uint32_t* const* pp, float* const* acc,
+                         const uint16_t* v, int64_t stride, int64_t npairs, int64_t nk,
+                         int64_t D) {
+  static_assert(kRB == 6, "pv_rows_bf16 dispatches 1..6 rows");
+  switch (nrows) {
+    case 1: pv_rows_d_bf16<1>(pp, acc, v, stride, npairs, nk, D); break;
+    case 2: pv_rows_d_bf16<2>(pp, acc, v, stride, npairs, nk, D); break;
+    case 3: pv_rows_d_bf16<3>(pp, acc, v, stride, npairs, nk, D); break;
+    case 4: pv_rows_d_bf16<4>(pp, acc, v, stride, npairs, nk, D); break;
+    case 5: pv_rows_d_bf16<5>(pp, acc, v, stride, npairs, nk, D); break;
+    default: pv_rows_d_bf16<6>(pp, acc, v, stride, npairs, nk, D); break;
+  }
+}
+
+// pv_page for a bf16 cache (D % 32 == 0): the rows' probabilities s [nr, BS] rounded to bf16
+// pairs in sb (nr rows of BS / 2 + 1 pairs), then P.V as pv_page does it, two keys a step.
+template <typename Prefetch>
+inline void pv_page_bf16(const Problem& p, int64_t nr, const float* s, uint32_t* sb,
+                         float* acc, const BF16* vb, int64_t n, Prefetch prefetch) {
+  const int64_t D = p.D, G = p.group, BS = p.BS, Hq = p.Hq, row_len = p.Hkv * D;
+  const int64_t pairs_len = BS / 2 + 1;
+  for (int64_t row = 0; row < nr; ++row) {
+    const float* sr = s + row * BS;
+    uint16_t* out = reinterpret_cast<uint16_t*>(sb + row * pairs_len);
+    int64_t t = 0;
+    for (; t + 32 <= n; t += 32)
+      _mm512_storeu_si512(out + t, reinterpret_cast<__m512i>(
+                                       _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + t + 16),
+                                                           _mm512_loadu_ps(sr + t))));
+    if (t < n) {
+      const int64_t m = n - t;
+      const __mmask16 lo = static_cast<__mmask16>((1u << std::min<int64_t>(m, 16)) - 1);
+      const __mmask16 hi = static_cast<__mmask16>(m > 16 ? (1u << (m - 16)) - 1 : 0);
+      const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, sr + t + 16),
+                                             _mm512_maskz_loadu_ps(lo, sr + t));
+      _mm512_mask_storeu_epi16(out + t, static_cast<__mmask32>((uint64_t{1} << m) - 1),
+                               reinterpret_cast<__m512i>(h));
+    }
+    if (n % 2) out[n] = 0;  // (the odd last key's partner weighs 0)
+  }
+  const uint16_t* vbits = reinterpret_cast<const uint16_t*>(vb);
+  for (int64_t j = 0; j < n; j += kPvKeys) {  // (kPvKeys even: pairs never straddle blocks)
+    const int64_t nk = std::min(kPvKeys, n - j);
+    const int64_t npairs = (nk + 1) / 2;
+    for (int64_t t = 0; t < nk; ++t) prefetch(j + t + kAheadKeys);
+    for (int64_t h = 0; h < p.Hkv; ++h) {
+      const uint32_t* pr[kRB];
+      float* ar[kRB];
+      int nb = 0;
+      for (int64_t row0 = 0; row0 < nr; row0 += Hq)
+        for (int64_t qh = h * G; qh < (h + 1) * G; ++qh) {
+          pr[nb] = sb + (row0 + qh) * pairs_len + j / 2;
+          ar[nb] = acc + (row0 + qh) * D;
+          if (++nb == kRB) {
+            pv_rows_bf16(nb, pr, ar, vbits + j * row_len + h * D, row_len, npairs, nk, D);
+            nb = 0;
+          }
+        }
+      if (nb > 0) pv_rows_bf16(nb, pr, ar, vbits + j * row_len + h * D, row_len, npairs, nk, D);
+    }
+  }
+}
+
+// The sums of pv_page_bf16 back in d order, for nr rows of D (a multiple of 32).
+inline void unpermute_pv(float* acc, int64_t nr, int64_t D) {
+  float tmp[32];
+  for (int64_t c = 0; c < nr * D; c += 32) {
+    for (int L = 0; L < 4; ++L)
+      for (int i = 0; i < 4; ++i) {
+        tmp[8 * L + i] = acc[c + 4 * L + i];
+        tmp[8 * L + 4 + i] = acc[c + 16 + 4 * L + i];
+      }
+    std::copy(tmp, tmp + 32, acc + c);
+  }
+}
 #endif
 
 template <typename KV>
@@ -745,13 +868,24 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
   const int64_t lo = it.part < 0 ? sp.lo : std::max<int64_t>(sp.lo, it.k0);
   const int64_t hi = it.part < 0 ? sp.hi : std::min<int64_t>(sp.hi, it.k1);
   const int64_t nr = (r1 - r0) * Hq;  // rows (query token, query head), token-major
-  // scratch: q [nr, D] | acc [nr, D] | m, l [nr] | probabilities [nr, BS]
-  scratch.resize(static_cast<size_t>(2 * nr * D + 2 * nr + nr * BS));
+  // A bf16 model's P.V (bf16 rows and cache) on vdpbf16ps (pv_page_bf16), its sums in their
+  // own order until the end; float32 rows over a bf16 cache keep exact float32 products.
+#if defined(JAXINFER_ATTN_BF16_DOT)
+  constexpr bool kBf16Cache = std::is_same<KV, BF16>::value;
+#else
+  constexpr bool kBf16Cache = false;
+#endif
+  const bool pv_bf16 = kBf16Cache && D % 32 == 0 && p.q_kind == Kind::kBF16;
+  // scratch: q [nr, D] | acc [nr, D] | m, l [nr] | probabilities [nr, BS] | their bf16 pairs
+  // [nr, BS / 2 + 1] (pv_bf16)
+  scratch.resize(static_cast<size_t>(2 * nr * D + 2 * nr + nr * BS +
+                                     (pv_bf16 ? nr * (BS / 2 + 1) : 0)));
   float* qf = scratch.data();
   float* acc = qf + nr * D;
   float* m = acc + nr * D;
   float* l = m + nr;
   float* s = l + nr;
+  [[maybe_unused]] uint32_t* sb = reinterpret_cast<uint32_t*>(s + nr * BS);
   const int64_t q0 = (start + r0) * Hq * D;  // (q and out: float32, bf16 or f16)
 #if defined(JAXINFER_ATTN_BF16_DOT)
   // bf16 q and cache: scores from the rows as stored (dot_scores16), scaled after; qf unused.
@@ -922,6 +1056,15 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
     // P.V of a bf16 / fp8 cache in register blocks (pv_page); a float32 cache keeps the
     // key-by-key loop (blocked, its decode ran ~7% slower from DRAM on the AMD Zen 4 VM).
 #if !defined(JAXINFER_V16_PAIR)
+#if defined(JAXINFER_ATTN_BF16_DOT)
+    if constexpr (std::is_same<KV, BF16>::value) {
+      if (pv_bf16) {
+        pv_page_bf16(p, nr, s, sb, acc, vb, n,
+                     [&](int64_t t) { prefetch_key(vb, next_v, t, n); });
+        continue;
+      }
+    }
+#endif
     if constexpr (!std::is_same<KV, float>::value) {
       pv_page(p, nr, s, acc, vb, n, [&](int64_t t) { prefetch_key(vb, next_v, t, n); });
     } else
@@ -943,6 +1086,9 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
       }
     }
   }
+#if defined(JAXINFER_ATTN_BF16_DOT)
+  if (pv_bf16) unpermute_pv(acc, nr, D);
+#endif
   if (it.part >= 0) {  // (combine_parts finishes the rows)
     float* part = p.parts + it.part * p.part_stride;
     std::copy(m, m + nr, part);
