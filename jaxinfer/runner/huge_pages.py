@@ -10,7 +10,7 @@ Linux 6.1+; ~0.25 s a GiB on the Zen 5 VM).
 
 Not the KV caches: collapsing them cost ~0.8 s a GiB at start-up there, and dropping their
 pages to have them fault back in as huge pages made the first steps over each block slow
-(~2 ms a fresh 2 MiB page on that VM) and a 32 x 128/128 run ~10% slower. Nor every
+(~2 ms a fresh 2 MiB page on that VM) and a 32 x 128/128 run ~12% slower. Nor every
 allocation (glibc's malloc.hugetlb=1): each step's temporaries would fault in 2 MiB at a time.
 
 JAXINFER_CPU_HUGE_PAGES: "1" (default) or "0" (XLA's pages as they come); anything else is
@@ -43,8 +43,8 @@ def thp_mode(path: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> str:
 
 
 def huge_pages_enabled(env=None, *, cpu: bool = True) -> bool:
-    """Whether a CPU engine backs its weights with huge pages. The switch is
-    checked on every engine, so a bad value is refused on GPUs too."""
+    """Whether a CPU engine backs its weights with huge pages. The switch is checked on every
+    engine, so a bad value is refused on GPUs too."""
     env = os.environ if env is None else env
     value = env.get("JAXINFER_CPU_HUGE_PAGES", "1").strip()
     if value not in ("0", "1"):

@@ -1,7 +1,8 @@
-"""Huge pages for a CPU engine's weights and KV caches (runner/huge_pages.py)."""
+"""Huge pages for a CPU engine's weights (runner/huge_pages.py)."""
 
 from __future__ import annotations
 
+import platform
 import sys
 
 import jax
@@ -12,9 +13,17 @@ import pytest
 from jaxinfer.runner import huge_pages
 from jaxinfer.runner.huge_pages import HUGE
 
-thp = pytest.mark.skipif(not sys.platform.startswith("linux")
-                         or huge_pages.thp_mode() not in ("always", "madvise"),
-                         reason="transparent huge pages off (or not Linux)")
+def _collapse_supported() -> bool:
+    """Linux 6.1 or later (MADV_COLLAPSE) with transparent huge pages on."""
+    if not sys.platform.startswith("linux") or huge_pages.thp_mode() not in ("always",
+                                                                             "madvise"):
+        return False
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    return (major, minor) >= (6, 1)
+
+
+thp = pytest.mark.skipif(not _collapse_supported(),
+                         reason="needs Linux 6.1+ with transparent huge pages on")
 
 
 def test_spans_round_weights_outwards_within_their_mapping():
