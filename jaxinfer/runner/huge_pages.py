@@ -107,12 +107,18 @@ def _madvise():
 
 def back_with_huge_pages(weights) -> dict:
     """Huge pages for the memory of the arrays of `weights` (their contents kept). Returns
-    the bytes advised and collapsed; a failing call leaves the pages as they were (a hint)."""
+    the bytes advised and collapsed; a failing call leaves the pages as they were (a hint).
+    Collapsed one huge page at a time, each tried twice: MADV_COLLAPSE fails a whole range
+    when one page of it cannot be collapsed now (EAGAIN under memory pressure)."""
     madvise = _madvise()
     done = {"advised_bytes": 0, "collapsed_bytes": 0}
     for lo, hi in outer_spans(cpu_buffers(weights), _mappings()):
-        if madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0:
-            done["advised_bytes"] += hi - lo
-            if madvise(lo, hi - lo, _MADV_COLLAPSE) == 0:
-                done["collapsed_bytes"] += hi - lo
+        if madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
+            continue
+        done["advised_bytes"] += hi - lo
+        # (the aligned huge pages inside the span: a span clipped to its mapping may start or
+        # end between boundaries, and a page there cannot be huge)
+        for page in range(-(-lo // HUGE) * HUGE, hi // HUGE * HUGE, HUGE):
+            if any(madvise(page, HUGE, _MADV_COLLAPSE) == 0 for _ in range(2)):
+                done["collapsed_bytes"] += HUGE
     return done

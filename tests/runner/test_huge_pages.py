@@ -67,7 +67,8 @@ def test_weights_keep_their_values_on_huge_pages():
     small = jnp.full((1000,), 7.0)  # a weight under 2 MiB, likely sharing a page
     jax.block_until_ready((w, small))
     done = huge_pages.back_with_huge_pages({"w": w, "s": small})
-    assert done["collapsed_bytes"] >= 6 * HUGE // 2
+    # (best effort: under memory pressure a page may not collapse now, so not all of them)
+    assert done["advised_bytes"] >= 3 * HUGE and done["collapsed_bytes"] >= HUGE
     assert _huge_kib(w.unsafe_buffer_pointer()) >= 2048
     np.testing.assert_array_equal(np.asarray(w), np.arange(3 * HUGE // 4, dtype=np.float32) * 0.5)
     np.testing.assert_array_equal(np.asarray(small), np.full((1000,), 7.0, np.float32))
