@@ -236,7 +236,8 @@ def main():
               f"{100 * r['fraction_of_hbm_bw']:.1f}% of HBM bw", flush=True)
         if args.output_json:  # each row saved as it comes (a run cut off keeps them)
             write_result(args.output_json, {"benchmark": "kernels", "partial": True,
-                                            "device": device, "rows": rows,
+                                            "device": device, "jax": jax.__version__,
+                                            "command": " ".join(sys.argv), "rows": rows,
                                             "copy_bandwidth_bytes_per_s": bw,
                                             "matmul_flops_per_s": peak})
     if not args.no_torch and platform_name == "gpu":

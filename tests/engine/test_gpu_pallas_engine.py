@@ -31,6 +31,10 @@ def _tiny_llama(path, hidden: int, heads: int, kv_heads: int, arch: str = "llama
     cfg._attn_implementation = "eager"
     torch.manual_seed(zlib.crc32(f"gpu-{arch}-{hidden}-{heads}".encode()))
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    if arch == "gpt_oss":  # HF before ~5.2x hard-coded gpt-oss's 7.0 / 1.702 over the config's
+        for layer in hf.model.layers:
+            layer.mlp.experts.limit = getattr(cfg, "swiglu_limit", 7.0)
+            layer.mlp.experts.alpha = getattr(cfg, "swiglu_alpha", 1.702)
     with torch.no_grad():  # peaky logits, so greedy has clear winners
         for name, p in hf.named_parameters():
             if p.dim() == 2:
