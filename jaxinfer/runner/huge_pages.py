@@ -65,16 +65,24 @@ def _mappings() -> list[tuple[int, int]]:
 
 def outer_spans(buffers, maps) -> list[tuple[int, int]]:
     """The 2 MiB-aligned spans covering `buffers` [(address, bytes)], each clipped to the
-    mapping that holds its buffer, merged where they touch; buffers outside every mapping are
-    left out."""
+    mappings that hold its buffer (its first byte's below, its last byte's above: a buffer
+    may run over several adjacent mappings, as an earlier madvise splits one where its flags
+    change), merged where they touch; buffers outside every mapping are left out."""
     starts = [lo for lo, _ in maps]
+
+    def holder(address):
+        i = bisect.bisect_right(starts, address) - 1
+        return i if i >= 0 and maps[i][0] <= address < maps[i][1] else None
+
     out = []
     for address, size in buffers:
-        i = bisect.bisect_right(starts, address) - 1
-        if size <= 0 or i < 0 or not maps[i][0] <= address < maps[i][1]:
+        if size <= 0:
             continue
-        out.append((max(address // HUGE * HUGE, maps[i][0]),
-                    min(-(-(address + size) // HUGE) * HUGE, maps[i][1])))
+        first, last = holder(address), holder(address + size - 1)
+        if first is None or last is None:
+            continue
+        out.append((max(address // HUGE * HUGE, maps[first][0]),
+                    min(-(-(address + size) // HUGE) * HUGE, maps[last][1])))
     out.sort()
     merged: list[tuple[int, int]] = []
     for lo, hi in out:

@@ -27,15 +27,20 @@ thp = pytest.mark.skipif(not _collapse_supported(),
 
 
 def test_spans_round_weights_outwards_within_their_mapping():
-    maps = [(10 * HUGE, 20 * HUGE), (30 * HUGE + 4096, 31 * HUGE)]
+    maps = [(10 * HUGE, 20 * HUGE), (30 * HUGE + 4096, 31 * HUGE),
+            (40 * HUGE, 41 * HUGE + 8192), (41 * HUGE + 8192, 45 * HUGE + 4096)]
     buffers = [(11 * HUGE + 100, 1000),  # inside one huge page
                (11 * HUGE + 5000, HUGE),  # over two: joins the first
                (15 * HUGE - 8, 16),  # straddles a boundary
                (30 * HUGE + 8192, 4096),  # a mapping that starts and ends unaligned
                (25 * HUGE, HUGE),  # outside every mapping: left out
-               (12 * HUGE, 0)]  # empty
+               (12 * HUGE, 0),  # empty
+               # over two adjacent mappings (an earlier madvise splits one): clipped to the
+               # second's end, not the first's
+               (40 * HUGE + 4096, 3 * HUGE)]
     assert huge_pages.outer_spans(buffers, maps) == [
-        (11 * HUGE, 13 * HUGE), (14 * HUGE, 16 * HUGE), (30 * HUGE + 4096, 31 * HUGE)]
+        (11 * HUGE, 13 * HUGE), (14 * HUGE, 16 * HUGE), (30 * HUGE + 4096, 31 * HUGE),
+        (40 * HUGE, 44 * HUGE)]
 
 
 def test_the_switch_takes_0_or_1():
