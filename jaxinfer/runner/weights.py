@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.runner.host_malloc import release_freed_memory
-from jaxinfer.runner.huge_pages import back_with_huge_pages
+from jaxinfer.runner.huge_pages import back_with_huge_pages_later
 from jaxinfer.runner.step_state import abstract
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class WeightManager:
         self._deleted: list = []  # the deleted weight leaves (ids map them to the new)
         self.last_update: dict = {}
         self._vars: dict | None = None  # path -> the model's Variable (stable objects)
+        self.huge_pages_thread = None  # the last swap's collapse (huge_pages.py), if any
 
     # -- what the engine holds -------------------------------------------------------------------
     @property
@@ -272,8 +273,8 @@ class WeightManager:
         runner.program.set_params(params)
         if runner.lora is not None:
             runner.lora.refresh()
-        if getattr(self.worker, "huge_pages", False):  # as at start-up (huge_pages.py)
-            back_with_huge_pages(list(replace.values()))
+        if getattr(self.worker, "huge_pages", False):  # as at start-up, in the background
+            self.huge_pages_thread = back_with_huge_pages_later(list(replace.values()))
 
     # -- sleep / wake up --------------------------------------------------------------------------
     def sleep(self, level: int) -> dict:

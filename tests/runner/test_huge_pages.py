@@ -97,11 +97,25 @@ def test_an_engine_holds_its_weights_on_huge_pages_and_decodes_as_without(smollm
                 assert core.startup["huge_pages_s"] < 5
                 big = max(jax.tree.leaves(core.runner.params), key=lambda x: x.nbytes)
                 assert big.nbytes > 4 * HUGE and _huge_kib(big.unsafe_buffer_pointer()) >= 2048
-            outs = llm.generate([{"prompt_token_ids": list(range(100 + i, 140 + 7 * i))}
-                                 for i in range(3)],
-                                SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                                use_tqdm=False)
-            return [o.outputs[0].token_ids for o in outs]
+
+            def tokens():
+                outs = llm.generate([{"prompt_token_ids": list(range(100 + i, 140 + 7 * i))}
+                                     for i in range(3)],
+                                    SamplingParams(temperature=0, max_tokens=6,
+                                                   ignore_eos=True), use_tqdm=False)
+                return [o.outputs[0].token_ids for o in outs]
+
+            before = tokens()
+            if pages == "1":  # an update with fresh arrays (a trainer's): collapsed behind
+                fresh = {k: v * 1.0 for k, v in llm.collective_rpc("engine_weights")[0].items()}
+                llm.update_weights(fresh, layout="engine")
+                thread = core.worker.weights.huge_pages_thread
+                thread.join(60)
+                assert thread.done["collapsed_bytes"] >= HUGE
+                big = max(fresh.values(), key=lambda x: x.nbytes)
+                assert _huge_kib(big.unsafe_buffer_pointer()) >= 2048
+                assert tokens() == before
+            return before
         finally:
             llm.shutdown()
 
