@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
 
@@ -27,8 +28,15 @@ def make_llm(args, max_model_len: int):
     from jaxinfer.config.cli import engine_config_from_args
     from jaxinfer.llm import LLM
 
-    return LLM.from_engine_config(engine_config_from_args(
+    llm = LLM.from_engine_config(engine_config_from_args(
         args, max_model_len=args.max_model_len or max_model_len))
+    # With the engine core in its own process, this one starts JAX (the results' environment,
+    # the roofline's bandwidth probe) only now, after the core took the GPU's memory: a client
+    # preallocating 75% of the card then logs a string of CUDA out-of-memory errors while it
+    # backs off (seen on an H200). No effect where JAX is up already (an engine in this
+    # process) or where the user set it.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    return llm
 
 
 def environment(llm=None) -> dict:

@@ -16,6 +16,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENGINE = ["--max-model-len", "64", "--max-num-seqs", "4", "--no-warmup", "--dtype", "float32"]
 
 
+def test_the_front_end_does_not_preallocate_a_gpu_the_core_holds(monkeypatch):
+    """Once the engine (its core in another process) is up, the benchmark's own JAX client
+    allocates on demand; a value the user set stands."""
+    import argparse
+
+    from jaxinfer.bench import offline
+
+    monkeypatch.setattr("jaxinfer.config.cli.engine_config_from_args", lambda a, **k: k)
+    monkeypatch.setattr("jaxinfer.llm.LLM.from_engine_config", classmethod(lambda cls, c: c))
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    args = argparse.Namespace(max_model_len=None)
+    assert offline.make_llm(args, 12) == {"max_model_len": 12}
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    offline.make_llm(args, 12)
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+
+
 @pytest.mark.slow  # the same engine paths as the throughput smoke test, which CI runs
 def test_latency(tmp_path):
     out = tmp_path / "lat.json"
