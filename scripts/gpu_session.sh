@@ -29,17 +29,21 @@ echo "device: $dev  jax: $($PY -c 'import jax; print(jax.__version__)')  phase: 
 case "$phase" in
 all)
     # Each part has its own time cap and writes its results as soon as it ends, so a cut-off
-    # run still brings the earlier parts back. Caps sum to ~540 s. The tests print one line each
-    # (-v), so a cut-off run still says which passed.
+    # run still brings the earlier parts back. Caps sum to ~510 s. The tests print one line each
+    # (-v), so a cut-off run still says which passed. One after another they took ~300 s on an
+    # H200 (2026-11-30: 25 tests, most of it compiling on the host), so with pytest-xdist (in
+    # the GPU image) four workers share them, each allocating GPU memory on demand.
     nvidia-smi -L 2>&1 | tee "$OUT/all_$dev.log"
     sel=(-m gpu tests/pallas_kernels tests/engine/test_gpu_pallas_engine.py)
     [ "$SMOKE" = 1 ] && sel=(tests/pallas_kernels/test_tuning.py -k lookup)
-    timeout 290 $PY -m pytest -v -p no:cacheprovider "${sel[@]}" 2>&1 \
-        | tee "$OUT/gpu_tests_$dev.log"
+    workers=()
+    $PY -c "import xdist" 2>/dev/null && workers=(-n 4)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 $PY -m pytest -v -p no:cacheprovider \
+        "${workers[@]}" "${sel[@]}" 2>&1 | tee "$OUT/gpu_tests_$dev.log"
     kargs=(--sweep --batches 1,8,32,128 --contexts 512,4096,32768
            --output-json "$OUT/kernels_$dev.json")
     [ "$SMOKE" = 1 ] && kargs+=(--smoke --interpret --no-torch)
-    timeout 70 $PY benchmarks/kernels.py "${kargs[@]}" 2>&1 | tee "$OUT/kernels_$dev.log"
+    timeout 130 $PY benchmarks/kernels.py "${kargs[@]}" 2>&1 | tee "$OUT/kernels_$dev.log"
     model=benchmarks/configs/llama-3.1-8b
     common=(--load-format dummy --dtype bfloat16 --skip-tokenizer-init --attention-backend pallas
             --step-compilation whole --warmup-buckets start --max-num-seqs 32)
