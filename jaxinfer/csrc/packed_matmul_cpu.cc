@@ -127,9 +127,10 @@ constexpr int64_t kPrefetchAhead = 4096;
 
 // Nta: prefetchnta, for a panel read once by a loop that moves little else through L1 (all
 // of a product's rows in one register block: the decode of one to a few sequences). Paired
-// steps on the Zen 5 VM, both ways round: batch 1 ~10% faster for bf16 panels, ~5% for GGUF
-// 4-bit and ~2% for float32. Not where other rows' blocks reread the panel from cache, nor in
-// the widening loops, whose stores push the lines out of L1 first (GGUF at 32 rows ~4% slower).
+// steps on the Zen 5 VM, both ways round: batch 1 ~6.5% faster for bf16 panels, ~7% for GGUF
+// 4-bit and ~6% for float32 (docs/cpu.md). Not where other rows' blocks reread the panel from
+// cache, nor in the widening loops, whose stores push the lines out of L1 first (GGUF at 32
+// rows ~4% slower).
 template <bool Nta = false, typename W>
 inline void prefetch_row(const W* row, int64_t k) {
   constexpr int64_t bytes = kNR * sizeof(W);  // 32 (int8, fp8) or 128 (float)
