@@ -1053,8 +1053,11 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
       l[row] = l[row] * corr + sum;
       m[row] = mx;
     }
-    // P.V of a bf16 / fp8 cache in register blocks (pv_page); a float32 cache keeps the
-    // key-by-key loop (blocked, its decode ran ~7% slower from DRAM on the AMD Zen 4 VM).
+    // P.V in register blocks (pv_page). A float32 cache took the key-by-key loop below until
+    // 2026-11-30: blocked, its decode had run ~7% slower from DRAM on an AMD Zen 4 VM; on a
+    // Zen 5 VM the blocked form reads 4-12% faster from DRAM and ~20% faster from L3, where
+    // the key-by-key loop's load-add-store of every output held ~30% of the kernel's samples
+    // (results/cpu_attention_f32_blocked_pv_zen5.json). AVX2 builds keep that loop.
 #if !defined(JAXINFER_V16_PAIR)
 #if defined(JAXINFER_ATTN_BF16_DOT)
     if constexpr (std::is_same<KV, BF16>::value) {
@@ -1065,10 +1068,8 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
       }
     }
 #endif
-    if constexpr (!std::is_same<KV, float>::value) {
-      pv_page(p, nr, s, acc, vb, n, [&](int64_t t) { prefetch_key(vb, next_v, t, n); });
-    } else
-#endif
+    pv_page(p, nr, s, acc, vb, n, [&](int64_t t) { prefetch_key(vb, next_v, t, n); });
+#else
     {  // P.V, key by key.
       for (int64_t j = 0; j < n; ++j) {
         prefetch_key(vb, next_v, j + kAheadKeys, n);
@@ -1085,6 +1086,7 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
         }
       }
     }
+#endif
   }
 #if defined(JAXINFER_ATTN_BF16_DOT)
   if (pv_bf16) unpermute_pv(acc, nr, D);
