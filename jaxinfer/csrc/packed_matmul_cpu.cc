@@ -807,6 +807,16 @@ constexpr bool kAmx = false;
 constexpr int64_t kAmxRows = 0;
 #endif
 
+// Panel bytes a worker claims at least (work()'s claim). GGUF 4-bit panels of SmolLM2 are
+// 9 KiB: claimed one at a time, the two threads took turns along small products (a 576 x 576
+// projection is 18 panels), so each claim began a stream of its own with no prefetch ahead of
+// it, and the other thread's prefetches ran into it. At 64 KiB a GGUF batch-1 step took
+// ~0.88 of the time (claims of 32 KiB: ~0.92, 256 KiB: worse again, the threads finishing
+// apart); float32 and bf16 panels (37-73 KiB) claim one at a time as before. Products of
+// fewer than kWidenRows rows only: at 32 rows a GGUF step ran ~3% slower with it (a small
+// projection went to one thread where its FMAs, not its bytes, take the time).
+constexpr int64_t kMinClaimBytes = 64 << 10;
+
 template <typename W>
 struct Shared {
   const float* x;
@@ -821,6 +831,7 @@ struct Shared {
   int64_t Kp = 0;
   float* y;
   int64_t M, K, N, panels, per_task;
+  int64_t min_claim = 1;  // panels a claim takes at least (claim())
   int64_t workers = 1;  // the caller and its helpers
   bool pairs = false;  // full panels in pairs (from kPairRows rows; vdpbf16ps: kDotRows)
   std::atomic<int64_t> next{0};
@@ -842,7 +853,8 @@ void work(Shared<W>& sh) {
     if (ahead) return sh.next.fetch_add(sh.per_task, std::memory_order_relaxed);
     int64_t at = sh.next.load(std::memory_order_relaxed);
     do {
-      size = std::clamp<int64_t>((sh.panels - at) / (2 * sh.workers), 1, sh.per_task);
+      size = std::clamp<int64_t>((sh.panels - at) / (2 * sh.workers), sh.min_claim,
+                                 sh.per_task);
     } while (at < sh.panels &&
              !sh.next.compare_exchange_weak(at, at + size, std::memory_order_relaxed));
     return at;
@@ -1033,6 +1045,11 @@ ffi::Error PackedMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // A few chunks per thread: balance without much contention on the counter.
   sh->per_task = std::max<int64_t>(1, sh->panels / (4 * (threads + 1)));
+  if (sh->M < kWidenRows) {  // (streaming the weights; from there on the rows' FMAs decide)
+    const int64_t panel_bytes = (sh->K / kRowsPerByteRow<W>) * kNR * sizeof(W);
+    sh->min_claim = std::max<int64_t>(1, kMinClaimBytes / panel_bytes);
+    sh->per_task = std::max(sh->per_task, sh->min_claim);
+  }
   if (sh->pairs)  // (whole pairs of panels per chunk)
     sh->per_task = std::max<int64_t>(2, sh->per_task + sh->per_task % 2);
   const int64_t chunks = (sh->panels + sh->per_task - 1) / sh->per_task;

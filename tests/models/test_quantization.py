@@ -110,6 +110,29 @@ def test_cpu_kernel_4bit_codes(lo, group, m):
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ kernels could not be built")
 @pytest.mark.parametrize("kind", ["int8", "4bit"])
+@pytest.mark.parametrize("m", [1, 5, 12])
+def test_cpu_kernel_claims_of_many_small_panels(kind, m):
+    """Below 12 rows a thread claims at least 64 KiB of panels at a time: 100 panels of
+    64 x 32 codes (1 or 2 KiB each) go in claims of 32 or 64 panels, the last one short;
+    every column is computed once and right, with the threads sharing the claims."""
+    rng = np.random.default_rng(m + len(kind))
+    k, n, group = 64, 100 * 32 - 7, 32
+    q = rng.integers(0, 16, (k, n)).astype(np.int8)
+    s = rng.uniform(0.001, 0.02, (k // group, n)).astype(np.float32)
+    o = rng.uniform(-0.1, 0.1, (k // group, n)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    ref = x.astype(np.float64) @ dequantize(q, s, group, o)
+    if kind == "4bit":
+        codes, o2 = to_nibbles(q, s, o)
+        w, off = pack_nibbles(cpu_kernels.pack(codes)), cpu_kernels.pack(o2)
+    else:
+        w, off = cpu_kernels.pack(q), cpu_kernels.pack(o)
+    got = cpu_kernels.matmul(x, w, n, cpu_kernels.pack(s), off)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ kernels could not be built")
+@pytest.mark.parametrize("kind", ["int8", "4bit"])
 @pytest.mark.parametrize("m", [1, 13])
 def test_cpu_kernel_gated_quantized(kind, m):
     """A quantized down projection from the gate-up product: (silu(gate) * up) @ (q * s + o),
