@@ -186,8 +186,10 @@ inline void block(const float* x, const W* panel, const float* scale, const floa
   if constexpr (std::is_same_v<W, Nibbles>) {  // (always groups: GGUF's; G even)
     for (int64_t g0 = 0, g = 0; g0 < K; g0 += G, ++g) {
       if (Stream) prefetch_groups(scale, offset, g);
-      v16 t[MR][2];
-      for (int i = 0; i < MR; ++i) t[i][0] = t[i][1] = v16{};
+      // (the group's even and odd rows in sums of their own: one FMA into each per row pair,
+      // four chains a row instead of two, each also waiting on a multiply and an add)
+      v16 t[MR][2], u[MR][2];
+      for (int i = 0; i < MR; ++i) t[i][0] = t[i][1] = u[i][0] = u[i][1] = v16{};
       for (int64_t k = g0; k < g0 + G; k += 2) {
         const Nibbles* r = panel + (k / 2) * kNR;
         if (Stream) prefetch_row<Stream == kStreamOnce>(r, k / 2);
@@ -196,14 +198,16 @@ inline void block(const float* x, const W* panel, const float* scale, const floa
         load_nibbles(r + 16, l1, h1);
         for (int i = 0; i < MR; ++i) {
           const float a = xr[i * K + k], a2 = xr[i * K + k + 1];
-          t[i][0] += a * l0 + a2 * h0;
-          t[i][1] += a * l1 + a2 * h1;
+          t[i][0] += a * l0;
+          t[i][1] += a * l1;
+          u[i][0] += a2 * h0;
+          u[i][1] += a2 * h1;
         }
       }
       const v16 s0 = load16(scale + g * kNR), s1 = load16(scale + g * kNR + 16);
       for (int i = 0; i < MR; ++i) {
-        acc[i][0] += t[i][0] * s0;
-        acc[i][1] += t[i][1] * s1;
+        acc[i][0] += (t[i][0] + u[i][0]) * s0;
+        acc[i][1] += (t[i][1] + u[i][1]) * s1;
       }
       if (offset != nullptr) {
         const v16 o0 = load16(offset + g * kNR), o1 = load16(offset + g * kNR + 16);
@@ -256,9 +260,23 @@ inline void block(const float* x, const W* panel, const float* scale, const floa
   } else {
     for (int64_t g0 = 0, g = 0; g0 < K; g0 += G, ++g) {
       if (Stream) prefetch_groups(scale, offset, g);
-      v16 t[MR][2];
-      for (int i = 0; i < MR; ++i) t[i][0] = t[i][1] = v16{};
-      for (int64_t k = g0; k < g0 + G; ++k) {
+      v16 t[MR][2], u[MR][2];  // (even and odd rows apart, as for 4-bit codes)
+      for (int i = 0; i < MR; ++i) t[i][0] = t[i][1] = u[i][0] = u[i][1] = v16{};
+      int64_t k = g0;
+      for (; k + 1 < g0 + G; k += 2) {
+        if (Stream) prefetch_row<Stream == kStreamOnce>(panel + k * kNR, k);
+        if (Stream) prefetch_row<Stream == kStreamOnce>(panel + (k + 1) * kNR, k + 1);
+        const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
+        const v16 c0 = load_w(panel + (k + 1) * kNR), c1 = load_w(panel + (k + 1) * kNR + 16);
+        for (int i = 0; i < MR; ++i) {
+          const float a = xr[i * K + k], a2 = xr[i * K + k + 1];
+          t[i][0] += a * b0;
+          t[i][1] += a * b1;
+          u[i][0] += a2 * c0;
+          u[i][1] += a2 * c1;
+        }
+      }
+      for (; k < g0 + G; ++k) {
         if (Stream) prefetch_row<Stream == kStreamOnce>(panel + k * kNR, k);
         const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
         for (int i = 0; i < MR; ++i) {
@@ -269,8 +287,8 @@ inline void block(const float* x, const W* panel, const float* scale, const floa
       }
       const v16 s0 = load16(scale + g * kNR), s1 = load16(scale + g * kNR + 16);
       for (int i = 0; i < MR; ++i) {
-        acc[i][0] += t[i][0] * s0;
-        acc[i][1] += t[i][1] * s1;
+        acc[i][0] += (t[i][0] + u[i][0]) * s0;
+        acc[i][1] += (t[i][1] + u[i][1]) * s1;
       }
       if (offset != nullptr) {  // + o_g * sum of the group's x (from cache: x is small)
         const v16 o0 = load16(offset + g * kNR), o1 = load16(offset + g * kNR + 16);

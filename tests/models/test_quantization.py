@@ -65,11 +65,11 @@ def test_cpu_kernel_decodes_every_fp8_value_exactly():
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ kernels could not be built")
-@pytest.mark.parametrize("group,offset", [(16, True), (32, True), (32, False)])
+@pytest.mark.parametrize("group,offset", [(16, True), (32, True), (32, False), (3, True)])
 @pytest.mark.parametrize("m", [1, 7, 13])
 def test_cpu_kernel_groups_with_offsets(group, offset, m):
     """GGUF-style groups of input rows, each with a scale and an offset per column:
-    x @ (q * s + o), for the kernel and for XLA's path."""
+    x @ (q * s + o), for the kernel and for XLA's path (groups of 3: an odd row closes each)."""
     rng = np.random.default_rng(group + m)
     k, n = 96, 45
     q = rng.integers(0, 16, (k, n)).astype(np.int8)
