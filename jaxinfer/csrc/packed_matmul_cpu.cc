@@ -169,6 +169,39 @@ inline void prefetch_groups(const float* scale, const float* offset, int64_t g) 
   }
 }
 
+// t += the MR rows xr [MR, K] . the panel's rows [k0, k1) (one weight per value): with Two,
+// the even rows' products go into t and the odd rows' into u, two chains of FMAs per sum where
+// one row's products alone would wait on the FMA's latency (an odd last row goes into t).
+template <int MR, int Stream, bool Two, typename W>
+inline void sum_rows(const float* xr, const W* panel, int64_t K, int64_t k0, int64_t k1,
+                     v16 (&t)[MR][2], v16 (&u)[MR][2]) {
+  int64_t k = k0;
+  if constexpr (Two) {
+    for (; k + 1 < k1; k += 2) {
+      if (Stream) prefetch_row<Stream == kStreamOnce>(panel + k * kNR, k);
+      if (Stream) prefetch_row<Stream == kStreamOnce>(panel + (k + 1) * kNR, k + 1);
+      const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
+      const v16 c0 = load_w(panel + (k + 1) * kNR), c1 = load_w(panel + (k + 1) * kNR + 16);
+      for (int i = 0; i < MR; ++i) {
+        const float a = xr[i * K + k], a2 = xr[i * K + k + 1];
+        t[i][0] += a * b0;
+        t[i][1] += a * b1;
+        u[i][0] += a2 * c0;
+        u[i][1] += a2 * c1;
+      }
+    }
+  }
+  for (; k < k1; ++k) {
+    if (Stream) prefetch_row<Stream == kStreamOnce>(panel + k * kNR, k);
+    const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
+    for (int i = 0; i < MR; ++i) {
+      const float a = xr[i * K + k];
+      t[i][0] += a * b0;
+      t[i][1] += a * b1;
+    }
+  }
+}
+
 // rows [m0, m0 + MR) x panel `panel`: acc = x rows . panel, written to y. Quantized weights
 // (scale set): the panel's K rows come in groups of G, each with a scale and (offset set)
 // an offset per column, [K / G, kNR] from `scale` / `offset`: y = sum over groups of
@@ -219,36 +252,12 @@ inline void block(const float* x, const W* panel, const float* scale, const floa
       }
     }
   } else if (scale == nullptr || (G == K && offset == nullptr)) {
-    int64_t k = 0;
-    if constexpr (MR <= kTwoSumsRows) {  // few rows: two sets of sums (FMA latency)
-      v16 odd[MR][2];
-      for (int i = 0; i < MR; ++i) odd[i][0] = odd[i][1] = v16{};
-      for (; k + 2 <= K; k += 2) {
-        if (Stream) prefetch_row<Stream == kStreamOnce>(panel + k * kNR, k);
-        if (Stream) prefetch_row<Stream == kStreamOnce>(panel + (k + 1) * kNR, k + 1);
-        const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
-        const v16 c0 = load_w(panel + (k + 1) * kNR), c1 = load_w(panel + (k + 1) * kNR + 16);
-        for (int i = 0; i < MR; ++i) {
-          const float a = xr[i * K + k], a2 = xr[i * K + k + 1];
-          acc[i][0] += a * b0;
-          acc[i][1] += a * b1;
-          odd[i][0] += a2 * c0;
-          odd[i][1] += a2 * c1;
-        }
-      }
-      for (int i = 0; i < MR; ++i) {
-        acc[i][0] += odd[i][0];
-        acc[i][1] += odd[i][1];
-      }
-    }
-    for (; k < K; ++k) {
-      if (Stream) prefetch_row<Stream == kStreamOnce>(panel + k * kNR, k);
-      const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
-      for (int i = 0; i < MR; ++i) {
-        const float a = xr[i * K + k];
-        acc[i][0] += a * b0;
-        acc[i][1] += a * b1;
-      }
+    v16 odd[MR][2];  // (few rows: two sets of sums, for the FMA's latency)
+    for (int i = 0; i < MR; ++i) odd[i][0] = odd[i][1] = v16{};
+    sum_rows<MR, Stream, MR <= kTwoSumsRows>(xr, panel, K, 0, K, acc, odd);
+    for (int i = 0; i < MR; ++i) {
+      acc[i][0] += odd[i][0];
+      acc[i][1] += odd[i][1];
     }
     if (scale != nullptr) {
       const v16 s0 = load16(scale), s1 = load16(scale + 16);
@@ -262,29 +271,7 @@ inline void block(const float* x, const W* panel, const float* scale, const floa
       if (Stream) prefetch_groups(scale, offset, g);
       v16 t[MR][2], u[MR][2];  // (even and odd rows apart, as for 4-bit codes)
       for (int i = 0; i < MR; ++i) t[i][0] = t[i][1] = u[i][0] = u[i][1] = v16{};
-      int64_t k = g0;
-      for (; k + 1 < g0 + G; k += 2) {
-        if (Stream) prefetch_row<Stream == kStreamOnce>(panel + k * kNR, k);
-        if (Stream) prefetch_row<Stream == kStreamOnce>(panel + (k + 1) * kNR, k + 1);
-        const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
-        const v16 c0 = load_w(panel + (k + 1) * kNR), c1 = load_w(panel + (k + 1) * kNR + 16);
-        for (int i = 0; i < MR; ++i) {
-          const float a = xr[i * K + k], a2 = xr[i * K + k + 1];
-          t[i][0] += a * b0;
-          t[i][1] += a * b1;
-          u[i][0] += a2 * c0;
-          u[i][1] += a2 * c1;
-        }
-      }
-      for (; k < g0 + G; ++k) {
-        if (Stream) prefetch_row<Stream == kStreamOnce>(panel + k * kNR, k);
-        const v16 b0 = load_w(panel + k * kNR), b1 = load_w(panel + k * kNR + 16);
-        for (int i = 0; i < MR; ++i) {
-          const float a = xr[i * K + k];
-          t[i][0] += a * b0;
-          t[i][1] += a * b1;
-        }
-      }
+      sum_rows<MR, Stream, true>(xr, panel, K, g0, g0 + G, t, u);
       const v16 s0 = load16(scale + g * kNR), s1 = load16(scale + g * kNR + 16);
       for (int i = 0; i < MR; ++i) {
         acc[i][0] += (t[i][0] + u[i][0]) * s0;
