@@ -1,20 +1,21 @@
-"""bf16 GEMMs on this CPU: our packed-weight kernel against the oneDNN matmul vLLM's CPU build
-runs (`vllm._custom_ops.onednn_mm`, weights prepacked once by `create_onednn_mm`, the path
-vLLM takes for an unquantized bf16 linear on x86 without AMX), paired in time.
+"""bf16 (or --dtype float32) GEMMs on this CPU: our packed-weight kernel against the oneDNN
+matmul vLLM's CPU build runs (`vllm._custom_ops.onednn_mm`, weights prepacked once by
+`create_onednn_mm`, the path vLLM takes for an unquantized linear on x86 without AMX; in
+float32 too), paired in time.
 
 Two processes, one per side (ours under this checkout's .venv, oneDNN under vLLM's Python),
 each holding the same projection shapes (SmolLM2-135M's and Qwen3-0.6B's: qkv, o, gate-up,
 down) with enough copies of each weight that they stream from memory (64 MB or more per
 shape); they take turns, shape by shape, the order alternating each round, a pause between
-turns so that neither side's idle threads spin on the other's cores. Rows are bf16 in
-and bf16 out on both sides (what a bf16 model's layers hand each other). Reported per shape
+turns so that neither side's idle threads spin on the other's cores. Rows are in and out in
+the weights' dtype on both sides (what a model's layers hand each other). Reported per shape
 and row count M: each side's median GFLOP/s and the median of the rounds' ours / oneDNN
 ratios (> 1: ours faster).
 
 Usage:
     PYTHONPATH=. .venv/bin/python benchmarks/gemm_vs_onednn.py \
         --vllm-python /work/peers/vllm-venv/bin/python [--rows 1,32,512,2048] [--rounds 3] \
-        [--output-json F]
+        [--dtype bfloat16|float32] [--output-json F]
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ SHAPES = [("SmolLM2-135M", "qkv", 576, 960), ("SmolLM2-135M", "gate_up", 576, 30
 STREAM_BYTES = 64 << 20  # weight copies per shape: at least this many bytes (past the L3)
 
 
-def copies(k: int, n: int) -> int:
-    return max(2, -(-STREAM_BYTES // (2 * k * n)))
+def copies(k: int, n: int, dtype: str) -> int:
+    return max(2, -(-STREAM_BYTES // ((2 if dtype == "bfloat16" else 4) * k * n)))
 
 
-def child_ours(rows: list[int]):
+def child_ours(rows: list[int], dtype: str):
     """Our side: one jitted call per (shape, M) multiplying x by every copy."""
     import jax
     import jax.numpy as jnp
@@ -54,14 +55,15 @@ def child_ours(rows: list[int]):
         raise SystemExit("the C++ kernels could not be built")
     keep_freed_memory()  # (as the engine does on CPUs)
     rng = np.random.default_rng(0)
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
     runs = {}
     for i, (_, _, k, n) in enumerate(SHAPES):
-        ws = [jnp.asarray(ck.pack((0.02 * rng.standard_normal((k, n), np.float32)).astype(
-            ml_dtypes.bfloat16))) for _ in range(copies(k, n))]
-        assert ws[0].dtype == jnp.bfloat16  # (bf16 panels: the kernel's bf16 path)
+        ws = [jnp.asarray(ck.pack((0.02 * rng.standard_normal((k, n), np.float32)).astype(dt)))
+              for _ in range(copies(k, n, dtype))]
+        assert ws[0].dtype == dt  # (panels of the weights' dtype: the kernel's path for it)
         fn = jax.jit(lambda x, ws, n=n: [ck.matmul(x, w, n) for w in ws])
         for m in rows:
-            x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+            x = jnp.asarray(rng.standard_normal((m, k), np.float32), dt)
             jax.block_until_ready(fn(x, ws))
 
             def run(fn=fn, x=x, ws=ws):
@@ -70,7 +72,7 @@ def child_ours(rows: list[int]):
     return runs
 
 
-def child_onednn(rows: list[int]):
+def child_onednn(rows: list[int], dtype: str):
     """vLLM's side: a oneDNN handler per weight copy (prepacked), onednn_mm per call."""
     import torch
     from vllm import _custom_ops as ops
@@ -78,12 +80,13 @@ def child_onednn(rows: list[int]):
     if not ops._supports_onednn:
         raise SystemExit("this vLLM build has no oneDNN matmul")
     torch.manual_seed(0)
+    dt = getattr(torch, dtype)
     runs = {}
     for i, (_, _, k, n) in enumerate(SHAPES):
-        hs = [ops.create_onednn_mm((torch.randn(n, k) * 0.02).to(torch.bfloat16).t(), 32)
-              for _ in range(copies(k, n))]
+        hs = [ops.create_onednn_mm((torch.randn(n, k) * 0.02).to(dt).t(), 32)
+              for _ in range(copies(k, n, dtype))]
         for m in rows:
-            x = torch.randn(m, k).to(torch.bfloat16)
+            x = torch.randn(m, k).to(dt)
             for h in hs:
                 ops.onednn_mm(h, x, None)
 
@@ -97,7 +100,7 @@ def child_onednn(rows: list[int]):
 
 def child(args) -> None:
     rows = [int(r) for r in args.rows.split(",")]
-    runs = child_ours(rows) if args.child == "ours" else child_onednn(rows)
+    runs = (child_ours if args.child == "ours" else child_onednn)(rows, args.dtype)
     print("READY", flush=True)
     for line in sys.stdin:
         i, m, iters = (int(v) for v in line.split())
@@ -110,7 +113,8 @@ def child(args) -> None:
 
 
 def start(python: str, side: str, args, env: dict) -> subprocess.Popen:
-    cmd = [python, os.path.abspath(__file__), "--child", side, "--rows", args.rows]
+    cmd = [python, os.path.abspath(__file__), "--child", side, "--rows", args.rows,
+           "--dtype", args.dtype]
     p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     for line in p.stdout:
         if line.strip() == "READY":
@@ -123,6 +127,7 @@ def main():
     ap.add_argument("--vllm-python", required=False, help="vLLM's (CPU build) Python")
     ap.add_argument("--rows", default="1,32,512,2048")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--iters", type=int, default=5, help="timed calls per turn")
     ap.add_argument("--pause", type=float, default=0.5,
                     help="seconds between turns (oneDNN's OpenMP threads spin ~200 ms after "
@@ -158,7 +163,7 @@ def main():
     results = []
     print(f"{'shape':<28} {'M':>5} {'ours GFLOP/s':>13} {'oneDNN':>8} {'ours / oneDNN':>14}")
     for i, (model, proj, k, n) in enumerate(SHAPES):
-        c = copies(k, n)
+        c = copies(k, n, args.dtype)
         for m in rows:
             flop = 2.0 * m * k * n * c
             ours, dnn = secs[i, m, "ours"], secs[i, m, "onednn"]
@@ -171,7 +176,7 @@ def main():
             results.append(row)
             print(f"{model + ' ' + proj + f' {k}x{n}':<28} {m:>5} {row['ours_gflops']:>13.1f} "
                   f"{row['onednn_gflops']:>8.1f} {ratio:>13.2f}x", flush=True)
-    out = {"benchmark": "gemm_vs_onednn", "rows": rows, "results": results,
+    out = {"benchmark": "gemm_vs_onednn", "dtype": args.dtype, "rows": rows, "results": results,
            "rounds": args.rounds, "iters": args.iters,
            "command": "benchmarks/gemm_vs_onednn.py " + " ".join(sys.argv[1:]),
            "environment": {"python": platform.python_version(), "cpus": ncpu}}

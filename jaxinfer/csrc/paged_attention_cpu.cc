@@ -259,11 +259,35 @@ inline PageRows page_rows(const Problem& p, int64_t head, int64_t slot, int64_t 
   return {kbuf, vbuf, D};
 }
 
+#if defined(__AVX512F__)
+// exp16 (below) in fewer instructions where AVX-512 has them: the exponent rounded in one
+// vrndscaleps and applied by vscalefps (no integer conversions and shifts); the same
+// reduction and polynomial, so the same accuracy.
+inline __m512 exp16_scalef(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2, in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 e = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 5040.0f), r, _mm512_set1_ps(1.0f / 720.0f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 120.0f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 24.0f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 6.0f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(e, n);
+}
+#endif
+
 // e^x for x <= 0, 16 lanes (relative error under 1.2e-7 down to -20, 3e-7 to -87): x = n ln2
 // + r, |r| <= ln2 / 2, e^r by its Taylor series to r^7, times 2^n built in the exponent bits.
 // Below -87 (results under float32's normal range) the result is ~1e-38, not 0: callers zero
 // masked entries themselves.
 inline v16 exp16(v16 x) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16>(exp16_scalef(reinterpret_cast<__m512>(x)));
+#else
   x = select(x < -87.0f, v16{} - 87.0f, x);
   const v16 t = x * 1.44269504f;
   const v16i n = to_int(t + select(t < 0.0f, v16{} - 0.5f, v16{} + 0.5f));
@@ -281,6 +305,7 @@ inline v16 exp16(v16 x) {
   v16 scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return e * scale;
+#endif
 }
 
 constexpr int64_t kKeys = 8;  // keys per register block of blocked scores
@@ -327,6 +352,60 @@ inline void pv_block(const float* w, int64_t RP, const float* v, int64_t vs, int
     for (int c = 0; c < NV; ++c) store16(acc + i * D + 16 * c, o[i][c]);
 }
 
+// The online softmax of one page's scores st [n keys, RP rows] (transposed), 16 rows at a
+// time: probabilities (0 where a key is not visible to a row: causal, window, from pos and
+// first) replace the scores; each row's running max m and sum l are updated and its acc row
+// [D] rescaled. Pages every row sees whole (before the tile's first token, no window) need
+// no masks (masked false).
+inline void softmax_page(float* st, int64_t RP, int64_t RV, int64_t rows, int64_t n, int64_t j0,
+                         bool masked, const float* pos, const float* first, float* m, float* l,
+                         float* acc, int64_t D) {
+  for (int64_t rv = 0; rv < RV; ++rv) {
+    const v16 last = load16(pos + 16 * rv), from = load16(first + 16 * rv);
+    const v16 m_old = load16(m + 16 * rv);
+    v16 mx = m_old;
+    for (int64_t j = 0; j < n; ++j) {
+      float* sj = st + j * RP + 16 * rv;
+      v16 sc = load16(sj);
+      if (masked) {
+        const float key = static_cast<float>(j0 + j);
+        sc = select((key <= last) & (key >= from), sc, v16{} + kMaskValue);
+        store16(sj, sc);
+      }
+      mx = select(mx > sc, mx, sc);
+    }
+    v16 sum = v16{};
+    for (int64_t j = 0; j < n; ++j) {
+      float* sj = st + j * RP + 16 * rv;
+      const v16 sc = load16(sj);
+      const v16 e = masked ? select(sc > kMaskValue, exp16(sc - mx), v16{}) : exp16(sc - mx);
+      store16(sj, e);
+      sum += e;
+    }
+    const v16 corr = exp16(m_old - mx);  // 1 while a row has seen no key (acc is 0)
+    store16(l + 16 * rv, load16(l + 16 * rv) * corr + sum);
+    store16(m + 16 * rv, mx);
+    for (int64_t i = 0; i < 16 && 16 * rv + i < rows; ++i) {
+      float* ar = acc + (16 * rv + i) * D;
+      for (int64_t d = 0; d < D; d += 16) store16(ar + d, load16(ar + d) * corr[i]);
+    }
+  }
+}
+
+// Every cache line of an item's query rows, tokens [r0, r1) of its KV head's group, into L1
+// before they are read: a row at a time, the first reads of the rows (an earlier program's
+// output, often in the other core's cache) stalled in turn, ~19% of a float32 2 x 1024
+// prefill's attention.
+inline void prefetch_q_rows(const Problem& p, int64_t start, int64_t r0, int64_t r1,
+                            int64_t head) {
+  const int64_t elem = p.q_kind == Kind::kF32 ? 4 : 2, bytes = p.group * p.D * elem;
+  const char* q = static_cast<const char*>(p.q);
+  for (int64_t t = r0; t < r1; ++t) {
+    const char* row = q + ((start + t) * p.Hq + head * p.group) * p.D * elem;
+    for (int64_t b = 0; b < bytes; b += 64) jaxinfer_cpu::prefetch(row + b);
+  }
+}
+
 // Prefill-shaped items (kBlockedMinRows rows or more, D a multiple of 16): per page, the
 // scores of all the item's rows come out transposed, [key, row], kKeys keys x up to 48 rows
 // per register block, the queries transposed once per item (no per-page transpose of K); the
@@ -354,6 +433,7 @@ bool run_blocked_item(const Problem& p, const Item& it, std::vector<float>& scra
   float* first = pos + RP;
   float* kbuf = first + RP;
   float* vbuf = kbuf + BS * D;
+  prefetch_q_rows(p, start, r0, r1, it.head);
   std::fill(qt, qt + D * RP, 0.0f);
   for (int64_t row = 0; row < RP; ++row) {
     const int64_t t = r0 + row / G;
@@ -389,40 +469,8 @@ bool run_blocked_item(const Problem& p, const Item& it, std::vector<float>& scra
         }
       }
     }
-    // Online softmax, 16 rows at a time: probabilities (0 where a key is not visible to a
-    // row: causal, window) replace the scores; acc rows are rescaled. Pages every row sees
-    // whole (before the tile's first token, no window) need no masks.
-    const bool masked = p.window > 0 || j1 - 1 > ctx + r0;
-    for (int64_t rv = 0; rv < RV; ++rv) {
-      const v16 last = load16(pos + 16 * rv), from = load16(first + 16 * rv);
-      const v16 m_old = load16(m + 16 * rv);
-      v16 mx = m_old;
-      for (int64_t j = 0; j < n; ++j) {
-        float* sj = st + j * RP + 16 * rv;
-        v16 sc = load16(sj);
-        if (masked) {
-          const float key = static_cast<float>(j0 + j);
-          sc = select((key <= last) & (key >= from), sc, v16{} + kMaskValue);
-          store16(sj, sc);
-        }
-        mx = select(mx > sc, mx, sc);
-      }
-      v16 sum = v16{};
-      for (int64_t j = 0; j < n; ++j) {
-        float* sj = st + j * RP + 16 * rv;
-        const v16 sc = load16(sj);
-        const v16 e = masked ? select(sc > kMaskValue, exp16(sc - mx), v16{}) : exp16(sc - mx);
-        store16(sj, e);
-        sum += e;
-      }
-      const v16 corr = exp16(m_old - mx);  // 1 while a row has seen no key (acc is 0)
-      store16(l + 16 * rv, load16(l + 16 * rv) * corr + sum);
-      store16(m + 16 * rv, mx);
-      for (int64_t i = 0; i < 16 && 16 * rv + i < rows; ++i) {
-        float* ar = acc + (16 * rv + i) * D;
-        for (int64_t d = 0; d < D; d += 16) store16(ar + d, load16(ar + d) * corr[i]);
-      }
-    }
+    softmax_page(st, RP, RV, rows, n, j0, p.window > 0 || j1 - 1 > ctx + r0, pos, first, m, l,
+                 acc, D);
     // P.V: kRB rows x up to 64 output columns per register block, over the page's V rows.
     for (int64_t r = 0; r < rows; r += kRB) {
       const int64_t nr = std::min(kRB, rows - r);
@@ -446,13 +494,23 @@ bool run_blocked_item(const Problem& p, const Item& it, std::vector<float>& scra
   return true;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+bool run_blocked_item_bf16(const Problem& p, const Item& it, std::vector<float>& scratch);
+#endif
+
 // Online-softmax attention of one item; returns false on an out-of-range block id.
 bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
   const int64_t D = p.D, G = p.group, BS = p.BS;
   const Span sp = span_of(p, it);
   const int64_t start = sp.start, ctx = sp.ctx, r0 = sp.r0, r1 = sp.r1, lo = sp.lo, hi = sp.hi;
   const int64_t rows = (r1 - r0) * G;  // (query token, head in group) pairs
-  if (rows >= kBlockedMinRows && D % 16 == 0) return run_blocked_item(p, it, scratch);
+  if (rows >= kBlockedMinRows && D % 16 == 0) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (D % 32 == 0 && p.q_kind == Kind::kBF16 && p.kv_kind == Kind::kBF16)
+      return run_blocked_item_bf16(p, it, scratch);
+#endif
+    return run_blocked_item(p, it, scratch);
+  }
   // A few rows (or D not a multiple of 16): a dot product per (row, key).
   // scratch: q [rows, D] | acc [rows, D] | m, l [rows] | scores [rows, BS] | k, v page [BS, D]
   scratch.resize(static_cast<size_t>(2 * rows * D + 2 * rows + rows * BS + 2 * BS * D));
@@ -856,6 +914,204 @@ inline void unpermute_pv(float* acc, int64_t nr, int64_t D) {
       }
     std::copy(tmp, tmp + 32, acc + c);
   }
+}
+
+// Scores of 16 * NV rows x kKeys keys of a bf16 model's prefill on vdpbf16ps: qp [D / 2, RP]
+// holds each row's bf16 values 2i and 2i + 1 as one 32-bit word (the rows transposed), k[j]
+// key j's cache row as such words; each word of a key is broadcast against NV vectors of
+// rows (32 exact products per instruction, float32 sums). st[key, row] = score x scale, as
+// scores_block leaves them.
+template <int NV>
+inline void scores_block_bf16(const uint32_t* qp, int64_t RP, const uint32_t* const* k,
+                              int64_t words, float scale, float* st) {
+  __m512 acc[NV][kKeys];
+  for (int v = 0; v < NV; ++v)
+    for (int j = 0; j < kKeys; ++j) acc[v][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < words; ++i) {
+    __m512bh q[NV];
+    for (int v = 0; v < NV; ++v)
+      q[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qp + i * RP + 16 * v));
+    for (int j = 0; j < kKeys; ++j) {
+      const __m512bh kj =
+          reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(k[j][i])));
+      for (int v = 0; v < NV; ++v) acc[v][j] = _mm512_dpbf16_ps(acc[v][j], q[v], kj);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int j = 0; j < kKeys; ++j)
+    for (int v = 0; v < NV; ++v)
+      _mm512_storeu_ps(st + j * RP + 16 * v, _mm512_mul_ps(acc[v][j], sc));
+}
+
+// P.V of kRB rows (nr of them stored) on vdpbf16ps, two keys per instruction as in
+// pv_regs_bf16: pb [pairs, RP] holds row i's probabilities of keys 2u and 2u + 1, rounded to
+// bf16, as word u * RP + i; V rows of n keys from v (bf16, vs apart), 32 C values; acc rows
+// (D apart) in pv_regs_bf16's interleaved order.
+template <int C>
+inline void pv_block_bf16(const uint32_t* pb, int64_t RP, const uint16_t* v, int64_t vs,
+                          int64_t n, float* acc, int64_t D, int64_t nr) {
+  __m512 a[kRB][2 * C];
+  for (int64_t i = 0; i < kRB; ++i)
+    for (int c = 0; c < 2 * C; ++c)
+      a[i][c] = i < nr ? _mm512_loadu_ps(acc + i * D + 16 * c) : _mm512_setzero_ps();
+  for (int64_t u = 0; 2 * u < n; ++u) {
+    const uint16_t* v0 = v + 2 * u * vs;
+    const uint16_t* v1 = 2 * u + 1 < n ? v0 + vs : v0;  // (an odd last key's partner weighs 0)
+    __m512bh x[2 * C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i r0 = _mm512_loadu_si512(v0 + 32 * c);
+      const __m512i r1 = _mm512_loadu_si512(v1 + 32 * c);
+      x[2 * c] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(r0, r1));
+      x[2 * c + 1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(r0, r1));
+    }
+    for (int64_t i = 0; i < kRB; ++i) {
+      const __m512bh e =
+          reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pb[u * RP + i])));
+      for (int c = 0; c < 2 * C; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], e, x[c]);
+    }
+  }
+  for (int64_t i = 0; i < nr; ++i)
+    for (int c = 0; c < 2 * C; ++c) _mm512_storeu_ps(acc + i * D + 16 * c, a[i][c]);
+}
+
+// softmax_page for run_blocked_item_bf16: the probabilities go straight into bf16 pairs of
+// keys, pb [pairs, RP] (word u * RP + i: row i's probabilities of keys 2u and 2u + 1; an odd
+// last key's partner 0), and the scores stay as they are (the masks are applied in
+// registers in both passes: no store of masked scores, of float32 probabilities, nor a
+// third pass to pair them). l sums the float32 probabilities, as in decode items.
+inline void softmax_page_pairs(const float* st, int64_t RP, int64_t RV, int64_t rows,
+                               int64_t n, int64_t j0, bool masked, const float* pos,
+                               const float* first, float* m, float* l, float* acc, int64_t D,
+                               uint32_t* pb) {
+  // Lane i of a pair: word i of the first key's probabilities, then word i of the second's.
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                               25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                               18, 2, 17, 1, 16, 0);
+  for (int64_t rv = 0; rv < RV; ++rv) {
+    const __m512 last = _mm512_loadu_ps(pos + 16 * rv), from = _mm512_loadu_ps(first + 16 * rv);
+    auto visible = [&](int64_t j) -> __mmask16 {  // the rows that see key j0 + j
+      const __m512 key = _mm512_set1_ps(static_cast<float>(j0 + j));
+      return _mm512_cmp_ps_mask(key, last, _CMP_LE_OQ) & _mm512_cmp_ps_mask(key, from, _CMP_GE_OQ);
+    };
+    const __m512 m_old = _mm512_loadu_ps(m + 16 * rv);
+    __m512 mx = m_old;
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 sc = _mm512_loadu_ps(st + j * RP + 16 * rv);
+      mx = masked ? _mm512_mask_max_ps(mx, visible(j), mx, sc) : _mm512_max_ps(mx, sc);
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t u = 0; 2 * u < n; ++u) {
+      const int64_t j = 2 * u;
+      __m512 e0 = exp16_scalef(_mm512_sub_ps(_mm512_loadu_ps(st + j * RP + 16 * rv), mx));
+      __m512 e1 = _mm512_setzero_ps();
+      if (j + 1 < n)
+        e1 = exp16_scalef(_mm512_sub_ps(_mm512_loadu_ps(st + (j + 1) * RP + 16 * rv), mx));
+      if (masked) {
+        e0 = _mm512_maskz_mov_ps(visible(j), e0);
+        e1 = _mm512_maskz_mov_ps(j + 1 < n ? visible(j + 1) : __mmask16{0}, e1);
+      }
+      sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+      const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0));
+      _mm512_storeu_si512(pb + u * RP + 16 * rv, _mm512_permutexvar_epi16(interleave, h));
+    }
+    // 1 while a row has seen no key (acc is 0); a row that sees none of this page keeps m
+    const __m512 corr = exp16_scalef(_mm512_sub_ps(m_old, mx));
+    _mm512_storeu_ps(l + 16 * rv, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * rv), corr, sum));
+    _mm512_storeu_ps(m + 16 * rv, mx);
+    float cs[16];
+    _mm512_storeu_ps(cs, corr);
+    for (int64_t i = 0; i < 16 && 16 * rv + i < rows; ++i) {
+      float* ar = acc + (16 * rv + i) * D;
+      const __m512 c = _mm512_set1_ps(cs[i]);
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), c));
+    }
+  }
+}
+
+// run_blocked_item for bf16 queries over a bf16 cache (D a multiple of 32): the same pages,
+// masks and online softmax, with the scores from the bf16 rows as they are (no widened copy
+// of K or q; scaled after, as decode items do) and P.V on bf16 probabilities, two keys a
+// step, V read from the cache as it is (the probabilities rounded as decode items and
+// FlashAttention round them). Returns false on an out-of-range block id.
+bool run_blocked_item_bf16(const Problem& p, const Item& it, std::vector<float>& scratch) {
+  const int64_t D = p.D, G = p.group, BS = p.BS, W = D / 2, row_len = p.Hkv * D;
+  const Span sp = span_of(p, it);
+  const int64_t start = sp.start, ctx = sp.ctx, r0 = sp.r0, r1 = sp.r1, lo = sp.lo, hi = sp.hi;
+  const int64_t rows = (r1 - r0) * G;  // (query token, head in group) pairs
+  const int64_t RP = (rows + 15) / 16 * 16, RV = RP / 16;
+  const int64_t BSP = (BS + kKeys - 1) / kKeys * kKeys, PP = BSP / 2 + 2;
+  // scratch (4-byte words): qp [W, RP] | st [BSP + 1, RP] | pb [PP, RP] | acc [rows, D] |
+  // m, l, pos, first [RP] (pb's extra rows: P.V's last register block reads past the rows)
+  scratch.resize(static_cast<size_t>(W * RP + (BSP + 1) * RP + PP * RP + rows * D + 4 * RP));
+  uint32_t* qp = reinterpret_cast<uint32_t*>(scratch.data());
+  float* st = scratch.data() + W * RP;
+  uint32_t* pb = reinterpret_cast<uint32_t*>(st + (BSP + 1) * RP);
+  float* acc = st + (BSP + 1) * RP + PP * RP;
+  float* m = acc + rows * D;
+  float* l = m + RP;
+  float* pos = l + RP;
+  float* first = pos + RP;
+  prefetch_q_rows(p, start, r0, r1, it.head);
+  std::fill(pb, pb + PP * RP, 0u);
+  const uint16_t* q = static_cast<const uint16_t*>(p.q);
+  for (int64_t row = 0; row < RP; ++row) {
+    const int64_t t = r0 + row / G;
+    pos[row] = row < rows ? static_cast<float>(ctx + t) : 3e38f;
+    first[row] = row < rows && p.window > 0 ? static_cast<float>(ctx + t - p.window + 1) : 0.0f;
+    m[row] = kMaskValue;
+    l[row] = 0.0f;
+    if (row >= rows) {
+      for (int64_t i = 0; i < W; ++i) qp[i * RP + row] = 0u;
+      continue;
+    }
+    const uint16_t* src = q + ((start + t) * p.Hq + it.head * G + row % G) * D;
+    for (int64_t i = 0; i < W; ++i) std::memcpy(qp + i * RP + row, src + 2 * i, 4);
+  }
+  std::fill(acc, acc + rows * D, 0.0f);
+  const uint16_t* kc = static_cast<const uint16_t*>(p.k);
+  const uint16_t* vc = static_cast<const uint16_t*>(p.v);
+  const int32_t* table = p.tables + it.seq * p.MB;
+  for (int64_t page = lo / BS; page * BS < hi; ++page) {
+    const int64_t blk = table[page];
+    if (blk < 0 || blk >= p.NB) return false;
+    const int64_t j0 = std::max(lo, page * BS), j1 = std::min(hi, (page + 1) * BS);
+    const int64_t n = j1 - j0;
+    const int64_t first_key = ((blk * BS + (j0 - page * BS)) * p.Hkv + it.head) * D;
+    const uint16_t* kp = kc + first_key;
+    const uint16_t* vp = vc + first_key;
+    // Scores [n, RP] (keys past n repeat the last one; their scores are never read).
+    for (int64_t c = 0; c < n; c += kKeys) {
+      const uint32_t* k[kKeys];
+      for (int64_t j = 0; j < kKeys; ++j)
+        k[j] = reinterpret_cast<const uint32_t*>(kp + std::min(c + j, n - 1) * row_len);
+      for (int64_t rv = 0; rv < RV; rv += 3) {
+        float* out = st + c * RP + 16 * rv;
+        switch (std::min<int64_t>(3, RV - rv)) {
+          case 1: scores_block_bf16<1>(qp + 16 * rv, RP, k, W, p.scale, out); break;
+          case 2: scores_block_bf16<2>(qp + 16 * rv, RP, k, W, p.scale, out); break;
+          default: scores_block_bf16<3>(qp + 16 * rv, RP, k, W, p.scale, out); break;
+        }
+      }
+    }
+    softmax_page_pairs(st, RP, RV, rows, n, j0, p.window > 0 || j1 - 1 > ctx + r0, pos, first,
+                       m, l, acc, D, pb);
+    for (int64_t r = 0; r < rows; r += kRB) {
+      const int64_t nr = std::min(kRB, rows - r);
+      int64_t d = 0;
+      for (; d + 64 <= D; d += 64)
+        pv_block_bf16<2>(pb + r, RP, vp + d, row_len, n, acc + r * D + d, D, nr);
+      if (d < D) pv_block_bf16<1>(pb + r, RP, vp + d, row_len, n, acc + r * D + d, D, nr);
+    }
+  }
+  unpermute_pv(acc, rows, D);
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t t = r0 + row / G;
+    const int64_t dst = ((start + t) * p.Hq + it.head * G + row % G) * D;
+    store_row(p, dst, acc + row * D, inv_denominator(p, it.head * G + row % G, m[row], l[row]),
+              D);
+  }
+  return true;
 }
 #endif
 

@@ -142,6 +142,26 @@ def test_bf16_decode_rows_match_over_head_dims_and_groups(d, hq, hkv, q_lens, ct
     np.testing.assert_allclose(out, ref, atol=4e-3, rtol=8e-3)
 
 
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 80])
+@pytest.mark.parametrize("hq,hkv,bs", [(9, 3, 128), (14, 2, 16), (4, 4, 16), (8, 1, 128)])
+@pytest.mark.parametrize("window", [None, 37])
+def test_bf16_prefill_items_match_over_head_dims_groups_and_pages(d, hq, hkv, bs, window):
+    """bf16 q and cache, prefill tiles (run_blocked_item_bf16 where D is a multiple of 32,
+    else widened rows): scores on bf16 dot products, P.V on bf16 probability pairs (pages
+    of odd length: an odd last key), every row of a tile from one query token up, chunks
+    after a cached context and a window. Checked against the float32 answer over the same
+    bf16 values at the precision of the bf16 output."""
+    rng = np.random.default_rng(d * 1000 + hq * 10 + bs + (window or 0))
+    q_lens, ctx = [37, 16, 5, 200, 3], [0, 129, 300, 55, 16]
+    args, n = make_case(rng, q_lens, ctx, hq=hq, hkv=hkv, d=d, bs=bs, dtype=jnp.bfloat16)
+    ref = ragged_paged_attention_reference(*(a.astype(jnp.float32) for a in args[:3]),
+                                           *args[3:], sm_scale=0.125, sliding_window=window)
+    ref = np.asarray(jnp.asarray(ref).astype(jnp.bfloat16), np.float32)[:n]
+    out = np.asarray(run(args, sliding_window=window), np.float32)[:n]
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, atol=4e-3, rtol=8e-3)
+
+
 @pytest.mark.parametrize("sliding_window", [1, 7, 40])
 def test_decode_items_with_sliding_window(sliding_window):
     rng = np.random.default_rng(100 + sliding_window)
