@@ -222,12 +222,15 @@ class GateUpLinear(nnx.Module):
         return y[:, 0], y[:, 1]
 
     def product(self, x: jax.Array) -> jax.Array:
-        """x [T, in] -> the gate-up product [T, 2I] (gate, then up) in float32, as the
-        packed kernel leaves it (packed weights without LoRA: a GatedMLP's gated path)."""
+        """x [T, in] -> the gate-up product [T, 2I] (gate, then up) for a GatedMLP's gated path
+        (packed weights without LoRA): in x's dtype from float weights (a bf16 model's bf16
+        product, as its unfused path makes it: half the bytes for the gated kernel to read),
+        float32 from quantized ones (their kernels make float32)."""
         from jaxinfer.layers.cpu_kernels import matmul
 
+        out = jnp.float32 if self.quant is not None else x.dtype
         return matmul(x, self.weight[...], 2 * self.out_features, _value(self.weight_scale),
-                      _value(self.weight_offset), out_dtype=jnp.float32)
+                      _value(self.weight_offset), out_dtype=out)
 
 
 ACTIVATIONS = {"silu": jax.nn.silu,
@@ -238,7 +241,7 @@ class GatedMLP(nnx.Module):
     """down(act(gate(x)) * up(x)): the Llama/Qwen MLP (silu), Gemma's (gelu, tanh form).
 
     With packed weights (the cpu backend) and no LoRA, act(gate) * up is made inside the down
-    projection's kernel from the gate-up product, kept float32 (`gated`): no XLA fusion
+    projection's kernel from the gate-up product (`gated`): no XLA fusion
     between the two kernels (XLA split that one over its thread pool; bf16 and Q4 decode
     steps ran 2-5% faster without it, results/cpu_gated_mlp_ab_zen5.json)."""
 
