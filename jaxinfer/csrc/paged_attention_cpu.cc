@@ -395,7 +395,7 @@ inline void softmax_page(float* st, int64_t RP, int64_t RV, int64_t rows, int64_
 // Every cache line of an item's query rows, tokens [r0, r1) of its KV head's group, into L1
 // before they are read: a row at a time, the first reads of the rows (an earlier program's
 // output, often in the other core's cache) stalled in turn, ~19% of a float32 2 x 1024
-// prefill's attention.
+// prefill's attention timed alone (benchmarks/cpu_attention.py; ~8% left with this).
 inline void prefetch_q_rows(const Problem& p, int64_t start, int64_t r0, int64_t r1,
                             int64_t head) {
   const int64_t elem = p.q_kind == Kind::kF32 ? 4 : 2, bytes = p.group * p.D * elem;
