@@ -392,6 +392,32 @@ inline void softmax_page(float* st, int64_t RP, int64_t RV, int64_t rows, int64_
   }
 }
 
+// A prefill tile's RP rows before its pages: each row's position (its last visible key) and
+// first visible key (the window) as floats, its running max and sum reset. Padding rows
+// (past `rows`: zero queries, finite scores, never stored) see every key.
+inline void start_tile_rows(const Problem& p, int64_t ctx, int64_t r0, int64_t rows, int64_t RP,
+                            float* pos, float* first, float* m, float* l) {
+  for (int64_t row = 0; row < RP; ++row) {
+    const int64_t t = r0 + row / p.group;
+    pos[row] = row < rows ? static_cast<float>(ctx + t) : 3e38f;
+    first[row] = row < rows && p.window > 0 ? static_cast<float>(ctx + t - p.window + 1) : 0.0f;
+    m[row] = kMaskValue;
+    l[row] = 0.0f;
+  }
+}
+
+// A prefill tile's output rows: acc [rows, D] over each row's softmax denominator, into out.
+inline void store_tile_rows(const Problem& p, const Item& it, int64_t start, int64_t r0,
+                            int64_t rows, const float* acc, const float* m, const float* l) {
+  const int64_t D = p.D, G = p.group;
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t t = r0 + row / G;
+    const int64_t dst = ((start + t) * p.Hq + it.head * G + row % G) * D;
+    store_row(p, dst, acc + row * D, inv_denominator(p, it.head * G + row % G, m[row], l[row]),
+              D);
+  }
+}
+
 // Every cache line of an item's query rows, tokens [r0, r1) of its KV head's group, into L1
 // before they are read: a row at a time, the first reads of the rows (an earlier program's
 // output, often in the other core's cache) stalled in turn, ~19% of a float32 2 x 1024
@@ -427,21 +453,15 @@ bool run_blocked_item(const Problem& p, const Item& it, std::vector<float>& scra
   float* acc = st + (BSP + 1) * RP;
   float* m = acc + rows * D;
   float* l = m + RP;
-  // Each row's position (its last visible key) and first visible key (the window). Padding
-  // rows (zero queries: finite scores, never stored) see every key.
   float* pos = l + RP;
   float* first = pos + RP;
   float* kbuf = first + RP;
   float* vbuf = kbuf + BS * D;
   prefetch_q_rows(p, start, r0, r1, it.head);
+  start_tile_rows(p, ctx, r0, rows, RP, pos, first, m, l);
   std::fill(qt, qt + D * RP, 0.0f);
-  for (int64_t row = 0; row < RP; ++row) {
+  for (int64_t row = 0; row < rows; ++row) {
     const int64_t t = r0 + row / G;
-    pos[row] = row < rows ? static_cast<float>(ctx + t) : 3e38f;
-    first[row] = row < rows && p.window > 0 ? static_cast<float>(ctx + t - p.window + 1) : 0.0f;
-    m[row] = kMaskValue;
-    l[row] = 0.0f;
-    if (row >= rows) continue;
     load_row(p, ((start + t) * p.Hq + it.head * G + row % G) * D, p.scale, D, kbuf);
     for (int64_t d = 0; d < D; ++d) qt[d * RP + row] = kbuf[d];  // (kbuf: free until pages)
   }
@@ -485,12 +505,7 @@ bool run_blocked_item(const Problem& p, const Item& it, std::vector<float>& scra
       }
     }
   }
-  for (int64_t row = 0; row < rows; ++row) {
-    const int64_t t = r0 + row / G;
-    const int64_t dst = ((start + t) * p.Hq + it.head * G + row % G) * D;
-    store_row(p, dst, acc + row * D, inv_denominator(p, it.head * G + row % G, m[row], l[row]),
-              D);
-  }
+  store_tile_rows(p, it, start, r0, rows, acc, m, l);
   return true;
 }
 
@@ -800,6 +815,18 @@ inline float dot_score(const uint16_t* q, const KV* k, int64_t D) {
 // V and one FMA per key; FlashAttention rounds P for its P.V the same way). The sums are
 // kept in that interleaved order over the whole item: per 32 values, 16 for d = 8L + i and 16
 // for d = 8L + 4 + i (lane L, i < 4); unpermute_pv puts them back.
+// Two keys' V rows v0, v1 (bf16, 32 C values each) as the pairs vdpbf16ps multiplies:
+// vpunpck{l,h}wd per 32 values (x[2c], x[2c + 1]), in the order unpermute_pv undoes.
+template <int C>
+inline void v_pairs(const uint16_t* v0, const uint16_t* v1, __m512bh (&x)[2 * C]) {
+  for (int c = 0; c < C; ++c) {
+    const __m512i r0 = _mm512_loadu_si512(v0 + 32 * c);
+    const __m512i r1 = _mm512_loadu_si512(v1 + 32 * c);
+    x[2 * c] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(r0, r1));
+    x[2 * c + 1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(r0, r1));
+  }
+}
+
 template <int R, int C>
 inline void pv_regs_bf16(const uint32_t* const* pp, float* const* acc, const uint16_t* v,
                          int64_t stride, int64_t npairs, int64_t nk) {
@@ -810,12 +837,7 @@ inline void pv_regs_bf16(const uint32_t* const* pp, float* const* acc, const uin
     const uint16_t* v0 = v + 2 * u * stride;
     const uint16_t* v1 = 2 * u + 1 < nk ? v0 + stride : v0;  // (an odd last key: p pair (p, 0))
     __m512bh x[2 * C];
-    for (int c = 0; c < C; ++c) {
-      const __m512i r0 = _mm512_loadu_si512(v0 + 32 * c);
-      const __m512i r1 = _mm512_loadu_si512(v1 + 32 * c);
-      x[2 * c] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(r0, r1));
-      x[2 * c + 1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(r0, r1));
-    }
+    v_pairs<C>(v0, v1, x);
     for (int r = 0; r < R; ++r) {
       const __m512bh e = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pp[r][u]));
       for (int c = 0; c < 2 * C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], e, x[c]);
@@ -958,12 +980,7 @@ inline void pv_block_bf16(const uint32_t* pb, int64_t RP, const uint16_t* v, int
     const uint16_t* v0 = v + 2 * u * vs;
     const uint16_t* v1 = 2 * u + 1 < n ? v0 + vs : v0;  // (an odd last key's partner weighs 0)
     __m512bh x[2 * C];
-    for (int c = 0; c < C; ++c) {
-      const __m512i r0 = _mm512_loadu_si512(v0 + 32 * c);
-      const __m512i r1 = _mm512_loadu_si512(v1 + 32 * c);
-      x[2 * c] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(r0, r1));
-      x[2 * c + 1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(r0, r1));
-    }
+    v_pairs<C>(v0, v1, x);
     for (int64_t i = 0; i < kRB; ++i) {
       const __m512bh e =
           reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pb[u * RP + i])));
@@ -1053,19 +1070,12 @@ bool run_blocked_item_bf16(const Problem& p, const Item& it, std::vector<float>&
   float* pos = l + RP;
   float* first = pos + RP;
   prefetch_q_rows(p, start, r0, r1, it.head);
+  start_tile_rows(p, ctx, r0, rows, RP, pos, first, m, l);
   std::fill(pb, pb + PP * RP, 0u);
+  std::fill(qp, qp + W * RP, 0u);
   const uint16_t* q = static_cast<const uint16_t*>(p.q);
-  for (int64_t row = 0; row < RP; ++row) {
-    const int64_t t = r0 + row / G;
-    pos[row] = row < rows ? static_cast<float>(ctx + t) : 3e38f;
-    first[row] = row < rows && p.window > 0 ? static_cast<float>(ctx + t - p.window + 1) : 0.0f;
-    m[row] = kMaskValue;
-    l[row] = 0.0f;
-    if (row >= rows) {
-      for (int64_t i = 0; i < W; ++i) qp[i * RP + row] = 0u;
-      continue;
-    }
-    const uint16_t* src = q + ((start + t) * p.Hq + it.head * G + row % G) * D;
+  for (int64_t row = 0; row < rows; ++row) {
+    const uint16_t* src = q + ((start + r0 + row / G) * p.Hq + it.head * G + row % G) * D;
     for (int64_t i = 0; i < W; ++i) std::memcpy(qp + i * RP + row, src + 2 * i, 4);
   }
   std::fill(acc, acc + rows * D, 0.0f);
@@ -1105,12 +1115,7 @@ bool run_blocked_item_bf16(const Problem& p, const Item& it, std::vector<float>&
     }
   }
   unpermute_pv(acc, rows, D);
-  for (int64_t row = 0; row < rows; ++row) {
-    const int64_t t = r0 + row / G;
-    const int64_t dst = ((start + t) * p.Hq + it.head * G + row % G) * D;
-    store_row(p, dst, acc + row * D, inv_denominator(p, it.head * G + row % G, m[row], l[row]),
-              D);
-  }
+  store_tile_rows(p, it, start, r0, rows, acc, m, l);
   return true;
 }
 #endif
