@@ -16,6 +16,11 @@
 # Then commit the JSON + logs under benchmarks/results/ and copy the sweep's best tunings into
 # pallas_kernels/tuning.py. SMOKE=1 runs every phase at toy sizes on a CPU (a check of this
 # script, not a measurement).
+#
+# The GPU image lacks msgspec and pyzmq (import jaxinfer needs msgspec). Download them here
+# into .whl/ (git-ignored) and carry it (`carry: [".whl"]`); this script installs them first:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_28_x86_64 -d .whl msgspec pyzmq
 set -uo pipefail
 phase=${1:?usage: gpu_session.sh all|tests|kernels|latency|throughput|hf}
 OUT=${OUT:-/tmp/jaxinfer-gpu}
@@ -23,27 +28,33 @@ mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 SMOKE=${SMOKE:-0}
 PY=${PYTHON:-python3}
+if [ "$SMOKE" != 1 ] && compgen -G ".whl/*.whl" > /dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/jaxinfer-site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/jaxinfer-site
+fi
 dev=$($PY -c "import jax; print(jax.devices()[0].device_kind.replace(' ', '_').lower())")
 echo "device: $dev  jax: $($PY -c 'import jax; print(jax.__version__)')  phase: $phase"
 
 case "$phase" in
 all)
     # Each part has its own time cap and writes its results as soon as it ends, so a cut-off
-    # run still brings the earlier parts back. Caps sum to ~510 s. The tests print one line each
+    # run still brings the earlier parts back. Caps sum to ~530 s. The tests print one line each
     # (-v), so a cut-off run still says which passed. One after another they took ~300 s on an
     # H200 (2026-11-30: 25 tests, most of it compiling on the host), so with pytest-xdist (in
-    # the GPU image) four workers share them, each allocating GPU memory on demand.
+    # the GPU image) four workers share them, each allocating GPU memory on demand; that took
+    # over 200 s (23 of 25 had passed at 200 s). The cap interrupts pytest (SIGINT) so that its
+    # workers stop too instead of running on beside the kernel timings.
     nvidia-smi -L 2>&1 | tee "$OUT/all_$dev.log"
     sel=(-m gpu tests/pallas_kernels tests/engine/test_gpu_pallas_engine.py)
     [ "$SMOKE" = 1 ] && sel=(tests/pallas_kernels/test_tuning.py -k lookup)
     workers=()
     $PY -c "import xdist" 2>/dev/null && workers=(-n 4)
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 $PY -m pytest -v -p no:cacheprovider \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 15 250 $PY -m pytest -v -p no:cacheprovider \
         "${workers[@]}" "${sel[@]}" 2>&1 | tee "$OUT/gpu_tests_$dev.log"
     kargs=(--sweep --batches 1,8,32,128 --contexts 512,4096,32768
            --output-json "$OUT/kernels_$dev.json")
     [ "$SMOKE" = 1 ] && kargs+=(--smoke --interpret --no-torch)
-    timeout 130 $PY benchmarks/kernels.py "${kargs[@]}" 2>&1 | tee "$OUT/kernels_$dev.log"
+    timeout 100 $PY benchmarks/kernels.py "${kargs[@]}" 2>&1 | tee "$OUT/kernels_$dev.log"
     model=benchmarks/configs/llama-3.1-8b
     common=(--load-format dummy --dtype bfloat16 --skip-tokenizer-init --attention-backend pallas
             --step-compilation whole --warmup-buckets start --max-num-seqs 32)
