@@ -217,6 +217,27 @@ inline Span span_of(const Problem& p, const Item& it) {
   return sp;
 }
 
+// One page's share of a walk over a sequence's KV positions [lo, hi): positions [j0, j0 + n)
+// of page `page`, the first of them in cache slot `slot` (its block * BS + the offset).
+struct PageSpan {
+  int64_t page, j0, n, slot;
+};
+
+// fn(PageSpan) for each page of sequence `seq` holding positions of [lo, hi), in order; false
+// (fn not called for it) at a block id outside [0, NB).
+template <typename Fn>
+inline bool for_each_page(const Problem& p, int64_t seq, int64_t lo, int64_t hi, Fn&& fn) {
+  const int32_t* table = p.tables + seq * p.MB;
+  const int64_t BS = p.BS;
+  for (int64_t page = lo / BS; page * BS < hi; ++page) {
+    const int64_t blk = table[page];
+    if (blk < 0 || blk >= p.NB) return false;
+    const int64_t j0 = std::max(lo, page * BS), j1 = std::min(hi, (page + 1) * BS);
+    fn(PageSpan{page, j0, j1 - j0, blk * BS + (j0 - page * BS)});
+  }
+  return true;
+}
+
 // The K and V rows of n keys of one KV head from cache slot `slot` on (one page): in place
 // for float32 caches (D floats each, stride Hkv * D), else converted into kbuf / vbuf [n, D].
 struct PageRows {
@@ -466,13 +487,9 @@ bool run_blocked_item(const Problem& p, const Item& it, std::vector<float>& scra
     for (int64_t d = 0; d < D; ++d) qt[d * RP + row] = kbuf[d];  // (kbuf: free until pages)
   }
   std::fill(acc, acc + rows * D, 0.0f);
-  const int32_t* table = p.tables + it.seq * p.MB;
-  for (int64_t page = lo / BS; page * BS < hi; ++page) {
-    const int64_t blk = table[page];
-    if (blk < 0 || blk >= p.NB) return false;
-    const int64_t j0 = std::max(lo, page * BS), j1 = std::min(hi, (page + 1) * BS);
-    const int64_t n = j1 - j0;
-    const PageRows pr = page_rows(p, it.head, blk * BS + (j0 - page * BS), n, kbuf, vbuf);
+  const bool ok = for_each_page(p, it.seq, lo, hi, [&](const PageSpan& pg) {
+    const int64_t j0 = pg.j0, n = pg.n, j1 = j0 + n;
+    const PageRows pr = page_rows(p, it.head, pg.slot, n, kbuf, vbuf);
     const float* kp = pr.k;
     const float* vp = pr.v;
     const int64_t kstride = pr.stride;
@@ -504,7 +521,8 @@ bool run_blocked_item(const Problem& p, const Item& it, std::vector<float>& scra
         }
       }
     }
-  }
+  });
+  if (!ok) return false;
   store_tile_rows(p, it, start, r0, rows, acc, m, l);
   return true;
 }
@@ -547,13 +565,9 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
   std::fill(m, m + rows, kMaskValue);
   std::fill(l, l + rows, 0.0f);
   // KV positions this tile sees: [lo, hi)
-  const int32_t* table = p.tables + it.seq * p.MB;
-  for (int64_t page = lo / BS; page * BS < hi; ++page) {
-    const int64_t blk = table[page];
-    if (blk < 0 || blk >= p.NB) return false;
-    const int64_t j0 = std::max(lo, page * BS), j1 = std::min(hi, (page + 1) * BS);
-    const int64_t n = j1 - j0;
-    const PageRows pr = page_rows(p, it.head, blk * BS + (j0 - page * BS), n, kbuf, vbuf);
+  const bool ok = for_each_page(p, it.seq, lo, hi, [&](const PageSpan& pg) {
+    const int64_t j0 = pg.j0, n = pg.n;
+    const PageRows pr = page_rows(p, it.head, pg.slot, n, kbuf, vbuf);
     const float* kp = pr.k;
     const float* vp = pr.v;
     const int64_t kstride = pr.stride;
@@ -601,7 +615,8 @@ bool run_item(const Problem& p, const Item& it, std::vector<float>& scratch) {
       l[row] = l[row] * corr + sum;
       m[row] = mx;
     }
-  }
+  });
+  if (!ok) return false;
   for (int64_t t = r0; t < r1; ++t) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t row = (t - r0) * G + g;
@@ -1081,13 +1096,9 @@ bool run_blocked_item_bf16(const Problem& p, const Item& it, std::vector<float>&
   std::fill(acc, acc + rows * D, 0.0f);
   const uint16_t* kc = static_cast<const uint16_t*>(p.k);
   const uint16_t* vc = static_cast<const uint16_t*>(p.v);
-  const int32_t* table = p.tables + it.seq * p.MB;
-  for (int64_t page = lo / BS; page * BS < hi; ++page) {
-    const int64_t blk = table[page];
-    if (blk < 0 || blk >= p.NB) return false;
-    const int64_t j0 = std::max(lo, page * BS), j1 = std::min(hi, (page + 1) * BS);
-    const int64_t n = j1 - j0;
-    const int64_t first_key = ((blk * BS + (j0 - page * BS)) * p.Hkv + it.head) * D;
+  const bool ok = for_each_page(p, it.seq, lo, hi, [&](const PageSpan& pg) {
+    const int64_t j0 = pg.j0, n = pg.n, j1 = j0 + n;
+    const int64_t first_key = (pg.slot * p.Hkv + it.head) * D;
     const uint16_t* kp = kc + first_key;
     const uint16_t* vp = vc + first_key;
     // Scores [n, RP] (keys past n repeat the last one; their scores are never read).
@@ -1113,7 +1124,8 @@ bool run_blocked_item_bf16(const Problem& p, const Item& it, std::vector<float>&
         pv_block_bf16<2>(pb + r, RP, vp + d, row_len, n, acc + r * D + d, D, nr);
       if (d < D) pv_block_bf16<1>(pb + r, RP, vp + d, row_len, n, acc + r * D + d, D, nr);
     }
-  }
+  });
+  if (!ok) return false;
   unpermute_pv(acc, rows, D);
   store_tile_rows(p, it, start, r0, rows, acc, m, l);
   return true;
@@ -1162,12 +1174,10 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
   const int32_t* table = p.tables + it.seq * p.MB;
   const KV* kc = static_cast<const KV*>(p.k);
   const KV* vc = static_cast<const KV*>(p.v);
-  for (int64_t page = lo / BS; page * BS < hi; ++page) {
-    const int64_t blk = table[page];
-    if (blk < 0 || blk >= p.NB) return false;
-    const int64_t j0 = std::max(lo, page * BS), j1 = std::min(hi, (page + 1) * BS);
-    const int64_t n = j1 - j0;
-    const int64_t first = (blk * BS + (j0 - page * BS)) * row_len;
+  const bool ok = for_each_page(p, it.seq, lo, hi, [&](const PageSpan& pg) {
+    const int64_t j0 = pg.j0, n = pg.n;
+    const int64_t page = pg.page;
+    const int64_t first = pg.slot * row_len;
     const KV* kb = kc + first;
     const KV* vb = vc + first;
     // Keys are fetched kAheadKeys ahead of the one being read, into the next page near this
@@ -1325,7 +1335,7 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
       if (pv_bf16) {
         pv_page_bf16(p, nr, s, sb, acc, vb, n,
                      [&](int64_t t) { prefetch_key(vb, next_v, t, n); });
-        continue;
+        return;  // (this page done)
       }
     }
 #endif
@@ -1348,7 +1358,8 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
       }
     }
 #endif
-  }
+  });
+  if (!ok) return false;
 #if defined(JAXINFER_ATTN_BF16_DOT)
   if (pv_bf16) unpermute_pv(acc, nr, D);
 #endif
