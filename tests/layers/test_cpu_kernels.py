@@ -229,6 +229,20 @@ def test_split_keys_refuse_a_bad_block_id_in_a_later_part():
         np.asarray(run((q, k, v, lens, tables, qsl, ns)))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("q_lens,ctx", [([40], [100]), ([3, 70], [150, 0])])
+def test_prefill_tiles_refuse_a_bad_block_id_on_a_later_page(dtype, q_lens, ctx):
+    """Prefill tiles (float32 and bf16 caches, one tile or several) walk their pages as decode
+    items do: a bad id past the first page fails the call instead of being read."""
+    rng = np.random.default_rng(11)
+    (q, k, v, lens, tables, qsl, ns), _ = make_case(rng, q_lens, ctx, hq=6, hkv=2, d=64,
+                                                    bs=16, dtype=dtype)
+    last = len(q_lens) - 1
+    tables = tables.at[last, (q_lens[-1] + ctx[-1] - 1) // 16].set(-3)
+    with pytest.raises(Exception, match="block id out of range"):
+        np.asarray(run((q, k, v, lens, tables, qsl, ns)))
+
+
 @pytest.mark.parametrize("field", ["block_id", "kv_len", "query_start_loc", "num_seqs"])
 def test_out_of_range_metadata_is_an_error_not_a_crash(field):
     """Indices come from the device: a bad one fails the call with a message instead of
