@@ -9,14 +9,19 @@ queries and caches in float32, or in bfloat16 as a bf16 model runs them (--dtype
 line per case, writes JSON.
 Usage: PYTHONPATH=. .venv/bin/python benchmarks/cpu_attention.py [--cases ...] [--dtype D]
        [--output-json F]
+Paired (two source trees' kernels taking turns, --rounds of --iters calls each, as
+step_pair.py does for whole steps; writes a before_after JSON):
+       ... benchmarks/cpu_attention.py --before /tmp/before --after . --cases decode-32@256
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -41,7 +46,9 @@ CASES = {
 }
 
 
-def measure(kind: str, seqs: int, tokens: int, iters: int, dtype: str = "float32") -> dict:
+def build(kind: str, seqs: int, tokens: int, dtype: str = "float32"):
+    """The case's thirty chained layers, compiled and run once: (run, info), run() timing one
+    call in seconds."""
     import jax
     import jax.numpy as jnp
 
@@ -71,20 +78,68 @@ def measure(kind: str, seqs: int, tokens: int, iters: int, dtype: str = "float32
         return x
 
     layers(q, caches).block_until_ready()
-    times = []
-    for _ in range(iters):
+
+    def run() -> float:
         t0 = time.perf_counter()
         layers(q, caches).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    sec = statistics.median(times)
-    kv_bytes = LAYERS * seqs * tokens * HKV * D * dt.itemsize * 2
-    out = {"kind": kind, "sequences": seqs, "tokens": tokens, "ms_30_layers": sec * 1e3}
-    if kind == "decode":
-        out["kv_read_gb_per_s"] = kv_bytes / sec / 1e9
+        return time.perf_counter() - t0
+
+    info = {"kind": kind, "sequences": seqs, "tokens": tokens,
+            "kv_bytes": LAYERS * seqs * tokens * HKV * D * dt.itemsize * 2,
+            "flop": LAYERS * seqs * HQ * (tokens * (tokens + 1) / 2) * D * 4}
+    return run, info
+
+
+def measure(kind: str, seqs: int, tokens: int, iters: int, dtype: str = "float32") -> dict:
+    run, info = build(kind, seqs, tokens, dtype)
+    sec = statistics.median(run() for _ in range(iters))
+    out = {"kind": info["kind"], "sequences": seqs, "tokens": tokens, "ms_30_layers": sec * 1e3}
+    if info["kind"] == "decode":
+        out["kv_read_gb_per_s"] = info["kv_bytes"] / sec / 1e9
     else:
-        flop = LAYERS * seqs * HQ * (tokens * (tokens + 1) / 2) * D * 4
-        out["gflop_per_s"] = flop / sec / 1e9
+        out["gflop_per_s"] = info["flop"] / sec / 1e9
     return out
+
+
+def child(args) -> None:
+    """Paired mode's side: build every case, then answer "case iters" lines with the median
+    seconds of that many calls."""
+    runs = {name: build(*CASES[name], args.dtype)[0] for name in args.cases.split(",")}
+    print("READY", flush=True)
+    for line in sys.stdin:
+        name, iters = line.split()
+        s = statistics.median(runs[name]() for _ in range(int(iters)))
+        print(json.dumps({"case": name, "s": s}), flush=True)
+
+
+def paired(args) -> None:
+    """Two source trees' kernels taking turns (step_pair.py's pairing, for attention alone)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from step_pair import rev, start_child, take_turns
+
+    child_args = ["--dtype", args.dtype, "--cases", args.cases, "--shape", args.shape]
+    procs = {side: start_child(tree, os.path.abspath(__file__), child_args, "attention")
+             for side, tree in (("before", args.before), ("after", args.after))}
+    names = args.cases.split(",")
+    ms = take_turns(procs, names, args.rounds, args.iters)
+    rows = []
+    for name in names:
+        b, a = ms[name]["before"], ms[name]["after"]
+        q = [y / x for x, y in zip(b, a)]
+        rows.append({"measure": f"attention alone, {args.dtype}, {name} ({LAYERS} layers)",
+                     "unit": "ms", "before": b, "after": a,
+                     "paired_after_over_before": round(statistics.median(q), 4)})
+        print(f"{name}: before {statistics.median(b):.2f} ms, after {statistics.median(a):.2f} "
+              f"ms, paired after / before {statistics.median(q):.3f} (rounds {min(q):.3f}-"
+              f"{max(q):.3f})", flush=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"benchmark": "before_after", "before_rev": rev(args.before),
+                       "after_rev": rev(args.after), "note": "",
+                       "machine": f"{platform.processor() or platform.machine()}, "
+                                  f"{os.cpu_count()} CPUs",
+                       "commands": ["benchmarks/cpu_attention.py " + " ".join(sys.argv[1:])],
+                       "rows": rows}, f, indent=1)
 
 
 def main():
@@ -94,9 +149,19 @@ def main():
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--shape", choices=list(SHAPES), default="smollm2-135m")
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--before", default=None,
+                    help="paired mode: a source tree (with .venv) whose kernels take turns "
+                         "with --after's")
+    ap.add_argument("--after", default=".")
+    ap.add_argument("--rounds", type=int, default=10, help="paired mode: turns per side")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     global LAYERS, HQ, HKV, D
     LAYERS, HQ, HKV, D = SHAPES[args.shape]
+    if args.child:
+        return child(args)
+    if args.before:
+        return paired(args)
     from jaxinfer.layers import cpu_kernels as ck
 
     if not ck.available():

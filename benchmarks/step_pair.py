@@ -86,6 +86,25 @@ def start(tree: str, args) -> subprocess.Popen:
     return start_child(tree, os.path.abspath(__file__), child_args, "step")
 
 
+def take_turns(procs: dict, cases: list[str], rounds: int, iters: int) -> dict:
+    """The two sides ({"before": p, "after": p}, children answering "case iters" lines) take
+    turns, the order alternating each round; ms[case][side]: each turn's milliseconds. The
+    children are closed at the end."""
+    ms = {c: {"before": [], "after": []} for c in cases}
+    for r in range(rounds):
+        order = ("before", "after") if r % 2 == 0 else ("after", "before")
+        for case in cases:
+            for side in order:
+                p = procs[side]
+                p.stdin.write(f"{case} {iters}\n")
+                p.stdin.flush()
+                ms[case][side].append(round(json.loads(p.stdout.readline())["s"] * 1e3, 3))
+    for p in procs.values():
+        p.stdin.close()
+        p.wait()
+    return ms
+
+
 def rev(tree: str) -> str:
     try:
         return subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"],
@@ -116,18 +135,7 @@ def main():
         ap.error("--before is required")
     procs = {"before": start(args.before, args), "after": start(args.after, args)}
     cases = args.cases.split(",")
-    ms = {c: {"before": [], "after": []} for c in cases}
-    for r in range(args.rounds):
-        order = ("before", "after") if r % 2 == 0 else ("after", "before")
-        for case in cases:
-            for side in order:
-                p = procs[side]
-                p.stdin.write(f"{case} {args.iters}\n")
-                p.stdin.flush()
-                ms[case][side].append(round(json.loads(p.stdout.readline())["s"] * 1e3, 3))
-    for p in procs.values():
-        p.stdin.close()
-        p.wait()
+    ms = take_turns(procs, cases, args.rounds, args.iters)
     kind = args.dtype + (f", {args.quantization}" if args.quantization else "")
     if args.model:
         kind = f"{os.path.basename(os.path.normpath(args.model))} {kind}"

@@ -49,6 +49,12 @@ constexpr int64_t kRB = 6;  // query rows per register block (blocked P.V)
 constexpr int64_t kBlockedMinRows = 8;  // items with fewer rows take per-row dots
 constexpr int64_t kAheadKeys = 8;  // how far ahead decode items prefetch their keys into L1
 constexpr int64_t kFarKeys = 48;  // and into L2 (Zen 4: 16 and 32 slower than 24; Zen 5: 48 faster)
+// The L2 lead for 2-byte (bf16, f16) caches: a row is half as long, and on a Zen 5 VM
+// (2026-11-30, benchmarks/cpu_attention.py paired, both ways round) bf16 decode attention took
+// 0.93 of the time at 32 x 256 and 0.98 at 8 x 1024 with 16 keys instead of 48 (24: 0.97 of
+// 48's; 12 and 16 about level; 96 slower; no L2 prefetch 1.1-1.15x). float32 keeps 48 (16 was
+// level with 24 there, and slower than 24 on Zen 4).
+constexpr int64_t kFarKeys2 = 16;
 constexpr int64_t kPvKeys = 16;  // keys per register-held P.V block of a decode item
 // Split decode items (few sequences): each covers at least this many keys of its sequence.
 constexpr int64_t kMinSplitKeys = 64;
@@ -1207,7 +1213,8 @@ bool run_decode_item(const Problem& p, const Item& it, std::vector<float>& scrat
       const KV* r = key_row(here, next, t, n_here);
       if (r != nullptr)
         for (int64_t b = 0; b < row_len; b += kLine) jaxinfer_cpu::prefetch(r + b);
-      const KV* f = key_row(here, next, t + kFarKeys - kAheadKeys, n_here);
+      constexpr int64_t far = sizeof(KV) == 2 ? kFarKeys2 : kFarKeys;
+      const KV* f = key_row(here, next, t + far - kAheadKeys, n_here);
       if (f != nullptr)
         for (int64_t b = 0; b < row_len; b += kLine) jaxinfer_cpu::prefetch_l2(f + b);
     };
