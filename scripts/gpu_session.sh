@@ -49,8 +49,9 @@ all)
     [ "$SMOKE" = 1 ] && sel=(tests/pallas_kernels/test_tuning.py -k lookup)
     workers=()
     $PY -c "import xdist" 2>/dev/null && workers=(-n 4)
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 15 250 $PY -m pytest -v -p no:cacheprovider \
-        "${workers[@]}" "${sel[@]}" 2>&1 | tee "$OUT/gpu_tests_$dev.log"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT -k 15 250 \
+        $PY -m pytest -v -p no:cacheprovider "${workers[@]}" "${sel[@]}" 2>&1 \
+        | tee "$OUT/gpu_tests_$dev.log"
     kargs=(--sweep --batches 1,8,32,128 --contexts 512,4096,32768
            --output-json "$OUT/kernels_$dev.json")
     [ "$SMOKE" = 1 ] && kargs+=(--smoke --interpret --no-torch)
